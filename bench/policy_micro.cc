@@ -1,0 +1,254 @@
+// One release decision (Filter pick + Director decision) over a table of N
+// resident tensors, exact and sampled. The targets of the foundation issue
+// are checked and printed as met or missed; --update_doc=FILE rewrites this
+// benchmark's section of docs/BENCHMARKS.md.
+
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "policies/cost_model.h"
+#include "policies/director.h"
+#include "policies/filter.h"
+#include "policies/tensor_table.h"
+
+namespace deltad::policy {
+namespace {
+
+constexpr int64_t kSecond = 1'000'000'000;
+
+// A GPU's worth of activations: sizes log-uniform 4 KiB..64 MiB, accessed at
+// random times over the last 10 s, each with one random earlier parent, 5%
+// evicted so the recompute costs walk real components.
+struct World {
+  TensorTable table;
+  CostModel costs;
+  int64_t now_ns = 0;
+};
+
+std::unique_ptr<World> BuildWorld(int n) {
+  auto w = std::make_unique<World>();
+  std::mt19937_64 rng(42);
+  std::uniform_real_distribution<double> log_size(12, 26);
+  std::uniform_int_distribution<int64_t> when(0, 10 * kSecond);
+  std::uniform_int_distribution<int64_t> cost(1'000, 2'000'000);
+  std::vector<TensorSpec> batch;
+  for (int i = 0; i < n; ++i) {
+    TensorSpec s;
+    s.id = static_cast<TensorId>(i + 1);
+    s.session = 1 + i % 4;  // four processes share the GPU
+    s.gpu = 0;
+    s.bytes = static_cast<int64_t>(std::exp2(log_size(rng)));
+    s.compute_cost_ns = cost(rng);
+    s.flags.uncomputable = i < 4;  // each session's input
+    if (i >= 4) {
+      std::uniform_int_distribution<int> earlier(0, (i / 4) - 1);
+      s.parents.push_back(static_cast<TensorId>(earlier(rng) * 4 + i % 4 + 1));
+    }
+    // Access times are set after the add, below.
+    if (!w->table.Add(s, when(rng)).ok()) std::abort();
+  }
+  for (int i = 1; i <= n; ++i) {
+    if (i % 20 == 0 && !w->table.SetState(i, TensorState::kEvicted).ok()) {
+      std::abort();
+    }
+  }
+  w->now_ns = 10 * kSecond + 1;
+  return w;
+}
+
+World& WorldOf(int n) {
+  static auto* worlds = new std::map<int, std::unique_ptr<World>>();
+  auto& w = (*worlds)[n];
+  if (!w) w = BuildWorld(n);
+  return *w;
+}
+
+void BM_ReleaseDecision(benchmark::State& state, Heuristic h, bool sampled) {
+  World& w = WorldOf(static_cast<int>(state.range(0)));
+  FilterOptions options;
+  options.heuristic = h;
+  options.sampled = sampled;
+  options.skip_small = sampled;
+  options.seed = 7;
+  Filter filter(options);
+  Director director(w.costs);
+  Scope scope;
+  scope.gpu = 0;
+  constexpr int64_t kHost = int64_t{1} << 40;
+  for (auto _ : state) {
+    auto pick = filter.Select(w.table, scope, w.now_ns, [&](const Tensor& t) {
+      return director.CanRelease(t, kHost);
+    });
+    auto action = director.Decide(w.table, *pick, kHost);
+    benchmark::DoNotOptimize(action);
+  }
+  state.counters["tensors"] =
+      static_cast<double>(w.table.Candidates(scope).size());
+}
+
+void Register() {
+  for (bool sampled : {false, true}) {
+    for (Heuristic h : {Heuristic::kDelta, Heuristic::kDtrEq}) {
+      const std::string name =
+          absl::StrCat("ReleaseDecision/", HeuristicName(h),
+                       sampled ? "/sampled" : "/exact");
+      auto* b = benchmark::RegisterBenchmark(
+          name.c_str(), [h, sampled](benchmark::State& s) {
+            BM_ReleaseDecision(s, h, sampled);
+          });
+      b->Arg(10'000)->Arg(100'000)->Arg(1'000'000)->Unit(
+          benchmark::kMicrosecond);
+    }
+  }
+}
+
+// Keeps every run for the summary table.
+class Collector : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& r : runs) {
+      if (r.run_type == Run::RT_Iteration && !r.error_occurred) {
+        rows_.push_back({r.benchmark_name(), r.GetAdjustedRealTime(),
+                         r.GetAdjustedCPUTime(), r.iterations});
+      }
+    }
+    ConsoleReporter::ReportRuns(runs);
+  }
+  struct Row {
+    std::string name;
+    double real_us;
+    double cpu_us;
+    int64_t iterations;
+  };
+  const std::vector<Row>& rows() const { return rows_; }
+
+ private:
+  std::vector<Row> rows_;
+};
+
+std::string CpuModel() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      return line.substr(line.find(':') + 2);
+    }
+  }
+  return "unknown CPU";
+}
+
+std::string Markdown(const std::vector<Collector::Row>& rows,
+                     const std::string& command) {
+  std::ostringstream md;
+  const std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+  md << "## policy_micro: one release decision\n\n"
+     << "Command: `" << command << "`  \n"
+     << "Machine: " << CpuModel() << ", " << std::thread::hardware_concurrency()
+     << " cores  \nDate: " << date << "\n\n"
+     << "One decision = Filter pick + Director decision over N resident "
+        "tensors (4 sessions on one GPU, 5% of tensors evicted). Sampled "
+        "search scores ceil(sqrt(N)) candidates and skips tensors under 1% "
+        "of the mean size.\n\n"
+     << "| benchmark | tensors | time per decision (us) | target | result |\n"
+     << "|---|---:|---:|---|---|\n";
+  for (const auto& r : rows) {
+    // name: ReleaseDecision/<heuristic>/<mode>/<N>
+    const auto slash = r.name.rfind('/');
+    const std::string n = r.name.substr(slash + 1);
+    std::string target = "-";
+    std::string verdict = "-";
+    if (r.name.find("/delta/") != std::string::npos && n == "100000") {
+      const bool sampled = r.name.find("sampled") != std::string::npos;
+      const double limit = sampled ? 20.0 : 2000.0;
+      target = absl::StrFormat("<= %.0f us", limit);
+      verdict = r.real_us <= limit ? "met" : "MISSED";
+    }
+    md << "| " << r.name.substr(0, slash) << " | " << n << " | "
+       << absl::StrFormat("%.2f", r.real_us) << " | " << target << " | "
+       << verdict << " |\n";
+  }
+  return md.str();
+}
+
+// Replaces the text between this benchmark's markers, or appends it.
+bool UpdateDoc(const std::string& path, const std::string& section) {
+  const std::string begin = "<!-- policy_micro:begin -->";
+  const std::string end = "<!-- policy_micro:end -->";
+  std::string doc;
+  {
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    doc = ss.str();
+  }
+  const std::string block = begin + "\n" + section + end;
+  const auto b = doc.find(begin);
+  const auto e = doc.find(end);
+  if (b != std::string::npos && e != std::string::npos && e > b) {
+    doc.replace(b, e + end.size() - b, block);
+  } else {
+    doc += "\n" + block + "\n";
+  }
+  std::ofstream out(path, std::ios::trunc);
+  out << doc;
+  return static_cast<bool>(out);
+}
+
+}  // namespace
+}  // namespace deltad::policy
+
+int main(int argc, char** argv) {
+  using namespace deltad::policy;
+  std::string doc_path;
+  std::string command = "build/bench/policy_micro";
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--update_doc=", 0) == 0) {
+      doc_path = a.substr(13);
+      continue;
+    }
+    if (i > 0) command += " " + a;
+    args.push_back(argv[i]);
+  }
+  if (!doc_path.empty()) command += " --update_doc=" + doc_path;
+  // scripts/run names itself so the doc shows the command a reader can run.
+  if (const char* via = std::getenv("DELTAD_BENCH_COMMAND")) command = via;
+  int n = static_cast<int>(args.size());
+  benchmark::Initialize(&n, args.data());
+  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 2;
+  Register();
+  std::fprintf(stderr,
+               "policy_micro: building tables of 10k, 100k and 1M tensors "
+               "(a few seconds), then timing...\n");
+  Collector collector;
+  benchmark::RunSpecifiedBenchmarks(&collector);
+  const std::string md = Markdown(collector.rows(), command);
+  std::printf("\n%s", md.c_str());
+  if (!doc_path.empty()) {
+    if (!UpdateDoc(doc_path, md)) {
+      std::fprintf(stderr, "policy_micro: could not write %s\n",
+                   doc_path.c_str());
+      return 1;
+    }
+    std::fprintf(stderr, "policy_micro: updated %s\n", doc_path.c_str());
+  }
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,45 @@
+#ifndef DELTAD_POLICIES_ACCESS_PLAN_H_
+#define DELTAD_POLICIES_ACCESS_PLAN_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+
+namespace deltad::policy {
+
+// The access order of the previous training iteration, used as the plan for
+// the current one (out-of-core paper §3: training repeats the same order).
+// Accesses are recorded by stable key; the cursor follows the current
+// iteration through the previous one's order. Not thread safe.
+class AccessPlan {
+ public:
+  struct Entry {
+    uint64_t key;
+    int64_t bytes;
+  };
+
+  // Appends an access of the iteration in progress and advances the cursor
+  // to the next occurrence of `key` in the plan.
+  void Record(uint64_t key, int64_t bytes);
+  // The recorded iteration becomes the plan; the cursor goes back to start.
+  void EndIteration();
+
+  // Keys the plan expects after the cursor, in order, while their summed
+  // bytes stay within `window_bytes` (the first one is always included).
+  std::vector<Entry> LookAhead(int64_t window_bytes) const;
+
+  bool has_plan() const { return !plan_.empty(); }
+  size_t cursor() const { return cursor_; }
+  size_t plan_size() const { return plan_.size(); }
+
+ private:
+  std::vector<Entry> plan_;
+  absl::flat_hash_map<uint64_t, std::vector<size_t>> positions_;  // in plan_
+  std::vector<Entry> recording_;
+  size_t cursor_ = 0;  // index in plan_ of the next expected access
+};
+
+}  // namespace deltad::policy
+
+#endif  // DELTAD_POLICIES_ACCESS_PLAN_H_

@@ -1,0 +1,104 @@
+#include "policies/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/container/inlined_vector.h"
+#include "absl/strings/str_cat.h"
+
+namespace deltad::policy {
+
+absl::Status CostModel::SetBandwidth(GpuId gpu, LinkBandwidth bw) {
+  if (gpu < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("negative GPU index ", gpu));
+  }
+  if (!(bw.d2h_bytes_per_s > 0) || !(bw.h2d_bytes_per_s > 0) ||
+      !std::isfinite(bw.d2h_bytes_per_s) ||
+      !std::isfinite(bw.h2d_bytes_per_s)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GPU ", gpu, ": bandwidth must be positive and finite, got d2h=",
+        bw.d2h_bytes_per_s, " h2d=", bw.h2d_bytes_per_s, " bytes/s"));
+  }
+  bandwidth_[gpu] = bw;
+  return absl::OkStatus();
+}
+
+LinkBandwidth CostModel::Bandwidth(GpuId gpu) const {
+  auto it = bandwidth_.find(gpu);
+  return it == bandwidth_.end() ? kDefaultBandwidth : it->second;
+}
+
+int64_t CostModel::OffloadNs(GpuId gpu, int64_t bytes) const {
+  return static_cast<int64_t>(1e9 * static_cast<double>(bytes) /
+                              Bandwidth(gpu).d2h_bytes_per_s);
+}
+
+int64_t CostModel::ReloadNs(GpuId gpu, int64_t bytes) const {
+  return static_cast<int64_t>(1e9 * static_cast<double>(bytes) /
+                              Bandwidth(gpu).h2d_bytes_per_s);
+}
+
+namespace {
+
+// Sums the distinct components among `neighbours`. Degrees are small, so a
+// linear check of the roots seen beats a hash set.
+template <typename... Lists>
+int64_t SumAdjacentComponents(const TensorTable& table, const Lists&... lists) {
+  const EvictedComponents& uf = table.components();
+  absl::InlinedVector<uint32_t, 8> roots;
+  int64_t sum = 0;
+  auto add = [&](const std::vector<uint32_t>& list) {
+    for (uint32_t n : list) {
+      if (!uf.Contains(n)) continue;
+      const uint32_t r = uf.Find(n);
+      if (std::find(roots.begin(), roots.end(), r) != roots.end()) continue;
+      roots.push_back(r);
+      sum += uf.RootCost(r);
+    }
+  };
+  (add(lists), ...);
+  return sum;
+}
+
+}  // namespace
+
+int64_t RecomputeNs(const TensorTable& table, uint32_t slot) {
+  const Tensor& t = table.AtSlot(slot);
+  return t.compute_cost_ns + SumAdjacentComponents(table, t.parents);
+}
+
+int64_t NeighbourhoodNsEq(const TensorTable& table, uint32_t slot) {
+  const Tensor& t = table.AtSlot(slot);
+  return t.compute_cost_ns +
+         SumAdjacentComponents(table, t.parents, t.children);
+}
+
+int64_t NeighbourhoodNsExact(const TensorTable& table, uint32_t slot) {
+  const Tensor& start = table.AtSlot(slot);
+  int64_t sum = start.compute_cost_ns;
+  absl::flat_hash_set<uint32_t> seen;
+  std::vector<uint32_t> stack;
+  // Ancestors through evicted parents, descendants through evicted children:
+  // two separate walks, since an evicted ancestor's other children are not
+  // part of t's rebuild.
+  for (bool up : {true, false}) {
+    const auto& first = up ? start.parents : start.children;
+    stack.assign(first.begin(), first.end());
+    while (!stack.empty()) {
+      const uint32_t s = stack.back();
+      stack.pop_back();
+      const Tensor& n = table.AtSlot(s);
+      if (!TensorTable::NeedsRecompute(n.state) || !seen.insert(s).second) {
+        continue;
+      }
+      sum += n.compute_cost_ns;
+      const auto& next = up ? n.parents : n.children;
+      stack.insert(stack.end(), next.begin(), next.end());
+    }
+  }
+  return sum;
+}
+
+}  // namespace deltad::policy

@@ -1,0 +1,59 @@
+#ifndef DELTAD_POLICIES_COST_MODEL_H_
+#define DELTAD_POLICIES_COST_MODEL_H_
+
+#include <cstdint>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "policies/tensor.h"
+#include "policies/tensor_table.h"
+
+namespace deltad::policy {
+
+// Measured effective host-link bandwidth of one GPU, each way.
+struct LinkBandwidth {
+  double d2h_bytes_per_s = 0;
+  double h2d_bytes_per_s = 0;
+};
+
+// Times of the three ways to get a tensor's bytes back: copy out and in
+// (swap), or recompute from parents. Thread compatible (const methods only
+// read); the owner serialises SetBandwidth.
+class CostModel {
+ public:
+  // Used for a GPU nobody measured: PCIe 4.0 x16 at the ~35% efficiency the
+  // DELTA paper observed (64 GB/s nominal both ways, §4.1 and §5.1).
+  static constexpr LinkBandwidth kDefaultBandwidth{11.2e9, 11.2e9};
+
+  absl::Status SetBandwidth(GpuId gpu, LinkBandwidth bw);
+  LinkBandwidth Bandwidth(GpuId gpu) const;
+
+  int64_t OffloadNs(GpuId gpu, int64_t bytes) const;
+  int64_t ReloadNs(GpuId gpu, int64_t bytes) const;
+  // c_s(t): offload now and reload later, both directions counted.
+  int64_t SwapNs(const Tensor& t) const {
+    return OffloadNs(t.gpu, t.bytes) + ReloadNs(t.gpu, t.bytes);
+  }
+
+ private:
+  absl::flat_hash_map<GpuId, LinkBandwidth> bandwidth_;
+};
+
+// c_r(t): the tensor's own compute cost plus that of every evicted component
+// adjacent to it through its parents (ancestors that must be rebuilt first).
+// Counted once per component, as DTR's equivalence-class approximation does.
+int64_t RecomputeNs(const TensorTable& table, uint32_t slot);
+
+// DTR's neighbourhood cost for the `dtr_eq` heuristic: own cost plus the
+// evicted components adjacent through parents and children (evicting t would
+// also make its evicted children's rebuild need t).
+int64_t NeighbourhoodNsEq(const TensorTable& table, uint32_t slot);
+
+// DTR's exact neighbourhood e*(t): own cost plus every evicted ancestor
+// reachable through evicted parents and every evicted descendant reachable
+// through evicted children. O(size of that region).
+int64_t NeighbourhoodNsExact(const TensorTable& table, uint32_t slot);
+
+}  // namespace deltad::policy
+
+#endif  // DELTAD_POLICIES_COST_MODEL_H_

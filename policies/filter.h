@@ -1,0 +1,52 @@
+#ifndef DELTAD_POLICIES_FILTER_H_
+#define DELTAD_POLICIES_FILTER_H_
+
+#include <cstdint>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
+#include "policies/heuristic.h"
+#include "policies/tensor_table.h"
+
+namespace deltad::policy {
+
+struct FilterOptions {
+  Heuristic heuristic = Heuristic::kDelta;
+  // Score ceil(sqrt(N)) random candidates instead of all N (DTR's sampling).
+  bool sampled = false;
+  // Ignore tensors under 1% of the mean candidate size (DTR, MegEngine).
+  bool skip_small = false;
+  uint64_t seed = 1;  // sampling is deterministic for a seed and call order
+  MegEngineParams megengine;
+};
+
+// Algorithm 2 of DELTA: picks the resident tensor to release next.
+// Owns only its options and sampling state; not thread safe.
+class Filter {
+ public:
+  using Eligible = absl::FunctionRef<bool(const Tensor&)>;
+
+  explicit Filter(FilterOptions options = {});
+
+  // The lowest-scoring candidate of `scope` that is unlocked and passes
+  // `eligible`. NotFound when there is none. Sampling falls back to an exact
+  // scan when no sampled tensor qualifies, so NotFound always means none.
+  absl::StatusOr<uint32_t> Select(const TensorTable& table, const Scope& scope,
+                                  int64_t now_ns, Eligible eligible);
+
+  double Score(const TensorTable& table, uint32_t slot, int64_t now_ns) const {
+    return policy::Score(options_.heuristic, options_.megengine, table, slot,
+                         now_ns);
+  }
+  const FilterOptions& options() const { return options_; }
+
+ private:
+  uint64_t NextRandom();
+
+  FilterOptions options_;
+  uint64_t rng_state_;
+};
+
+}  // namespace deltad::policy
+
+#endif  // DELTAD_POLICIES_FILTER_H_

@@ -1,0 +1,73 @@
+#include "policies/heuristic.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "policies/cost_model.h"
+
+namespace deltad::policy {
+
+namespace {
+
+struct Named {
+  Heuristic h;
+  absl::string_view name;
+};
+constexpr Named kNames[] = {
+    {Heuristic::kDelta, "delta"},   {Heuristic::kLru, "lru"},
+    {Heuristic::kGreedy, "greedy"}, {Heuristic::kDtr, "dtr"},
+    {Heuristic::kDtrEq, "dtr_eq"},  {Heuristic::kMegEngine, "megengine"},
+};
+
+}  // namespace
+
+absl::StatusOr<Heuristic> ParseHeuristic(absl::string_view name) {
+  for (const Named& n : kNames) {
+    if (n.name == name) return n.h;
+  }
+  std::vector<absl::string_view> all;
+  for (const Named& n : kNames) all.push_back(n.name);
+  return absl::InvalidArgumentError(absl::StrCat("unknown heuristic '", name,
+                                                 "'; expected one of ",
+                                                 absl::StrJoin(all, ", ")));
+}
+
+absl::string_view HeuristicName(Heuristic h) {
+  for (const Named& n : kNames) {
+    if (n.h == h) return n.name;
+  }
+  return "unknown";
+}
+
+double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
+             uint32_t slot, int64_t now_ns) {
+  const Tensor& t = table.AtSlot(slot);
+  const double m = static_cast<double>(t.bytes);
+  const double s =
+      static_cast<double>(std::max<int64_t>(1, now_ns - t.last_access_ns));
+  switch (h) {
+    case Heuristic::kDelta:
+      return 1.0 / (m * s);
+    case Heuristic::kLru:
+      return 1.0 / s;
+    case Heuristic::kGreedy:
+      return 1.0 / m;
+    case Heuristic::kDtr:
+      return static_cast<double>(NeighbourhoodNsExact(table, slot)) / (m * s);
+    case Heuristic::kDtrEq:
+      return static_cast<double>(NeighbourhoodNsEq(table, slot)) / (m * s);
+    case Heuristic::kMegEngine: {
+      const double cost = static_cast<double>(NeighbourhoodNsEq(table, slot));
+      const double mem = m + static_cast<double>(t.adjacent_free_bytes);
+      return std::pow(cost + 1e-3, me.cost_exp) *
+             std::pow(me.recompute_penalty, t.recompute_count) /
+             (std::pow(mem, me.mem_exp) * std::pow(s, me.time_exp));
+    }
+  }
+  return 0;
+}
+
+}  // namespace deltad::policy

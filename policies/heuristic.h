@@ -1,0 +1,44 @@
+#ifndef DELTAD_POLICIES_HEURISTIC_H_
+#define DELTAD_POLICIES_HEURISTIC_H_
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "policies/tensor_table.h"
+
+namespace deltad::policy {
+
+// Filter scores: the lowest score is released first.
+enum class Heuristic {
+  kDelta,      // 1 / (m * s)                 DELTA eq. (1), the default
+  kLru,        // 1 / s                       DELTA eq. (2)
+  kGreedy,     // 1 / m                       DELTA eq. (3)
+  kDtr,        // c_r / (m * s), exact evicted neighbourhood (DTR's h_DTR)
+  kDtrEq,      // c_r / (m * s), union-find neighbourhood (DTR's h_DTR-eq)
+  kMegEngine,  // DTR-eq with MegEngine's fragmentation and recompute terms
+};
+
+absl::StatusOr<Heuristic> ParseHeuristic(absl::string_view name);
+absl::string_view HeuristicName(Heuristic h);
+
+// MegEngine's evaluation function (MegEngine v1.4 DTR):
+//   (c_r + eps)^cost_exp * penalty^recomputes
+//   / ((m + adjacent_free)^mem_exp * s^time_exp)
+// The adjacent free bytes favour releasing tensors that join free space
+// (less fragmentation); the penalty spares tensors recomputed many times.
+struct MegEngineParams {
+  double cost_exp = 1.0;
+  double mem_exp = 1.0;
+  double time_exp = 1.0;
+  double recompute_penalty = 1.5;  // > 1 makes each recompute count
+};
+
+// Score of a resident tensor at `now_ns`. Staleness is at least 1 ns so a
+// tensor touched this instant gets a finite score.
+double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
+             uint32_t slot, int64_t now_ns);
+
+}  // namespace deltad::policy
+
+#endif  // DELTAD_POLICIES_HEURISTIC_H_

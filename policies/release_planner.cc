@@ -1,0 +1,79 @@
+#include "policies/release_planner.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "policies/status_macros.h"
+
+namespace deltad::policy {
+
+absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Release(
+    const Scope& scope, int64_t bytes, int64_t now_ns,
+    int64_t host_bytes_available) {
+  if (bytes <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bytes to release must be positive, got ", bytes));
+  }
+  if (host_bytes_available < 0) host_bytes_available = 0;
+  // Quick refusal without a scan: nothing beyond the resident bytes exists.
+  const int64_t resident = table_.CandidateBytes(scope);
+  if (bytes > resident) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("asked to release ", bytes, " bytes; can free at most ",
+                     resident, " bytes (all resident tensors in scope)"));
+  }
+  // Greedy in the Filter's order, letting the Director offload what it
+  // prefers. That can spend host memory that a tensor which can only be
+  // offloaded (evict-pinned, uncomputable) needed; if the first pass falls
+  // short after offloading anything, a second keeps the host for those
+  // tensors and evicts everything that may be evicted.
+  int64_t most = 0;
+  for (const bool reserve_host : {false, true}) {
+    std::vector<ReleaseOrder> orders;
+    int64_t freed = 0;
+    int64_t host_left = host_bytes_available;
+    absl::Status failure;
+    while (freed < bytes) {
+      auto pick = filter_.Select(table_, scope, now_ns, [&](const Tensor& t) {
+        return director_.CanRelease(t, host_left);
+      });
+      if (!pick.ok()) break;
+      const Tensor& t = table_.AtSlot(*pick);
+      // CanRelease(t, 0) holds exactly when t may be evicted.
+      const int64_t host_for_t =
+          reserve_host && director_.CanRelease(t, 0) ? 0 : host_left;
+      auto action = director_.Decide(table_, *pick, host_for_t);
+      if (!action.ok()) {  // CanRelease said yes: only a bug gets here
+        failure = action.status();
+        break;
+      }
+      const ReleaseOrder order{t.id, *action, t.bytes};
+      const absl::Status applied = table_.SetState(
+          t.id, *action == ReleaseAction::kEvict ? TensorState::kEvicted
+                                                 : TensorState::kOffloading);
+      if (!applied.ok()) {
+        failure = applied;
+        break;
+      }
+      if (*action == ReleaseAction::kOffload) host_left -= order.bytes;
+      freed += order.bytes;
+      orders.push_back(order);
+    }
+    if (freed >= bytes) return orders;
+
+    // Undo in reverse so union-find components and lists end as they began.
+    for (auto it = orders.rbegin(); it != orders.rend(); ++it) {
+      DELTAD_RETURN_IF_ERROR(table_.CancelRelease(it->id));
+    }
+    if (!failure.ok()) return failure;
+    most = std::max(most, freed);
+    // Nothing was offloaded: keeping the host back cannot free more.
+    if (host_left == host_bytes_available) break;
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "asked to release ", bytes, " bytes; can free at most ", most,
+      " bytes (the rest is locked, pinned, or needs host memory the pool "
+      "lacks)"));
+}
+
+}  // namespace deltad::policy

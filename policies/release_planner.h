@@ -1,0 +1,45 @@
+#ifndef DELTAD_POLICIES_RELEASE_PLANNER_H_
+#define DELTAD_POLICIES_RELEASE_PLANNER_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "policies/director.h"
+#include "policies/filter.h"
+#include "policies/tensor_table.h"
+
+namespace deltad::policy {
+
+struct ReleaseOrder {
+  TensorId id;
+  ReleaseAction action;
+  int64_t bytes;
+};
+
+// The loop of DELTA Algorithm 1 (lines 11-19): Filter picks, Director
+// decides, until the bytes asked for are released. Each chosen release is
+// applied to the table at once (evict -> kEvicted, offload -> kOffloading) so
+// the next pick sees it; the executor later moves offloads to kOffloaded.
+// Does not own its collaborators; not thread safe.
+class ReleasePlanner {
+ public:
+  ReleasePlanner(TensorTable& table, Filter& filter, const Director& director)
+      : table_(table), filter_(filter), director_(director) {}
+
+  // Orders releasing at least `bytes` from `scope`, in the order chosen.
+  // All or nothing: when the scope cannot free that much, no state changes
+  // and the error says "can free at most N bytes".
+  absl::StatusOr<std::vector<ReleaseOrder>> Release(
+      const Scope& scope, int64_t bytes, int64_t now_ns,
+      int64_t host_bytes_available);
+
+ private:
+  TensorTable& table_;
+  Filter& filter_;
+  const Director& director_;
+};
+
+}  // namespace deltad::policy
+
+#endif  // DELTAD_POLICIES_RELEASE_PLANNER_H_

@@ -1,0 +1,92 @@
+#ifndef DELTAD_POLICIES_TENSOR_H_
+#define DELTAD_POLICIES_TENSOR_H_
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+
+namespace deltad::policy {
+
+using TensorId = uint64_t;
+using SessionId = uint64_t;
+using GpuId = int32_t;
+
+// Where a tensor's bytes are. Transitions are checked by TensorTable.
+enum class TensorState : uint8_t {
+  kResident,    // on the GPU
+  kOffloading,  // on the GPU, copy to host in flight; bytes freed when it ends
+  kOffloaded,   // on the host only
+  kReloading,   // copy back to the GPU in flight; occupies GPU memory already
+  kEvicted,     // nowhere; rebuilt by recompute from its parents
+  kFreed,       // released by the framework; kept only while a live child may
+                // need it to be recomputed (DTR's "banishing" comes later)
+};
+
+absl::string_view TensorStateName(TensorState state);
+
+// Whether the tensor's bytes occupy GPU memory in this state.
+constexpr bool OccupiesDevice(TensorState s) {
+  return s == TensorState::kResident || s == TensorState::kOffloading ||
+         s == TensorState::kReloading;
+}
+
+struct TensorFlags {
+  bool evict_pinned = false;    // may not be evicted (offload is allowed)
+  bool offload_pinned = false;  // may not be offloaded (evict is allowed)
+  bool uncomputable = false;    // no recompute path: inputs, parameters
+};
+
+// What a client reports when a tensor is created.
+struct TensorSpec {
+  TensorId id = 0;
+  SessionId session = 0;
+  GpuId gpu = 0;
+  int64_t bytes = 0;
+  TensorFlags flags;
+  int64_t compute_cost_ns = 0;  // measured time of the op that produced it
+  std::vector<TensorId> parents;
+  // Identifies "the same tensor" across training iterations (e.g. producer op
+  // index and output number); 0 when unknown. Used by the replay prefetch plan.
+  uint64_t stable_key = 0;
+};
+
+// A tensor as the policy sees it. Owned by TensorTable; read it through the
+// table, never keep a reference across a call that adds tensors.
+struct Tensor {
+  TensorId id = 0;
+  SessionId session = 0;
+  GpuId gpu = 0;
+  int64_t bytes = 0;
+  TensorFlags flags;
+  int64_t compute_cost_ns = 0;
+  uint64_t stable_key = 0;
+  TensorState state = TensorState::kResident;
+  std::vector<uint32_t> parents;   // slots in the table
+  std::vector<uint32_t> children;  // slots in the table
+  uint64_t last_access_tick = 0;   // the session's logical clock
+  int64_t last_access_ns = 0;      // wall (or simulated) time
+  uint32_t recompute_count = 0;
+  uint32_t lock_count = 0;  // > 0 while an op uses it: not releasable
+  // Free bytes next to this tensor in the allocator, when an allocator model
+  // reports them (MegEngine's fragmentation term); 0 otherwise.
+  int64_t adjacent_free_bytes = 0;
+  uint32_t live_children = 0;  // children not yet retired
+  // Evicted straight from the device (a cancellable release), rather than by
+  // dropping the host copy of an offloaded tensor.
+  bool evicted_from_device = false;
+  // Positions in the table's candidate lists (kResident only); internal.
+  uint32_t gpu_pos = UINT32_MAX;
+  uint32_t session_pos = UINT32_MAX;
+};
+
+// The set of tensors a decision looks at: one GPU, or one session on it.
+struct Scope {
+  GpuId gpu = 0;
+  std::optional<SessionId> session;
+};
+
+}  // namespace deltad::policy
+
+#endif  // DELTAD_POLICIES_TENSOR_H_

@@ -1,0 +1,132 @@
+#ifndef DELTAD_POLICIES_TENSOR_TABLE_H_
+#define DELTAD_POLICIES_TENSOR_TABLE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "policies/evicted_components.h"
+#include "policies/tensor.h"
+
+namespace deltad::policy {
+
+// Bytes of a GPU or a session, by where they are.
+struct MemoryStats {
+  int64_t device_bytes = 0;     // resident + offloading + reloading
+  int64_t releasing_bytes = 0;  // offloading: on the device, leaving
+  int64_t host_bytes = 0;       // offloaded (and offloading: the host copy)
+  int64_t evicted_bytes = 0;    // evicted, to be recomputed when needed
+  int64_t tensors = 0;          // tensors known, freed ones excluded
+  // Bytes that count against a budget once releases in flight are done.
+  int64_t committed_bytes() const { return device_bytes - releasing_bytes; }
+};
+
+// Every tensor the policy knows, indexed by id, GPU and session.
+//
+// Tensors live in slots of one vector; candidate lists (kResident tensors per
+// GPU and per session) hold slot numbers with back-pointers so that adding,
+// touching, freeing and state changes are O(1) amortised (O(degree) where
+// parents and children are involved). The union-find of evicted components is
+// kept current here because every state change passes through this class.
+//
+// Not thread safe: the owner serialises calls. References returned point into
+// the table and are invalidated by Add/AddBatch.
+class TensorTable {
+ public:
+  TensorTable() = default;
+  TensorTable(const TensorTable&) = delete;
+  TensorTable& operator=(const TensorTable&) = delete;
+
+  // Adds one tensor, resident, accessed at `now_ns`. Its parents must exist
+  // and belong to its session; a session's tensors all live on one GPU.
+  absl::Status Add(const TensorSpec& spec, int64_t now_ns);
+  // Adds a batch atomically: parents may be other tensors of the same batch
+  // (in any order); a cycle among them is rejected and nothing is added.
+  absl::Status AddBatch(absl::Span<const TensorSpec> specs, int64_t now_ns);
+
+  // Records an access: advances the session's logical clock. Allowed while
+  // the bytes occupy the device (reloading included: the op waits for it).
+  absl::Status Touch(TensorId id, int64_t now_ns);
+  // The framework dropped the tensor. Its bytes leave the device or the host
+  // at once; its record stays while a live child may need it for recompute.
+  absl::Status Free(TensorId id);
+  // Moves a tensor to `to`, checking the transition is legal.
+  absl::Status SetState(TensorId id, TensorState to);
+  // A release that was planned but not carried out (the client refused or
+  // failed): kOffloading, or kEvicted straight from the device, back to
+  // kResident, no counters changed.
+  absl::Status CancelRelease(TensorId id);
+  // The tensor was rebuilt from its parents: resident again, count + 1.
+  absl::Status MarkRecomputed(TensorId id, int64_t now_ns);
+  // An op is using the tensor: it may not be released until unlocked.
+  absl::Status Lock(TensorId id);
+  absl::Status Unlock(TensorId id);
+  // Free bytes around the tensor in the allocator (MegEngine's term).
+  absl::Status SetAdjacentFreeBytes(TensorId id, int64_t bytes);
+
+  absl::StatusOr<const Tensor*> Get(TensorId id) const;
+  const Tensor* Find(TensorId id) const;
+  bool Contains(TensorId id) const { return index_.contains(id); }
+  // The current tensor of a session with this stable key, if any.
+  const Tensor* FindByKey(SessionId session, uint64_t key) const;
+
+  MemoryStats GpuStats(GpuId gpu) const;
+  MemoryStats SessionStats(SessionId session) const;
+  MemoryStats ScopeStats(const Scope& scope) const;
+  // Number of tensors recorded (freed but retained ones included).
+  size_t size() const { return index_.size(); }
+
+  // --- For the Filter and cost functions: slot-level access. -------------
+  // Slots of kResident tensors in the scope, in no particular order.
+  absl::Span<const uint32_t> Candidates(const Scope& scope) const;
+  // Summed bytes of the tensors in Candidates(scope).
+  int64_t CandidateBytes(const Scope& scope) const;
+  const Tensor& AtSlot(uint32_t slot) const { return slots_[slot]; }
+  uint32_t SlotOf(TensorId id) const;  // UINT32_MAX when unknown
+  const EvictedComponents& components() const { return components_; }
+  // Whether a tensor is a member of the evicted components (must be rebuilt).
+  static bool NeedsRecompute(TensorState s) {
+    return s == TensorState::kEvicted || s == TensorState::kFreed;
+  }
+
+ private:
+  struct CandidateList {
+    std::vector<uint32_t> slots;
+    int64_t bytes = 0;
+  };
+  struct Group {  // one GPU or one session
+    MemoryStats stats;
+    CandidateList candidates;
+  };
+
+  absl::StatusOr<uint32_t> SlotFor(TensorId id) const;
+  absl::Status ValidateSpec(const TensorSpec& spec) const;
+  uint32_t Insert(const TensorSpec& spec, int64_t now_ns);
+  void LinkParents(uint32_t slot, absl::Span<const TensorId> parents);
+  void Account(const Tensor& t, int sign);
+  void AddCandidate(uint32_t slot);
+  void RemoveCandidate(uint32_t slot);
+  void ChangeState(uint32_t slot, TensorState to);
+  void JoinComponents(uint32_t slot);
+  void LeaveComponents(uint32_t slot);
+  void MaybeRetire(uint32_t slot);
+  void Retire(uint32_t slot);
+
+  std::vector<Tensor> slots_;
+  std::vector<uint32_t> free_slots_;
+  absl::flat_hash_map<TensorId, uint32_t> index_;
+  absl::flat_hash_map<GpuId, Group> gpus_;
+  absl::flat_hash_map<SessionId, Group> sessions_;
+  absl::flat_hash_map<SessionId, uint64_t> session_clock_;
+  // A session lives on one GPU; its first tensor binds it.
+  absl::flat_hash_map<SessionId, GpuId> session_gpu_;
+  absl::flat_hash_map<std::pair<SessionId, uint64_t>, uint32_t> by_key_;
+  EvictedComponents components_;
+};
+
+}  // namespace deltad::policy
+
+#endif  // DELTAD_POLICIES_TENSOR_TABLE_H_

@@ -1,0 +1,436 @@
+// Tests of the ReleasePlanner (the release loop of DELTA Algorithm 1, lines
+// 11-19: Filter picks, Director decides, until enough is freed), and of the
+// watermark trigger driving it.
+
+#include "policies/release_planner.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "policies/cost_model.h"
+#include "policies/director.h"
+#include "policies/filter.h"
+#include "policies/tensor.h"
+#include "policies/tensor_table.h"
+#include "policies/watermarks.h"
+
+namespace deltad::policy {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+constexpr SessionId kSession = 1;
+constexpr int64_t kPlenty = int64_t{1} << 40;  // host bytes
+
+// With 1 GB/s each way a tensor of b bytes has c_s = 2b ns: compute cost 0
+// makes it an eviction (F = 0), 10 ns per byte an offload (F = 5).
+enum class Kind { kCheap, kCostly };
+
+TensorSpec Spec(TensorId id, int64_t bytes, Kind kind,
+                std::vector<TensorId> parents = {}, TensorFlags flags = {},
+                SessionId session = kSession) {
+  TensorSpec s;
+  s.id = id;
+  s.session = session;
+  s.gpu = 0;
+  s.bytes = bytes;
+  s.flags = flags;
+  s.compute_cost_ns = kind == Kind::kCheap ? 0 : 10 * bytes;
+  s.parents = std::move(parents);
+  return s;
+}
+
+FilterOptions Options(Heuristic h) {
+  FilterOptions o;
+  o.heuristic = h;
+  return o;
+}
+
+Scope SessionScope(SessionId session) { return Scope{0, session}; }
+Scope GpuScope(GpuId gpu) { return Scope{gpu, std::nullopt}; }
+
+std::vector<TensorId> Ids(const std::vector<ReleaseOrder>& orders) {
+  std::vector<TensorId> ids;
+  for (const ReleaseOrder& o : orders) ids.push_back(o.id);
+  return ids;
+}
+
+std::vector<ReleaseAction> Actions(const std::vector<ReleaseOrder>& orders) {
+  std::vector<ReleaseAction> actions;
+  for (const ReleaseOrder& o : orders) actions.push_back(o.action);
+  return actions;
+}
+
+int64_t Bytes(const std::vector<ReleaseOrder>& orders) {
+  int64_t sum = 0;
+  for (const ReleaseOrder& o : orders) sum += o.bytes;
+  return sum;
+}
+
+std::string StatsString(const MemoryStats& s) {
+  return absl::StrCat("device=", s.device_bytes,
+                      " releasing=", s.releasing_bytes, " host=", s.host_bytes,
+                      " evicted=", s.evicted_bytes, " tensors=", s.tensors);
+}
+
+constexpr ReleaseAction kEvict = ReleaseAction::kEvict;
+constexpr ReleaseAction kOffload = ReleaseAction::kOffload;
+
+class ReleasePlannerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(costs_.SetBandwidth(0, {1e9, 1e9}).ok());
+  }
+  void Add(const TensorSpec& spec, int64_t at_ns) {
+    const absl::Status s = table_.Add(spec, at_ns);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  TensorState State(TensorId id) const { return table_.Find(id)->state; }
+  absl::StatusOr<std::vector<ReleaseOrder>> Release(int64_t bytes,
+                                                    int64_t host = kPlenty) {
+    return planner_.Release(SessionScope(kSession), bytes, kNow, host);
+  }
+
+  // Everything a failed Release must leave as it was.
+  std::string Snapshot(TensorId max_id) const {
+    std::string out;
+    for (TensorId id = 1; id <= max_id; ++id) {
+      const Tensor* t = table_.Find(id);
+      if (t == nullptr) continue;
+      absl::StrAppend(&out, id, ": ", TensorStateName(t->state),
+                      " recomputes=", t->recompute_count,
+                      " tick=", t->last_access_tick, " at=", t->last_access_ns,
+                      " c_r=", RecomputeNs(table_, table_.SlotOf(id)), "\n");
+    }
+    absl::StrAppend(
+        &out, "session ", StatsString(table_.SessionStats(kSession)), "\ngpu ",
+        StatsString(table_.GpuStats(0)),
+        "\ncandidates=", table_.Candidates(SessionScope(kSession)).size(),
+        " bytes=", table_.CandidateBytes(SessionScope(kSession)),
+        " components=", table_.components().size(), "\n");
+    return out;
+  }
+
+  static constexpr int64_t kNow = 1000;
+  TensorTable table_;
+  CostModel costs_;
+  Director director_{costs_};
+  Filter filter_;  // delta, exact
+  ReleasePlanner planner_{table_, filter_, director_};
+};
+
+TEST_F(ReleasePlannerTest, FreesAtLeastTheBytesAskedAndStopsThere) {
+  // Equal sizes: delta releases the stalest first (1, 2, 3, ...).
+  for (TensorId id = 1; id <= 10; ++id) Add(Spec(id, 100, Kind::kCheap), id);
+  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(250);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(1, 2, 3));
+  EXPECT_EQ(Bytes(*orders), 300);
+  EXPECT_EQ(table_.SessionStats(kSession).committed_bytes(), 700);
+
+  orders = Release(1);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(4));
+}
+
+TEST_F(ReleasePlannerTest, AppliesEvictAndOffloadToTheTable) {
+  // Odd ids are cheap to recompute, even ids costly.
+  for (TensorId id = 1; id <= 6; ++id) {
+    Add(Spec(id, 100, id % 2 ? Kind::kCheap : Kind::kCostly), id);
+  }
+  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(400);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(1, 2, 3, 4));
+  EXPECT_THAT(Actions(*orders),
+              ElementsAre(kEvict, kOffload, kEvict, kOffload));
+  for (const ReleaseOrder& o : *orders) EXPECT_EQ(o.bytes, 100);
+  EXPECT_EQ(State(1), TensorState::kEvicted);
+  EXPECT_EQ(State(2), TensorState::kOffloading);
+  EXPECT_EQ(State(3), TensorState::kEvicted);
+  EXPECT_EQ(State(4), TensorState::kOffloading);
+  EXPECT_EQ(State(5), TensorState::kResident);
+  const MemoryStats s = table_.SessionStats(kSession);
+  EXPECT_EQ(s.device_bytes, 400);     // 2, 4 (leaving), 5, 6
+  EXPECT_EQ(s.releasing_bytes, 200);  // 2, 4
+  EXPECT_EQ(s.committed_bytes(), 200);
+  EXPECT_EQ(s.evicted_bytes, 200);
+  EXPECT_EQ(s.host_bytes, 200);
+}
+
+// Sizes and access times on which delta and lru disagree. At now = 1000:
+//   id  bytes  staleness  m*s
+//   1    100       50     5000
+//   2    400       20     8000
+//   3     50       90     4500
+//   4    300       10     3000
+class ReleasePlannerOrderTest : public ReleasePlannerTest {
+ protected:
+  void SetUp() override {
+    ReleasePlannerTest::SetUp();
+    Add(Spec(1, 100, Kind::kCheap), kNow - 50);
+    Add(Spec(2, 400, Kind::kCheap), kNow - 20);
+    Add(Spec(3, 50, Kind::kCheap), kNow - 90);
+    Add(Spec(4, 300, Kind::kCheap), kNow - 10);
+  }
+};
+
+TEST_F(ReleasePlannerOrderTest, OrdersFollowTheDeltaFiltersOrder) {
+  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(850);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(2, 1, 3, 4));
+}
+
+TEST_F(ReleasePlannerOrderTest, OrdersFollowTheLruFiltersOrder) {
+  Filter lru(Options(Heuristic::kLru));
+  ReleasePlanner planner(table_, lru, director_);
+  absl::StatusOr<std::vector<ReleaseOrder>> orders =
+      planner.Release(SessionScope(kSession), 850, kNow, kPlenty);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(3, 1, 2, 4));
+}
+
+TEST_F(ReleasePlannerTest, EachReleaseIsSeenByTheNextDecision) {
+  // P (stalest) and its child T, both 1000 bytes (c_s = 2000 ns). P's own
+  // cost 1000 makes F(P) = 0.5: evicted. T's own cost 1500 would give 0.75,
+  // but with P evicted c_r(T) = 2500 and F(T) = 1.25: offloaded.
+  TensorSpec p = Spec(1, 1000, Kind::kCheap);
+  p.compute_cost_ns = 1000;
+  TensorSpec t = Spec(2, 1000, Kind::kCheap, {1});
+  t.compute_cost_ns = 1500;
+  Add(p, 0);
+  Add(t, 1);
+  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(2000);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(1, 2));
+  EXPECT_THAT(Actions(*orders), ElementsAre(kEvict, kOffload));
+}
+
+TEST_F(ReleasePlannerTest, HostBudgetShrinksWithEachOffloadThenEvicts) {
+  for (TensorId id = 1; id <= 5; ++id) Add(Spec(id, 100, Kind::kCostly), id);
+  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(500, 250);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(1, 2, 3, 4, 5));
+  EXPECT_THAT(Actions(*orders),
+              ElementsAre(kOffload, kOffload, kEvict, kEvict, kEvict));
+  EXPECT_EQ(table_.SessionStats(kSession).host_bytes, 200);
+}
+
+TEST_F(ReleasePlannerTest, NegativeHostBudgetMeansNone) {
+  for (TensorId id = 1; id <= 2; ++id) Add(Spec(id, 100, Kind::kCostly), id);
+  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(200, -5);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Actions(*orders), ElementsAre(kEvict, kEvict));
+}
+
+TEST_F(ReleasePlannerTest, OffloadOnlyTensorsWaitForHostRoom) {
+  TensorFlags uncomputable;
+  uncomputable.uncomputable = true;
+  Add(Spec(1, 100, Kind::kCheap, {}, uncomputable), 0);  // stalest
+  Add(Spec(2, 100, Kind::kCheap), 1);
+  // No host room: tensor 1 cannot be released, 2 goes instead.
+  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(100, 0);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(2));
+  EXPECT_EQ(State(1), TensorState::kResident);
+  // With room it is offloaded.
+  orders = Release(100, 100);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(1));
+  EXPECT_THAT(Actions(*orders), ElementsAre(kOffload));
+  EXPECT_EQ(State(1), TensorState::kOffloading);
+}
+
+TEST_F(ReleasePlannerTest, HostIsKeptForTensorsThatCanOnlyBeOffloaded) {
+  // Tensor 1 (stalest) prefers offload but may be evicted; tensor 2 can only
+  // be offloaded. The host has room for one of them: freeing both is
+  // possible only by evicting 1 and offloading 2.
+  TensorFlags evict_pinned;
+  evict_pinned.evict_pinned = true;
+  Add(Spec(1, 100, Kind::kCostly), 0);
+  Add(Spec(2, 100, Kind::kCostly, {}, evict_pinned), 1);
+  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(200, 100);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_EQ(Bytes(*orders), 200);
+  EXPECT_EQ(State(1), TensorState::kEvicted);
+  EXPECT_EQ(State(2), TensorState::kOffloading);
+}
+
+TEST_F(ReleasePlannerTest, LockedTensorsAreNotReleased) {
+  for (TensorId id = 1; id <= 3; ++id) Add(Spec(id, 100, Kind::kCheap), id);
+  ASSERT_TRUE(table_.Lock(1).ok());
+  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(200);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(2, 3));
+  EXPECT_EQ(State(1), TensorState::kResident);
+}
+
+TEST_F(ReleasePlannerTest, AskingForMoreThanIsResidentIsExhausted) {
+  for (TensorId id = 1; id <= 3; ++id) Add(Spec(id, 100, Kind::kCheap), id);
+  const std::string before = Snapshot(3);
+  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(301);
+  ASSERT_FALSE(orders.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(orders.status())) << orders.status();
+  EXPECT_THAT(std::string(orders.status().message()),
+              HasSubstr("can free at most 300 bytes"));
+  EXPECT_EQ(Snapshot(3), before);
+}
+
+// Resident: 2, 3, 4, 5, 6, 7 (100 bytes each) = 600 bytes, of which 4 is
+// locked and 5 can only be offloaded. With no host memory, 400 bytes can be
+// freed. 1 is evicted already, 3 was recomputed twice.
+class ReleasePlannerExhaustedTest : public ReleasePlannerTest {
+ protected:
+  void SetUp() override {
+    ReleasePlannerTest::SetUp();
+    TensorFlags evict_pinned;
+    evict_pinned.evict_pinned = true;
+    Add(Spec(1, 100, Kind::kCheap), 1);
+    Add(Spec(2, 100, Kind::kCheap, {1}), 2);
+    Add(Spec(3, 100, Kind::kCostly), 3);
+    Add(Spec(4, 100, Kind::kCheap), 4);
+    Add(Spec(5, 100, Kind::kCheap, {}, evict_pinned), 5);
+    Add(Spec(6, 100, Kind::kCheap, {2}), 6);
+    Add(Spec(7, 100, Kind::kCostly, {2, 6}), 7);
+    ASSERT_TRUE(table_.SetState(1, TensorState::kEvicted).ok());
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_TRUE(table_.SetState(3, TensorState::kEvicted).ok());
+      ASSERT_TRUE(table_.MarkRecomputed(3, 3).ok());
+    }
+    ASSERT_TRUE(table_.Lock(4).ok());
+  }
+};
+
+TEST_F(ReleasePlannerExhaustedTest, SaysHowMuchCanBeFreedAndChangesNothing) {
+  const std::string before = Snapshot(7);
+  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(450, 0);
+  ASSERT_FALSE(orders.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(orders.status())) << orders.status();
+  EXPECT_THAT(std::string(orders.status().message()),
+              HasSubstr("can free at most 400 bytes"));
+  EXPECT_EQ(Snapshot(7), before);
+  EXPECT_EQ(table_.Find(3)->recompute_count, 2u);
+
+  // Exactly what it said can be freed, can.
+  orders = Release(400, 0);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_EQ(Bytes(*orders), 400);
+  EXPECT_EQ(State(4), TensorState::kResident);
+  EXPECT_EQ(State(5), TensorState::kResident);
+}
+
+TEST_F(ReleasePlannerExhaustedTest, HostRoomMakesThePinnedTensorReleasable) {
+  const std::string before = Snapshot(7);
+  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(550, 100);
+  ASSERT_FALSE(orders.ok());
+  EXPECT_THAT(std::string(orders.status().message()),
+              HasSubstr("can free at most 500 bytes"));
+  EXPECT_EQ(Snapshot(7), before);
+  orders = Release(500, 100);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_EQ(State(5), TensorState::kOffloading);
+}
+
+TEST_F(ReleasePlannerTest, NonPositiveBytesAreRejected) {
+  Add(Spec(1, 100, Kind::kCheap), 0);
+  const std::string before = Snapshot(1);
+  for (int64_t bytes : {int64_t{0}, int64_t{-1}}) {
+    absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(bytes);
+    ASSERT_FALSE(orders.ok()) << bytes;
+    EXPECT_TRUE(absl::IsInvalidArgument(orders.status())) << orders.status();
+  }
+  EXPECT_EQ(Snapshot(1), before);
+}
+
+TEST_F(ReleasePlannerTest, GpuScopeReleasesOtherSessionsStaleTensors) {
+  Add(Spec(1, 100, Kind::kCheap, {}, {}, /*session=*/2), 0);  // stalest
+  Add(Spec(2, 100, Kind::kCheap), 1);
+  absl::StatusOr<std::vector<ReleaseOrder>> orders =
+      planner_.Release(GpuScope(0), 100, kNow, kPlenty);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(1));
+  orders = Release(100);  // session scope: only session 1's
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(2));
+}
+
+// --- With the watermark trigger ---------------------------------------------
+
+constexpr int64_t kBudget = 10000;
+constexpr int64_t kLowBytes = 6500;   // 65%
+constexpr int64_t kHighBytes = 7500;  // 75%
+
+TEST_F(ReleasePlannerTest, WatermarksBringCommittedBytesDownToTheLowMark) {
+  absl::StatusOr<Watermarks> marks = Watermarks::Create();
+  ASSERT_TRUE(marks.ok()) << marks.status();
+  // Fill the session past 75% with a mix of cheap and costly tensors.
+  TensorId id = 0;
+  while (table_.SessionStats(kSession).committed_bytes() <= kHighBytes) {
+    ++id;
+    Add(Spec(id, 100, id % 3 ? Kind::kCheap : Kind::kCostly),
+        static_cast<int64_t>(id));
+  }
+  const int64_t used = table_.SessionStats(kSession).committed_bytes();
+  ASSERT_EQ(used, 7600);
+
+  absl::StatusOr<int64_t> to_free = marks->BytesToFree(used, 0, kBudget);
+  ASSERT_TRUE(to_free.ok()) << to_free.status();
+  EXPECT_EQ(*to_free, used - kLowBytes);
+  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(*to_free);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+
+  const MemoryStats s = table_.SessionStats(kSession);
+  EXPECT_EQ(s.committed_bytes(), kLowBytes);
+  // Offloads still in flight hold device memory but no longer count.
+  EXPECT_GT(s.releasing_bytes, 0);
+  EXPECT_EQ(s.device_bytes, kLowBytes + s.releasing_bytes);
+  to_free = marks->BytesToFree(s.committed_bytes(), 0, kBudget);
+  ASSERT_TRUE(to_free.ok()) << to_free.status();
+  EXPECT_EQ(*to_free, 0);
+}
+
+TEST_F(ReleasePlannerTest, WatermarksTriggerRarelyAndKeepUseUnderTheHighMark) {
+  absl::StatusOr<Watermarks> marks = Watermarks::Create();
+  ASSERT_TRUE(marks.ok()) << marks.status();
+  constexpr int64_t kTensor = 100;
+  int triggers = 0;
+  for (TensorId id = 1; id <= 300; ++id) {
+    const int64_t now = static_cast<int64_t>(id);
+    const int64_t used = table_.SessionStats(kSession).committed_bytes();
+    absl::StatusOr<int64_t> to_free =
+        marks->BytesToFree(used, kTensor, kBudget);
+    ASSERT_TRUE(to_free.ok()) << to_free.status();
+    if (*to_free > 0) {
+      ++triggers;
+      absl::StatusOr<std::vector<ReleaseOrder>> orders =
+          planner_.Release(SessionScope(kSession), *to_free, now, kPlenty);
+      ASSERT_TRUE(orders.ok()) << orders.status();
+      // The executor finishes the copies.
+      for (const ReleaseOrder& o : *orders) {
+        if (o.action == kOffload) {
+          ASSERT_TRUE(table_.SetState(o.id, TensorState::kOffloaded).ok());
+        }
+      }
+      ASSERT_LE(table_.SessionStats(kSession).committed_bytes() + kTensor,
+                kLowBytes)
+          << "at tensor " << id;
+    }
+    Add(Spec(id, kTensor, id % 3 ? Kind::kCheap : Kind::kCostly), now);
+    ASSERT_LE(table_.SessionStats(kSession).device_bytes, kHighBytes)
+        << "at tensor " << id;
+  }
+  // From 75% down to 65% of 10000 bytes leaves room for 10 tensors of 100
+  // bytes between triggers: (300 - 75) / 11 triggers or so, not one per
+  // allocation.
+  EXPECT_GE(triggers, 15);
+  EXPECT_LE(triggers, 25);
+}
+
+}  // namespace
+}  // namespace deltad::policy
