@@ -52,10 +52,10 @@ int64_t SumAdjacentComponents(const TensorTable& table, const Lists&... lists) {
   auto add = [&](const std::vector<uint32_t>& list) {
     for (uint32_t n : list) {
       if (!uf.Contains(n)) continue;
-      const uint32_t r = uf.Find(n);
+      const uint32_t r = uf.ComponentOf(n);
       if (std::find(roots.begin(), roots.end(), r) != roots.end()) continue;
       roots.push_back(r);
-      sum += uf.RootCost(r);
+      sum += uf.Cost(r);
     }
   };
   (add(lists), ...);

@@ -6,52 +6,84 @@
 namespace deltad::policy {
 
 void EvictedComponents::Grow(uint32_t slot) {
-  if (slot < parent_.size()) return;
-  const size_t n = std::max<size_t>(slot + 1, parent_.size() * 2);
-  parent_.resize(n, kNone);
+  if (slot < component_.size()) return;
+  const size_t n = std::max<size_t>(slot + 1, component_.size() * 2);
+  component_.resize(n, kNone);
+  position_.resize(n, 0);
   own_cost_.resize(n, 0);
-  cost_.resize(n, 0);
-  members_.resize(n);
+}
+
+uint32_t EvictedComponents::NewGroup() {
+  if (!free_groups_.empty()) {
+    const uint32_t g = free_groups_.back();
+    free_groups_.pop_back();
+    return g;
+  }
+  groups_.emplace_back();
+  return static_cast<uint32_t>(groups_.size() - 1);
 }
 
 void EvictedComponents::Insert(uint32_t slot, int64_t cost_ns) {
   Grow(slot);
-  if (parent_[slot] != kNone) return;
-  parent_[slot] = slot;
+  if (component_[slot] != kNone) return;
+  const uint32_t g = NewGroup();
+  groups_[g].cost = cost_ns;
+  groups_[g].members.assign(1, slot);
+  component_[slot] = g;
+  position_[slot] = 0;
   own_cost_[slot] = cost_ns;
-  cost_[slot] = cost_ns;
-  members_[slot].assign(1, slot);
   ++count_;
 }
 
-uint32_t EvictedComponents::Find(uint32_t slot) const {
-  while (parent_[slot] != slot) {
-    parent_[slot] = parent_[parent_[slot]];  // path halving
-    slot = parent_[slot];
+void EvictedComponents::Union(uint32_t a, uint32_t b) {
+  uint32_t ga = component_[a];
+  uint32_t gb = component_[b];
+  if (ga == gb) return;
+  if (groups_[ga].members.size() < groups_[gb].members.size()) {
+    std::swap(ga, gb);
   }
-  return slot;
+  Group& big = groups_[ga];
+  Group& small = groups_[gb];
+  for (uint32_t m : small.members) {
+    component_[m] = ga;
+    position_[m] = static_cast<uint32_t>(big.members.size());
+    big.members.push_back(m);
+  }
+  big.cost += small.cost;
+  small = Group{};
+  free_groups_.push_back(gb);
 }
 
-void EvictedComponents::Union(uint32_t a, uint32_t b) {
-  uint32_t ra = Find(a);
-  uint32_t rb = Find(b);
-  if (ra == rb) return;
-  // Merge the smaller member list into the larger: O(n log n) in total.
-  if (members_[ra].size() < members_[rb].size()) std::swap(ra, rb);
-  parent_[rb] = ra;
-  cost_[ra] += cost_[rb];
-  members_[ra].insert(members_[ra].end(), members_[rb].begin(),
-                      members_[rb].end());
-  members_[rb].clear();
-  members_[rb].shrink_to_fit();
+void EvictedComponents::DropMember(uint32_t slot) {
+  const uint32_t g = component_[slot];
+  Group& group = groups_[g];
+  const uint32_t last = group.members.back();
+  group.members[position_[slot]] = last;
+  position_[last] = position_[slot];
+  group.members.pop_back();
+  group.cost -= own_cost_[slot];
+  component_[slot] = kNone;
+  --count_;
+  if (group.members.empty()) {
+    group = Group{};
+    free_groups_.push_back(g);
+  }
 }
 
 void EvictedComponents::Erase(uint32_t slot, NeighbourFn neighbours) {
   if (!Contains(slot)) return;
-  const uint32_t root = Find(slot);
-  std::vector<uint32_t> rest = std::move(members_[root]);
-  members_[root].clear();
-  for (uint32_t m : rest) parent_[m] = kNone;
+  int inside = 0;
+  neighbours(slot, [&](uint32_t n) { inside += Contains(n) ? 1 : 0; });
+  if (inside <= 1) {  // a leaf of its component: the rest stays connected
+    DropMember(slot);
+    return;
+  }
+  // It may have joined parts that are now apart: re-form from adjacency.
+  const uint32_t g = component_[slot];
+  std::vector<uint32_t> rest = std::move(groups_[g].members);
+  groups_[g] = Group{};
+  free_groups_.push_back(g);
+  for (uint32_t m : rest) component_[m] = kNone;
   count_ -= rest.size();
   for (uint32_t m : rest) {
     if (m != slot) Insert(m, own_cost_[m]);

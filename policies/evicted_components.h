@@ -8,16 +8,18 @@
 
 namespace deltad::policy {
 
-// Union-find over the tensors that are not on the GPU and would have to be
-// recomputed (evicted, or freed but still needed by a child): each connected
-// group of such tensors is one component with the summed compute cost of its
-// members. This is DTR's "equivalence class" approximation of the evicted
-// neighbourhood, in amortised near-constant time.
+// The connected groups of tensors that are not on the GPU and would have to
+// be recomputed (evicted, or freed but still needed by a child), each with the
+// summed compute cost of its members: DTR's "equivalence classes", used for
+// the evicted-neighbourhood cost in O(degree).
 //
-// Union-find cannot split a set, which is why the DTR prototype kept stale
-// links when a member was recomputed. Here every root keeps its member list,
-// and Erase() rebuilds the component from the remaining members' adjacency,
-// so costs stay exact after a recompute.
+// DTR's prototype used union-find, which cannot split a set, so a recomputed
+// tensor left stale links and costs behind. Here every component has an id of
+// its own and a member list; union relabels the smaller side (O(log n)
+// amortised per member). Removing a member with at most one neighbour inside
+// its component cannot disconnect it and costs O(degree); that is the usual
+// case, since recompute runs ancestors first. Only a member that joins two or
+// more others makes the component re-form from its members' adjacency.
 //
 // Keys are the table's slot numbers. Not thread safe.
 class EvictedComponents {
@@ -30,30 +32,38 @@ class EvictedComponents {
   void Insert(uint32_t slot, int64_t cost_ns);
   // Joins the components of two members.
   void Union(uint32_t a, uint32_t b);
-  // Removes `slot` and re-forms what is left of its component, joining only
-  // members that are still adjacent through members.
+  // Removes `slot`; what is left of its component stays one component only
+  // where its members are still connected through members.
   void Erase(uint32_t slot, NeighbourFn neighbours);
 
   bool Contains(uint32_t slot) const {
-    return slot < parent_.size() && parent_[slot] != kNone;
+    return slot < component_.size() && component_[slot] != kNone;
   }
-  // Root of a member's component. Compresses paths, hence non-const state.
-  uint32_t Find(uint32_t slot) const;
-  // Summed compute cost of the component whose root is `root`.
-  int64_t RootCost(uint32_t root) const { return cost_[root]; }
-  const std::vector<uint32_t>& RootMembers(uint32_t root) const {
-    return members_[root];
+  // Id of a member's component; valid until the next change.
+  uint32_t ComponentOf(uint32_t slot) const { return component_[slot]; }
+  int64_t Cost(uint32_t component) const { return groups_[component].cost; }
+  const std::vector<uint32_t>& Members(uint32_t component) const {
+    return groups_[component].members;
   }
+  // Number of members.
   size_t size() const { return count_; }
 
  private:
   static constexpr uint32_t kNone = UINT32_MAX;
-  void Grow(uint32_t slot);
+  struct Group {
+    int64_t cost = 0;
+    std::vector<uint32_t> members;
+  };
 
-  mutable std::vector<uint32_t> parent_;  // kNone: not a member
-  std::vector<int64_t> own_cost_;
-  std::vector<int64_t> cost_;                   // valid at roots
-  std::vector<std::vector<uint32_t>> members_;  // valid at roots
+  void Grow(uint32_t slot);
+  uint32_t NewGroup();
+  void DropMember(uint32_t slot);
+
+  std::vector<uint32_t> component_;  // per slot; kNone: not a member
+  std::vector<uint32_t> position_;   // per slot: index in its member list
+  std::vector<int64_t> own_cost_;    // per slot
+  std::vector<Group> groups_;
+  std::vector<uint32_t> free_groups_;
   size_t count_ = 0;
 };
 

@@ -2,6 +2,7 @@
 #define DELTAD_POLICIES_FILTER_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
@@ -45,6 +46,7 @@ class Filter {
 
   FilterOptions options_;
   uint64_t rng_state_;
+  std::vector<uint32_t> sample_;  // reused between calls
 };
 
 }  // namespace deltad::policy

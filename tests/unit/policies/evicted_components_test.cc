@@ -62,9 +62,8 @@ TEST(EvictedComponents, InsertMakesSingletonWithOwnCost) {
   EXPECT_FALSE(uf.Contains(2));
   EXPECT_FALSE(uf.Contains(4));
   EXPECT_FALSE(uf.Contains(100000));
-  EXPECT_EQ(uf.Find(3), 3u);
-  EXPECT_EQ(uf.RootCost(3), 70);
-  EXPECT_THAT(uf.RootMembers(3), ElementsAre(3u));
+  EXPECT_EQ(uf.Cost(uf.ComponentOf(3)), 70);
+  EXPECT_THAT(uf.Members(uf.ComponentOf(3)), ElementsAre(3u));
   EXPECT_EQ(uf.size(), 1u);
 }
 
@@ -75,8 +74,8 @@ TEST(EvictedComponents, InsertOfMemberChangesNothing) {
   uf.Union(1, 2);
   uf.Insert(2, 999);
   EXPECT_EQ(uf.size(), 2u);
-  EXPECT_EQ(uf.RootCost(uf.Find(2)), 30);
-  EXPECT_EQ(uf.Find(1), uf.Find(2));
+  EXPECT_EQ(uf.Cost(uf.ComponentOf(2)), 30);
+  EXPECT_EQ(uf.ComponentOf(1), uf.ComponentOf(2));
 }
 
 TEST(EvictedComponents, UnionSumsCostsAndMembers) {
@@ -85,15 +84,15 @@ TEST(EvictedComponents, UnionSumsCostsAndMembers) {
   uf.Insert(5, 10);
   uf.Insert(9, 100);
   uf.Union(0, 5);
-  EXPECT_EQ(uf.Find(0), uf.Find(5));
-  EXPECT_NE(uf.Find(0), uf.Find(9));
-  EXPECT_EQ(uf.RootCost(uf.Find(0)), 11);
-  EXPECT_THAT(uf.RootMembers(uf.Find(5)), UnorderedElementsAre(0u, 5u));
+  EXPECT_EQ(uf.ComponentOf(0), uf.ComponentOf(5));
+  EXPECT_NE(uf.ComponentOf(0), uf.ComponentOf(9));
+  EXPECT_EQ(uf.Cost(uf.ComponentOf(0)), 11);
+  EXPECT_THAT(uf.Members(uf.ComponentOf(5)), UnorderedElementsAre(0u, 5u));
   uf.Union(9, 5);
-  const uint32_t root = uf.Find(9);
-  EXPECT_EQ(uf.Find(0), root);
-  EXPECT_EQ(uf.RootCost(root), 111);
-  EXPECT_THAT(uf.RootMembers(root), UnorderedElementsAre(0u, 5u, 9u));
+  const uint32_t root = uf.ComponentOf(9);
+  EXPECT_EQ(uf.ComponentOf(0), root);
+  EXPECT_EQ(uf.Cost(root), 111);
+  EXPECT_THAT(uf.Members(root), UnorderedElementsAre(0u, 5u, 9u));
   EXPECT_EQ(uf.size(), 3u);
 }
 
@@ -106,9 +105,9 @@ TEST(EvictedComponents, UnionWithinOneComponentDoesNotCountTwice) {
   uf.Union(2, 3);
   uf.Union(3, 1);
   uf.Union(1, 1);
-  const uint32_t root = uf.Find(1);
-  EXPECT_EQ(uf.RootCost(root), 60);
-  EXPECT_EQ(uf.RootMembers(root).size(), 3u);
+  const uint32_t root = uf.ComponentOf(1);
+  EXPECT_EQ(uf.Cost(root), 60);
+  EXPECT_EQ(uf.Members(root).size(), 3u);
 }
 
 TEST(EvictedComponents, EraseSplitsChainAtErasedMember) {
@@ -121,16 +120,16 @@ TEST(EvictedComponents, EraseSplitsChainAtErasedMember) {
   uf.Insert(2, 100);
   uf.Union(0, 1);
   uf.Union(1, 2);
-  ASSERT_EQ(uf.RootCost(uf.Find(0)), 111);
+  ASSERT_EQ(uf.Cost(uf.ComponentOf(0)), 111);
 
   adj.Erase(uf, 1);
   EXPECT_FALSE(uf.Contains(1));
   EXPECT_EQ(uf.size(), 2u);
-  EXPECT_NE(uf.Find(0), uf.Find(2));
-  EXPECT_EQ(uf.RootCost(uf.Find(0)), 1);
-  EXPECT_EQ(uf.RootCost(uf.Find(2)), 100);
-  EXPECT_THAT(uf.RootMembers(uf.Find(0)), ElementsAre(0u));
-  EXPECT_THAT(uf.RootMembers(uf.Find(2)), ElementsAre(2u));
+  EXPECT_NE(uf.ComponentOf(0), uf.ComponentOf(2));
+  EXPECT_EQ(uf.Cost(uf.ComponentOf(0)), 1);
+  EXPECT_EQ(uf.Cost(uf.ComponentOf(2)), 100);
+  EXPECT_THAT(uf.Members(uf.ComponentOf(0)), ElementsAre(0u));
+  EXPECT_THAT(uf.Members(uf.ComponentOf(2)), ElementsAre(2u));
 }
 
 TEST(EvictedComponents, EraseOfRootKeepsOthersJoinedThroughRemainingPath) {
@@ -144,17 +143,38 @@ TEST(EvictedComponents, EraseOfRootKeepsOthersJoinedThroughRemainingPath) {
   uf.Union(0, 1);
   uf.Union(1, 2);
   uf.Union(2, 3);
-  const uint32_t root = uf.Find(0);
-  adj.Erase(uf, root);
-  EXPECT_FALSE(uf.Contains(root));
+  // Slot 0 has two neighbours inside: its removal takes the re-forming path,
+  // and the ring stays one component (1 - 2 - 3).
+  adj.Erase(uf, 0);
+  EXPECT_FALSE(uf.Contains(0));
   EXPECT_EQ(uf.size(), 3u);
   std::set<uint32_t> roots;
-  for (uint32_t s = 0; s < 4; ++s) {
-    if (s != root) roots.insert(uf.Find(s));
-  }
+  for (uint32_t s = 1; s < 4; ++s) roots.insert(uf.ComponentOf(s));
   EXPECT_EQ(roots.size(), 1u);
-  EXPECT_EQ(uf.RootCost(*roots.begin()), 15 - (int64_t{1} << root));
-  EXPECT_EQ(uf.RootMembers(*roots.begin()).size(), 3u);
+  EXPECT_EQ(uf.Cost(*roots.begin()), 15 - 1);
+  EXPECT_EQ(uf.Members(*roots.begin()).size(), 3u);
+}
+
+TEST(EvictedComponents, EraseOfALeafKeepsTheRestTogether) {
+  EvictedComponents uf;
+  Adjacency adj;  // a chain 0 - 1 - 2 - 3
+  adj.Edge(0, 1);
+  adj.Edge(1, 2);
+  adj.Edge(2, 3);
+  for (uint32_t s = 0; s < 4; ++s) uf.Insert(s, int64_t{1} << s);
+  uf.Union(0, 1);
+  uf.Union(1, 2);
+  uf.Union(2, 3);
+  // Recompute runs ancestors first: each removal is of the chain's end.
+  for (uint32_t s = 0; s < 3; ++s) {
+    adj.Erase(uf, s);
+    EXPECT_FALSE(uf.Contains(s));
+    EXPECT_EQ(uf.ComponentOf(s + 1), uf.ComponentOf(3));
+    int64_t expected = 0;
+    for (uint32_t k = s + 1; k < 4; ++k) expected += int64_t{1} << k;
+    EXPECT_EQ(uf.Cost(uf.ComponentOf(3)), expected);
+    EXPECT_EQ(uf.Members(uf.ComponentOf(3)).size(), 3 - s);
+  }
 }
 
 TEST(EvictedComponents, EraseDoesNotJoinThroughNonMembers) {
@@ -172,10 +192,10 @@ TEST(EvictedComponents, EraseDoesNotJoinThroughNonMembers) {
   uf.Union(1, 2);
   adj.Erase(uf, 0);
   EXPECT_FALSE(uf.Contains(7));
-  EXPECT_EQ(uf.Find(1), uf.Find(2));
-  EXPECT_NE(uf.Find(2), uf.Find(4));
-  EXPECT_EQ(uf.RootCost(uf.Find(1)), 110);
-  EXPECT_EQ(uf.RootCost(uf.Find(4)), 1000);
+  EXPECT_EQ(uf.ComponentOf(1), uf.ComponentOf(2));
+  EXPECT_NE(uf.ComponentOf(2), uf.ComponentOf(4));
+  EXPECT_EQ(uf.Cost(uf.ComponentOf(1)), 110);
+  EXPECT_EQ(uf.Cost(uf.ComponentOf(4)), 1000);
 }
 
 TEST(EvictedComponents, EraseOfNonMemberChangesNothing) {
@@ -188,7 +208,7 @@ TEST(EvictedComponents, EraseOfNonMemberChangesNothing) {
   adj.Erase(uf, 5);
   adj.Erase(uf, 500);
   EXPECT_EQ(uf.size(), 2u);
-  EXPECT_EQ(uf.RootCost(uf.Find(1)), 30);
+  EXPECT_EQ(uf.Cost(uf.ComponentOf(1)), 30);
 }
 
 TEST(EvictedComponents, EraseOfSingletonAndReinsertTakesNewCost) {
@@ -200,8 +220,8 @@ TEST(EvictedComponents, EraseOfSingletonAndReinsertTakesNewCost) {
   EXPECT_EQ(uf.size(), 0u);
   uf.Insert(4, 33);
   EXPECT_TRUE(uf.Contains(4));
-  EXPECT_EQ(uf.RootCost(uf.Find(4)), 33);
-  EXPECT_THAT(uf.RootMembers(uf.Find(4)), ElementsAre(4u));
+  EXPECT_EQ(uf.Cost(uf.ComponentOf(4)), 33);
+  EXPECT_THAT(uf.Members(uf.ComponentOf(4)), ElementsAre(4u));
 }
 
 // --- Components as the table keeps them
@@ -235,14 +255,14 @@ class TableComponents : public testing::Test {
   }
   uint32_t Root(TensorId id) const {
     EXPECT_TRUE(Member(id)) << "tensor " << id;
-    return table_.components().Find(Slot(id));
+    return table_.components().ComponentOf(Slot(id));
   }
   int64_t ComponentCost(TensorId id) const {
-    return table_.components().RootCost(Root(id));
+    return table_.components().Cost(Root(id));
   }
   std::vector<TensorId> ComponentIds(TensorId id) const {
     std::vector<TensorId> ids;
-    for (uint32_t s : table_.components().RootMembers(Root(id))) {
+    for (uint32_t s : table_.components().Members(Root(id))) {
       ids.push_back(table_.AtSlot(s).id);
     }
     std::sort(ids.begin(), ids.end());
@@ -626,12 +646,12 @@ void CheckTable(const TensorTable& table, const Model& m) {
       continue;
     }
     ASSERT_TRUE(uf.Contains(slot));
-    const uint32_t root = uf.Find(slot);
+    const uint32_t root = uf.ComponentOf(slot);
     auto [r, fresh] = root_of.emplace(it->second, root);
     EXPECT_EQ(r->second, root) << "one oracle component, two roots";
     if (fresh) {
-      EXPECT_EQ(uf.RootCost(root), o.cost[it->second]);
-      EXPECT_EQ(uf.RootMembers(root).size(), o.members[it->second]);
+      EXPECT_EQ(uf.Cost(root), o.cost[it->second]);
+      EXPECT_EQ(uf.Members(root).size(), o.members[it->second]);
     }
   }
   EXPECT_EQ(table.size(), live);
