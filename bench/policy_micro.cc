@@ -8,8 +8,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <random>
@@ -20,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "bench/report.h"
 #include "policies/cost_model.h"
 #include "policies/director.h"
 #include "policies/filter.h"
@@ -140,27 +139,14 @@ class Collector : public benchmark::ConsoleReporter {
   std::vector<Row> rows_;
 };
 
-std::string CpuModel() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      return line.substr(line.find(':') + 2);
-    }
-  }
-  return "unknown CPU";
-}
-
 std::string Markdown(const std::vector<Collector::Row>& rows,
                      const std::string& command) {
   std::ostringstream md;
-  const std::time_t now = std::time(nullptr);
-  char date[32];
-  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
   md << "## policy_micro: one release decision\n\n"
      << "Command: `" << command << "`  \n"
-     << "Machine: " << CpuModel() << ", " << std::thread::hardware_concurrency()
-     << " cores  \nDate: " << date << "\n\n"
+     << "Machine: " << bench::CpuModel() << ", "
+     << std::thread::hardware_concurrency()
+     << " cores  \nDate: " << bench::Today() << "\n\n"
      << "One decision = Filter pick + Director decision over N resident "
         "tensors (4 sessions on one GPU, 5% of tensors evicted). Sampled "
         "search scores ceil(sqrt(N)) candidates and skips tensors under 1% "
@@ -184,30 +170,6 @@ std::string Markdown(const std::vector<Collector::Row>& rows,
        << verdict << " |\n";
   }
   return md.str();
-}
-
-// Replaces the text between this benchmark's markers, or appends it.
-bool UpdateDoc(const std::string& path, const std::string& section) {
-  const std::string begin = "<!-- policy_micro:begin -->";
-  const std::string end = "<!-- policy_micro:end -->";
-  std::string doc;
-  {
-    std::ifstream in(path);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    doc = ss.str();
-  }
-  const std::string block = begin + "\n" + section + end;
-  const auto b = doc.find(begin);
-  const auto e = doc.find(end);
-  if (b != std::string::npos && e != std::string::npos && e > b) {
-    doc.replace(b, e + end.size() - b, block);
-  } else {
-    doc += "\n" + block + "\n";
-  }
-  std::ofstream out(path, std::ios::trunc);
-  out << doc;
-  return static_cast<bool>(out);
 }
 
 }  // namespace
@@ -242,7 +204,7 @@ int main(int argc, char** argv) {
   const std::string md = Markdown(collector.rows(), command);
   std::printf("\n%s", md.c_str());
   if (!doc_path.empty()) {
-    if (!UpdateDoc(doc_path, md)) {
+    if (!deltad::bench::UpdateDocSection(doc_path, "policy_micro", md)) {
       std::fprintf(stderr, "policy_micro: could not write %s\n",
                    doc_path.c_str());
       return 1;

@@ -25,6 +25,14 @@ absl::Status CostModel::SetBandwidth(GpuId gpu, LinkBandwidth bw) {
   return absl::OkStatus();
 }
 
+void CostModel::SetOffloadBacklog(GpuId gpu, int64_t bytes) {
+  if (bytes <= 0) {
+    backlog_.erase(gpu);
+  } else {
+    backlog_[gpu] = bytes;
+  }
+}
+
 LinkBandwidth CostModel::Bandwidth(GpuId gpu) const {
   auto it = bandwidth_.find(gpu);
   return it == bandwidth_.end() ? kDefaultBandwidth : it->second;

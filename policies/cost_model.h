@@ -28,15 +28,29 @@ class CostModel {
   absl::Status SetBandwidth(GpuId gpu, LinkBandwidth bw);
   LinkBandwidth Bandwidth(GpuId gpu) const;
 
+  // Bytes already queued for copy to the host on this GPU's link. An offload
+  // decided now frees its memory only after they have gone, so its cost
+  // includes them: with a saturated link the Director evicts instead of
+  // queueing more.
+  void SetOffloadBacklog(GpuId gpu, int64_t bytes);
+
   int64_t OffloadNs(GpuId gpu, int64_t bytes) const;
   int64_t ReloadNs(GpuId gpu, int64_t bytes) const;
-  // c_s(t): offload now and reload later, both directions counted.
-  int64_t SwapNs(const Tensor& t) const {
-    return OffloadNs(t.gpu, t.bytes) + ReloadNs(t.gpu, t.bytes);
+  // c_s(t): offload now (after the backlog and `queued` more bytes that
+  // the caller is about to add) and reload later.
+  int64_t SwapNs(const Tensor& t, int64_t queued = 0) const {
+    return OffloadNs(t.gpu, Backlog(t.gpu) + queued + t.bytes) +
+           ReloadNs(t.gpu, t.bytes);
   }
 
  private:
+  int64_t Backlog(GpuId gpu) const {
+    auto it = backlog_.find(gpu);
+    return it == backlog_.end() ? 0 : it->second;
+  }
+
   absl::flat_hash_map<GpuId, LinkBandwidth> bandwidth_;
+  absl::flat_hash_map<GpuId, int64_t> backlog_;
 };
 
 // c_r(t): the tensor's own compute cost plus that of every evicted component

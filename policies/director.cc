@@ -30,15 +30,17 @@ bool Director::CanRelease(const Tensor& t, int64_t host_bytes_available) const {
   return CanEvict(t) || CanOffload(t, host_bytes_available);
 }
 
-double Director::DecisionScore(const TensorTable& table, uint32_t slot) const {
+double Director::DecisionScore(const TensorTable& table, uint32_t slot,
+                               int64_t queued) const {
   const Tensor& t = table.AtSlot(slot);
-  const double swap = std::max<double>(1.0, costs_.SwapNs(t));
+  const double swap = std::max<double>(1.0, costs_.SwapNs(t, queued));
   return static_cast<double>(RecomputeNs(table, slot)) / swap;
 }
 
-absl::StatusOr<ReleaseAction> Director::Decide(
-    const TensorTable& table, uint32_t slot,
-    int64_t host_bytes_available) const {
+absl::StatusOr<ReleaseAction> Director::Decide(const TensorTable& table,
+                                               uint32_t slot,
+                                               int64_t host_bytes_available,
+                                               int64_t queued) const {
   const Tensor& t = table.AtSlot(slot);
   const bool evictable = CanEvict(t);
   const bool offloadable = CanOffload(t, host_bytes_available);
@@ -57,8 +59,8 @@ absl::StatusOr<ReleaseAction> Director::Decide(
   }
   if (!offloadable) return ReleaseAction::kEvict;
   if (!evictable) return ReleaseAction::kOffload;
-  return DecisionScore(table, slot) <= 1.0 ? ReleaseAction::kEvict
-                                           : ReleaseAction::kOffload;
+  return DecisionScore(table, slot, queued) <= 1.0 ? ReleaseAction::kEvict
+                                                   : ReleaseAction::kOffload;
 }
 
 RestoreAction Director::ChooseRestore(const TensorTable& table,

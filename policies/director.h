@@ -31,8 +31,11 @@ class Director {
   //  - otherwise F = c_r / c_s: Evict when F <= 1, else Offload;
   //  - Offload with the host pool short of the tensor's bytes -> Evict where
   //    the flags allow it.
+  // `queued` is what the caller has decided to offload but not yet
+  // reported to the cost model's backlog (a planner in mid-plan).
   absl::StatusOr<ReleaseAction> Decide(const TensorTable& table, uint32_t slot,
-                                       int64_t host_bytes_available) const;
+                                       int64_t host_bytes_available,
+                                       int64_t queued = 0) const;
   // Whether Decide would succeed, without computing F (for the Filter).
   bool CanRelease(const Tensor& t, int64_t host_bytes_available) const;
 
@@ -42,7 +45,8 @@ class Director {
   RestoreAction ChooseRestore(const TensorTable& table, uint32_t slot) const;
 
   // F(t) = c_r(t) / c_s(t), DELTA eq. (4).
-  double DecisionScore(const TensorTable& table, uint32_t slot) const;
+  double DecisionScore(const TensorTable& table, uint32_t slot,
+                       int64_t queued = 0) const;
 
  private:
   const CostModel& costs_;

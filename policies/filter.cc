@@ -14,8 +14,8 @@ namespace {
 constexpr size_t kPrefetchAhead = 8;
 }  // namespace
 
-Filter::Filter(FilterOptions options)
-    : options_(options), rng_state_(options.seed) {}
+Filter::Filter(FilterOptions options, const CostModel* costs)
+    : options_(options), costs_(costs), rng_state_(options.seed) {}
 
 uint64_t Filter::NextRandom() {
   // splitmix64: tiny, fast, and the same sequence on every platform.

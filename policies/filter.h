@@ -27,7 +27,9 @@ class Filter {
  public:
   using Eligible = absl::FunctionRef<bool(const Tensor&)>;
 
-  explicit Filter(FilterOptions options = {});
+  // `costs` (may be null; must outlive the Filter) prices swaps for the
+  // delta_cost heuristic.
+  explicit Filter(FilterOptions options = {}, const CostModel* costs = nullptr);
 
   // The lowest-scoring candidate of `scope` that is unlocked and passes
   // `eligible`. NotFound when there is none. Sampling falls back to an exact
@@ -37,7 +39,7 @@ class Filter {
 
   double Score(const TensorTable& table, uint32_t slot, int64_t now_ns) const {
     return policy::Score(options_.heuristic, options_.megengine, table, slot,
-                         now_ns);
+                         now_ns, costs_);
   }
   const FilterOptions& options() const { return options_; }
 
@@ -45,6 +47,7 @@ class Filter {
   uint64_t NextRandom();
 
   FilterOptions options_;
+  const CostModel* costs_;
   uint64_t rng_state_;
   std::vector<uint32_t> sample_;  // reused between calls
 };

@@ -17,9 +17,10 @@ struct Named {
   absl::string_view name;
 };
 constexpr Named kNames[] = {
-    {Heuristic::kDelta, "delta"},   {Heuristic::kLru, "lru"},
-    {Heuristic::kGreedy, "greedy"}, {Heuristic::kDtr, "dtr"},
-    {Heuristic::kDtrEq, "dtr_eq"},  {Heuristic::kMegEngine, "megengine"},
+    {Heuristic::kDelta, "delta"},          {Heuristic::kLru, "lru"},
+    {Heuristic::kGreedy, "greedy"},        {Heuristic::kDtr, "dtr"},
+    {Heuristic::kDtrEq, "dtr_eq"},         {Heuristic::kMegEngine, "megengine"},
+    {Heuristic::kDeltaCost, "delta_cost"},
 };
 
 }  // namespace
@@ -43,7 +44,7 @@ absl::string_view HeuristicName(Heuristic h) {
 }
 
 double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
-             uint32_t slot, int64_t now_ns) {
+             uint32_t slot, int64_t now_ns, const CostModel* costs) {
   const Tensor& t = table.AtSlot(slot);
   const double m = static_cast<double>(t.bytes);
   const double s =
@@ -59,6 +60,17 @@ double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
       return static_cast<double>(NeighbourhoodNsExact(table, slot)) / (m * s);
     case Heuristic::kDtrEq:
       return static_cast<double>(NeighbourhoodNsEq(table, slot)) / (m * s);
+    case Heuristic::kDeltaCost: {
+      constexpr double kNever = 1e30;
+      const double recompute =
+          t.flags.uncomputable || t.flags.evict_pinned
+              ? kNever
+              : static_cast<double>(RecomputeNs(table, slot));
+      const double swap = t.flags.offload_pinned || costs == nullptr
+                              ? kNever
+                              : static_cast<double>(costs->SwapNs(t));
+      return std::min(recompute, swap) / (m * s);
+    }
     case Heuristic::kMegEngine: {
       const double cost = static_cast<double>(NeighbourhoodNsEq(table, slot));
       const double mem = m + static_cast<double>(t.adjacent_free_bytes);

@@ -17,6 +17,10 @@ enum class Heuristic {
   kDtr,        // c_r / (m * s), exact evicted neighbourhood (DTR's h_DTR)
   kDtrEq,      // c_r / (m * s), union-find neighbourhood (DTR's h_DTR-eq)
   kMegEngine,  // DTR-eq with MegEngine's fragmentation and recompute terms
+  // min(c_r, c_s) / (m * s): DELTA's h_r and h_o (eqs. 5, 6) taken together,
+  // the cost of whichever release the Director would choose. An action the
+  // flags forbid counts as infinitely dear.
+  kDeltaCost,
 };
 
 absl::StatusOr<Heuristic> ParseHeuristic(absl::string_view name);
@@ -34,10 +38,13 @@ struct MegEngineParams {
   double recompute_penalty = 1.5;  // > 1 makes each recompute count
 };
 
+class CostModel;
+
 // Score of a resident tensor at `now_ns`. Staleness is at least 1 ns so a
-// tensor touched this instant gets a finite score.
+// tensor touched this instant gets a finite score. `costs` is needed by
+// kDeltaCost only (swap cost); without it that heuristic uses c_r alone.
 double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
-             uint32_t slot, int64_t now_ns);
+             uint32_t slot, int64_t now_ns, const CostModel* costs = nullptr);
 
 }  // namespace deltad::policy
 

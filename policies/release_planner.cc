@@ -42,7 +42,8 @@ absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Release(
       // CanRelease(t, 0) holds exactly when t may be evicted.
       const int64_t host_for_t =
           reserve_host && director_.CanRelease(t, 0) ? 0 : host_left;
-      auto action = director_.Decide(table_, *pick, host_for_t);
+      auto action = director_.Decide(table_, *pick, host_for_t,
+                                     host_bytes_available - host_left);
       if (!action.ok()) {  // CanRelease said yes: only a bug gets here
         failure = action.status();
         break;
@@ -74,6 +75,31 @@ absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Release(
       "asked to release ", bytes, " bytes; can free at most ", most,
       " bytes (the rest is locked, pinned, or needs host memory the pool "
       "lacks)"));
+}
+
+std::vector<ReleaseOrder> ReleasePlanner::OffloadAhead(
+    const Scope& scope, int64_t bytes, int64_t now_ns,
+    int64_t host_bytes_available) {
+  std::vector<ReleaseOrder> orders;
+  int64_t host_left = std::max<int64_t>(0, host_bytes_available);
+  // Offloads planned in this call queue behind each other on the link.
+  const int64_t host_left_at_start = host_left;
+  for (int64_t freed = 0; freed < bytes;) {
+    auto pick = filter_.Select(table_, scope, now_ns, [&](const Tensor& t) {
+      if (!director_.CanRelease(t, host_left)) return false;
+      auto action = director_.Decide(table_, table_.SlotOf(t.id), host_left,
+                                     host_left_at_start - host_left);
+      return action.ok() && *action == ReleaseAction::kOffload;
+    });
+    if (!pick.ok()) break;
+    const Tensor& t = table_.AtSlot(*pick);
+    const ReleaseOrder order{t.id, ReleaseAction::kOffload, t.bytes};
+    if (!table_.SetState(t.id, TensorState::kOffloading).ok()) break;
+    host_left -= order.bytes;
+    freed += order.bytes;
+    orders.push_back(order);
+  }
+  return orders;
 }
 
 }  // namespace deltad::policy

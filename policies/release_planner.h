@@ -34,6 +34,16 @@ class ReleasePlanner {
       const Scope& scope, int64_t bytes, int64_t now_ns,
       int64_t host_bytes_available);
 
+  // The early start of DELTA (§4.2), for use above the high watermark:
+  // offloads, in the Filter's order, up to `bytes` of the tensors the
+  // Director would offload, so their copies overlap compute. Best effort:
+  // returns what it could, possibly nothing. Evictions are left for when
+  // memory is actually short, since an eviction frees memory at once and
+  // gains nothing by going early, while it may cost a recompute.
+  std::vector<ReleaseOrder> OffloadAhead(const Scope& scope, int64_t bytes,
+                                         int64_t now_ns,
+                                         int64_t host_bytes_available);
+
  private:
   TensorTable& table_;
   Filter& filter_;

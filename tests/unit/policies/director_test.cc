@@ -305,5 +305,19 @@ TEST(DirectorNamesTest, ActionsHaveNames) {
   EXPECT_EQ(RestoreActionName(RestoreAction::kRecompute), "recompute");
 }
 
+TEST_F(DirectorTest, OffloadBacklogTurnsAnOffloadIntoAnEviction) {
+  // c_r = 3000 ns against c_s = 2000 ns: offloaded on an idle link.
+  Add(Spec(1, kBytes, 3000));
+  EXPECT_EQ(*Decide(1), ReleaseAction::kOffload);
+  // 1500 bytes already queued: the memory is free only after 2500 ns, and
+  // the round trip prices at 3500 ns, dearer than recomputing.
+  costs_.SetOffloadBacklog(0, 1500);
+  EXPECT_EQ(*Decide(1), ReleaseAction::kEvict);
+  // The same through bytes the caller is about to queue itself.
+  costs_.SetOffloadBacklog(0, 0);
+  EXPECT_EQ(*director_.Decide(table_, table_.SlotOf(1), kPlenty, 1500),
+            ReleaseAction::kEvict);
+}
+
 }  // namespace
 }  // namespace deltad::policy

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "policies/cost_model.h"
 #include "policies/heuristic.h"
 #include "policies/tensor.h"
 #include "policies/tensor_table.h"
@@ -301,11 +302,15 @@ TEST(HeuristicTest, MegEngineExponentsWeighTheTerms) {
               ElementsAre(1, 2));
 }
 
-TEST(ParseHeuristicTest, AcceptsTheSixNames) {
+TEST(ParseHeuristicTest, AcceptsEveryName) {
   const std::pair<const char*, Heuristic> cases[] = {
-      {"delta", Heuristic::kDelta},   {"lru", Heuristic::kLru},
-      {"greedy", Heuristic::kGreedy}, {"dtr", Heuristic::kDtr},
-      {"dtr_eq", Heuristic::kDtrEq},  {"megengine", Heuristic::kMegEngine},
+      {"delta", Heuristic::kDelta},
+      {"lru", Heuristic::kLru},
+      {"greedy", Heuristic::kGreedy},
+      {"dtr", Heuristic::kDtr},
+      {"dtr_eq", Heuristic::kDtrEq},
+      {"megengine", Heuristic::kMegEngine},
+      {"delta_cost", Heuristic::kDeltaCost},
   };
   for (const auto& [name, h] : cases) {
     absl::StatusOr<Heuristic> parsed = ParseHeuristic(name);
@@ -322,8 +327,8 @@ TEST(ParseHeuristicTest, RejectsOtherNamesListingTheValidOnes) {
     EXPECT_TRUE(absl::IsInvalidArgument(parsed.status())) << parsed.status();
     const std::string msg(parsed.status().message());
     EXPECT_THAT(msg, HasSubstr(std::string("'") + bad + "'"));
-    for (const char* name :
-         {"delta", "lru", "greedy", "dtr", "dtr_eq", "megengine"}) {
+    for (const char* name : {"delta", "lru", "greedy", "dtr", "dtr_eq",
+                             "megengine", "delta_cost"}) {
       EXPECT_THAT(msg, HasSubstr(name));
     }
   }
@@ -599,6 +604,40 @@ TEST_F(FilterScopeTest, UnknownScopeIsNotFoundAndSaysWhich) {
   pick = filter_.Select(table_, GpuScope(5), 100, Any);
   ASSERT_TRUE(absl::IsNotFound(pick.status())) << pick.status();
   EXPECT_THAT(std::string(pick.status().message()), HasSubstr("GPU 5"));
+}
+
+TEST(HeuristicTest, DeltaCostPricesTheCheaperOfRecomputeAndSwap) {
+  // 1 GB/s both ways: swapping b bytes costs 2b ns.
+  CostModel costs;
+  ASSERT_TRUE(costs.SetBandwidth(0, {1e9, 1e9}).ok());
+  TensorTable table;
+  ASSERT_TRUE(table.Add(Spec(1, 1000, /*compute_cost_ns=*/500), 0).ok());
+  ASSERT_TRUE(table.Add(Spec(2, 1000, /*compute_cost_ns=*/5000), 0).ok());
+  const MegEngineParams me;
+  const int64_t now = 10;  // staleness 10 ns for both
+  const auto score = [&](TensorId id) {
+    return Score(Heuristic::kDeltaCost, me, table, table.SlotOf(id), now,
+                 &costs);
+  };
+  // min(500, 2000) and min(5000, 2000), over m * s = 10000.
+  EXPECT_DOUBLE_EQ(score(1), 500.0 / 10000);
+  EXPECT_DOUBLE_EQ(score(2), 2000.0 / 10000);
+  // A queue on the link makes swapping dearer: the recompute price stays.
+  costs.SetOffloadBacklog(0, 3000);
+  EXPECT_DOUBLE_EQ(score(1), 500.0 / 10000);
+  EXPECT_DOUBLE_EQ(score(2), 5000.0 / 10000);
+}
+
+TEST(HeuristicTest, DeltaCostTreatsAForbiddenActionAsInfinitelyDear) {
+  CostModel costs;
+  ASSERT_TRUE(costs.SetBandwidth(0, {1e9, 1e9}).ok());
+  TensorTable table;
+  TensorSpec pinned = Spec(1, 1000, /*compute_cost_ns=*/10);
+  pinned.flags.evict_pinned = true;  // only the 2000 ns swap is allowed
+  ASSERT_TRUE(table.Add(pinned, 0).ok());
+  const double s = Score(Heuristic::kDeltaCost, MegEngineParams{}, table,
+                         table.SlotOf(1), 10, &costs);
+  EXPECT_DOUBLE_EQ(s, 2000.0 / 10000);
 }
 
 }  // namespace

@@ -432,5 +432,46 @@ TEST_F(ReleasePlannerTest, WatermarksTriggerRarelyAndKeepUseUnderTheHighMark) {
   EXPECT_LE(triggers, 25);
 }
 
+TEST_F(ReleasePlannerTest,
+       OffloadAheadOffloadsOnlyWhatTheDirectorWouldOffload) {
+  // Odd ids are cheap to recompute (evict), even ones dear (offload).
+  for (TensorId id = 1; id <= 6; ++id) {
+    Add(Spec(id, 100, id % 2 ? Kind::kCheap : Kind::kCostly), id);
+  }
+  const std::vector<ReleaseOrder> orders =
+      planner_.OffloadAhead(SessionScope(kSession), 250, kNow, kPlenty);
+  EXPECT_EQ(Bytes(orders), 300);
+  for (const ReleaseOrder& o : orders) {
+    EXPECT_EQ(o.action, kOffload);
+    EXPECT_EQ(o.id % 2, 0u) << o.id;
+    EXPECT_EQ(State(o.id), TensorState::kOffloading);
+  }
+  for (TensorId id : {1, 3, 5}) EXPECT_EQ(State(id), TensorState::kResident);
+}
+
+TEST_F(ReleasePlannerTest, OffloadAheadIsBestEffort) {
+  Add(Spec(1, 100, Kind::kCostly), 1);
+  Add(Spec(2, 100, Kind::kCheap), 2);
+  // Asks for far more than the one offloadable tensor: no error, just it.
+  EXPECT_THAT(
+      Ids(planner_.OffloadAhead(SessionScope(kSession), 10000, kNow, kPlenty)),
+      ElementsAre(1));
+  // Nothing to offload with no host memory.
+  EXPECT_TRUE(
+      planner_.OffloadAhead(SessionScope(kSession), 100, kNow, 0).empty());
+}
+
+TEST_F(ReleasePlannerTest,
+       OffloadAheadStopsWhenTheLinkQueueOutpricesRecompute) {
+  // c_r = 10 ns/byte = 1000 ns per tensor. The k-th planned offload queues
+  // behind the k-1 before it: (k-1)*100 + 100 ns out, 100 ns back, so
+  // F = 1000 / (100k + 100) stays above 1 for k <= 8; the ninth (F = 1)
+  // would be evicted, so offloading ahead stops there.
+  for (TensorId id = 1; id <= 20; ++id) Add(Spec(id, 100, Kind::kCostly), id);
+  const std::vector<ReleaseOrder> orders =
+      planner_.OffloadAhead(SessionScope(kSession), 2000, kNow, kPlenty);
+  EXPECT_EQ(orders.size(), 8u);
+}
+
 }  // namespace
 }  // namespace deltad::policy

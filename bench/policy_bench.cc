@@ -1,0 +1,665 @@
+// The side-by-side policy table: every trace (the measured DTR logs and the
+// model traces) at every budget ratio under every policy, in one run; the
+// fidelity of the simulated DTR against DTR's measurements; and, with
+// --max_batch, the largest batch each policy fits for a model.
+//
+//   build/bench/policy_bench --csv=docs/bench/policy.csv
+//       --plots=docs/bench --update_doc=docs/BENCHMARKS.md
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "bench/report.h"
+#include "policies/sim/device_profile.h"
+#include "policies/sim/dtr_log.h"
+#include "policies/sim/dtr_measured.h"
+#include "policies/sim/model_traces.h"
+#include "policies/sim/policy_registry.h"
+#include "policies/sim/program.h"
+#include "policies/sim/simulator.h"
+
+ABSL_FLAG(std::string, traces, "",
+          "folder of the measured DTR logs (default: $DELTAD_DTR_TRACES or "
+          "../shared/traces/dtr)");
+ABSL_FLAG(std::string, models, "resnet50,densenet121,vgg16,unet,gpt",
+          "model traces to generate (empty: none)");
+ABSL_FLAG(std::string, model_device, "a100-80gb", "device for model traces");
+ABSL_FLAG(int, model_batch, 32, "batch of the model traces");
+ABSL_FLAG(std::string, policies, "", "policies to run (default: all)");
+ABSL_FLAG(std::string, ratios, "0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0",
+          "budgets as fractions of each trace's unlimited peak");
+ABSL_FLAG(std::string, csv, "", "write every row to this CSV file");
+ABSL_FLAG(std::string, plots, "", "write slowdown plots (SVG) to this folder");
+ABSL_FLAG(std::string, update_doc, "",
+          "rewrite this benchmark's sections of this Markdown file");
+ABSL_FLAG(std::string, max_batch, "",
+          "find the largest batch each policy fits for these models");
+ABSL_FLAG(std::string, max_batch_device, "a100-80gb",
+          "device profile for --max_batch");
+ABSL_FLAG(int, host_gib, 128,
+          "pinned host pool per GPU in GiB (a DGX A100: 1 TiB for 8 GPUs)");
+
+namespace deltad::sim {
+namespace {
+
+struct BenchTrace {
+  std::string name;
+  std::string source;     // "dtr-log" or "model"
+  std::string device;     // profile name
+  std::string dtr_model;  // key into the measured data, for the fidelity
+  int dtr_batch = 0;
+  bool cnn = false;
+  Program program;
+};
+
+struct Row {
+  std::string trace;
+  std::string source;
+  std::string device;
+  double ratio = 0;
+  SimResult result;
+};
+
+std::vector<std::string> List(const std::string& csv) {
+  std::vector<std::string> out;
+  for (absl::string_view s : absl::StrSplit(csv, ',', absl::SkipEmpty())) {
+    out.emplace_back(s);
+  }
+  return out;
+}
+
+std::vector<std::string> AllPolicies() { return PolicyNames(); }
+
+absl::StatusOr<SimResult> RunOne(const Program& program,
+                                 const DeviceProfile& device,
+                                 const std::string& policy, int64_t budget) {
+  auto made = MakePolicy(policy);
+  if (!made.ok()) return made.status();
+  SimOptions o;
+  o.budget_bytes = budget;
+  o.host_bytes = int64_t{absl::GetFlag(FLAGS_host_gib)} << 30;
+  o.iterations = IterationsFor(policy);
+  auto r = Simulate(program, device, **made, o);
+  if (r.ok()) return r;
+  if (r.status().code() == absl::StatusCode::kFailedPrecondition) {
+    SimResult infeasible;
+    infeasible.policy = policy;
+    infeasible.budget_bytes = budget;
+    infeasible.min_budget_bytes = program.min_budget_bytes;
+    infeasible.compute_ns = program.compute_ns;
+    infeasible.failure = std::string(r.status().message());
+    return infeasible;
+  }
+  return r.status();
+}
+
+std::vector<BenchTrace> LoadTraces() {
+  std::vector<BenchTrace> traces;
+  std::string dir = absl::GetFlag(FLAGS_traces);
+  if (dir.empty()) dir = DefaultDtrTraceDir();
+  const std::vector<std::string> logs = ListDtrLogs(dir);
+  if (logs.empty()) {
+    std::fprintf(stderr,
+                 "policy_bench: no DTR logs in %s (set --traces or "
+                 "DELTAD_DTR_TRACES): running the model traces only\n",
+                 dir.c_str());
+  } else {
+    std::fprintf(stderr, "policy_bench: DTR logs from %s\n", dir.c_str());
+  }
+  for (const std::string& path : logs) {
+    auto trace = ImportDtrLog(path);
+    if (!trace.ok()) {
+      std::fprintf(stderr, "policy_bench: skipping %s: %s\n", path.c_str(),
+                   std::string(trace.status().message()).c_str());
+      continue;
+    }
+    auto program = Compile(*trace);
+    if (!program.ok()) continue;
+    BenchTrace t;
+    auto model = DtrModelFromLogName(path);
+    t.name = model.ok() ? absl::StrCat(model->model, "-", model->batch)
+                        : std::filesystem::path(path).stem().string();
+    if (model.ok() && model->same_config_as_measured) {
+      t.dtr_model = model->model;
+      t.dtr_batch = model->batch;
+    }
+    t.source = "dtr-log";
+    t.device = "titan-v";  // where the logs were measured
+    t.cnn = absl::StrContains(t.name, "densenet") ||
+            absl::StrContains(t.name, "resnet") ||
+            absl::StrContains(t.name, "inception") ||
+            absl::StrContains(t.name, "unet");
+    t.program = std::move(*program);
+    traces.push_back(std::move(t));
+  }
+  auto device = FindDeviceProfile(absl::GetFlag(FLAGS_model_device));
+  if (!device.ok()) {
+    std::fprintf(stderr, "policy_bench: %s\n",
+                 std::string(device.status().message()).c_str());
+    return traces;
+  }
+  for (const std::string& m : List(absl::GetFlag(FLAGS_models))) {
+    ModelOptions opt;
+    opt.batch = absl::GetFlag(FLAGS_model_batch);
+    if (m == "gpt") opt.batch = std::max(1, opt.batch / 4);
+    auto trace = BuildModelTrace(m, opt, *device);
+    if (!trace.ok()) {
+      std::fprintf(stderr, "policy_bench: %s: %s\n", m.c_str(),
+                   std::string(trace.status().message()).c_str());
+      continue;
+    }
+    auto program = Compile(*trace);
+    if (!program.ok()) continue;
+    BenchTrace t;
+    t.name = trace->name;
+    t.source = "model";
+    t.device = device->name;
+    t.cnn = m != "gpt";
+    t.program = std::move(*program);
+    traces.push_back(std::move(t));
+  }
+  return traces;
+}
+
+}  // namespace
+}  // namespace deltad::sim
+
+namespace deltad::sim {
+namespace {
+
+std::string Cell(const SimResult& r) {
+  return r.fits ? absl::StrFormat("%.3f", r.slowdown()) : std::string("-");
+}
+
+std::string CsvEscape(std::string s) {
+  for (char& c : s) {
+    if (c == ',' || c == '"' || c == '\n') c = ';';
+  }
+  return s;
+}
+
+void WriteCsv(const std::string& path, const std::vector<Row>& rows) {
+  std::filesystem::create_directories(
+      std::filesystem::path(path).parent_path());
+  std::ofstream out(path, std::ios::trunc);
+  out << "trace,source,device,budget_ratio,budget_bytes,policy,fits,slowdown,"
+         "makespan_ns,compute_ns,peak_bytes,d2h_bytes,h2d_bytes,recompute_ns,"
+         "stall_ns,offloads,evictions,recomputes,failure\n";
+  for (const Row& row : rows) {
+    const SimResult& r = row.result;
+    out << row.trace << ',' << row.source << ',' << row.device << ','
+        << absl::StrFormat("%.2f", row.ratio) << ',' << r.budget_bytes << ','
+        << r.policy << ',' << (r.fits ? 1 : 0) << ','
+        << (r.fits ? absl::StrFormat("%.4f", r.slowdown()) : "") << ','
+        << r.makespan_ns << ',' << r.compute_ns << ',' << r.peak_bytes << ','
+        << r.d2h_bytes << ',' << r.h2d_bytes << ',' << r.recompute_ns << ','
+        << r.stall_ns << ',' << r.offloads << ',' << r.evictions << ','
+        << r.recomputes << ',' << CsvEscape(r.failure) << '\n';
+  }
+}
+
+// One SVG per trace: slowdown against budget ratio, a line per policy.
+void WritePlots(const std::string& dir, const std::vector<Row>& rows,
+                const std::vector<std::string>& policies,
+                std::vector<std::string>* written) {
+  std::filesystem::create_directories(dir);
+  std::map<std::string, std::vector<const Row*>> by_trace;
+  for (const Row& r : rows) by_trace[r.trace].push_back(&r);
+  for (const auto& [trace, list] : by_trace) {
+    const std::string dat = absl::StrCat(dir, "/", trace, ".dat");
+    {
+      std::ofstream out(dat, std::ios::trunc);
+      for (const std::string& policy : policies) {
+        out << "\"" << policy << "\"\n";
+        for (const Row* r : list) {
+          if (r->result.policy == policy && r->result.fits) {
+            out << r->ratio << ' ' << r->result.slowdown() << '\n';
+          }
+        }
+        out << "\n\n";
+      }
+    }
+    const std::string svg = absl::StrCat(trace, ".svg");
+    const std::string script = absl::StrCat(
+        "set terminal svg size 720,440 font 'sans,11' background rgb 'white'; "
+        "set output '",
+        dir, "/", svg, "'; set title 'slowdown against budget: ", trace,
+        "'; set xlabel 'budget (fraction of the unlimited peak)'; "
+        "set ylabel 'makespan / ideal compute time'; set key outside right; "
+        "set grid; set xrange [0.25:1.05]; plot for [i=0:",
+        policies.size() - 1, "] '", dat,
+        "' index i using 1:2 with linespoints title columnheader(1)");
+    const std::string cmd =
+        absl::StrCat("gnuplot -e \"", script, "\" 2>/dev/null");
+    if (std::system(cmd.c_str()) == 0) {
+      written->push_back(svg);
+    } else {
+      std::fprintf(stderr,
+                   "policy_bench: gnuplot failed for %s (is it "
+                   "installed?)\n",
+                   trace.c_str());
+    }
+    std::filesystem::remove(dat);
+  }
+}
+
+const SimResult* Find(const std::vector<Row>& rows, const std::string& trace,
+                      double ratio, const std::string& policy) {
+  for (const Row& r : rows) {
+    if (r.trace == trace && std::abs(r.ratio - ratio) < 1e-9 &&
+        r.result.policy == policy) {
+      return &r.result;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+}  // namespace deltad::sim
+
+namespace deltad::sim {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+std::string Command(int argc, char** argv) {
+  std::vector<std::string> parts{"build/bench/policy_bench"};
+  for (int i = 1; i < argc; ++i) parts.emplace_back(argv[i]);
+  return absl::StrJoin(parts, " ");
+}
+
+// Largest batch that fits the device's memory, by doubling then bisection,
+// and the slowdown at that batch.
+struct MaxBatchResult {
+  int batch = 0;
+  double slowdown = 0;
+};
+
+MaxBatchResult MaxBatch(const std::string& model, const std::string& policy,
+                        const DeviceProfile& device) {
+  double slowdown = 0;
+  auto fits = [&](int batch) {
+    ModelOptions opt;
+    opt.batch = batch;
+    auto trace = BuildModelTrace(model, opt, device);
+    if (!trace.ok()) return false;
+    auto program = Compile(*trace);
+    if (!program.ok()) return false;
+    auto r = RunOne(*program, device, policy, device.memory_bytes);
+    if (!r.ok() || !r->fits) return false;
+    slowdown = r->slowdown();
+    return true;
+  };
+  if (!fits(1)) return {};
+  int lo = 1;
+  int hi = 2;
+  while (hi <= (1 << 16) && fits(hi)) {
+    lo = hi;
+    hi *= 2;
+  }
+  while (hi - lo > 1) {
+    const int mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  fits(lo);  // the slowdown at the answer, not at the last probe
+  return {lo, slowdown};
+}
+
+int RunMaxBatch(const std::string& command) {
+  auto device = FindDeviceProfile(absl::GetFlag(FLAGS_max_batch_device));
+  if (!device.ok()) {
+    std::fprintf(stderr, "policy_bench: %s\n",
+                 std::string(device.status().message()).c_str());
+    return 2;
+  }
+  std::vector<std::string> policies = List(absl::GetFlag(FLAGS_policies));
+  if (policies.empty()) policies = AllPolicies();
+  std::ostringstream md;
+  md << "## policy_bench --max_batch: largest batch that fits\n\n"
+     << "Command: `" << command << "`  \nMachine: " << bench::CpuModel()
+     << "  \nDate: " << bench::Today() << "\n\n"
+     << "Device profile " << device->title << " ("
+     << device->memory_bytes / (int64_t{1} << 30) << " GiB), pinned host "
+     << "pool " << absl::GetFlag(FLAGS_host_gib)
+     << " GiB, fp32, one training iteration; a batch fits when the "
+        "simulated iteration completes within the device memory. Each cell: "
+        "the largest batch, and in brackets the slowdown at that batch.\n\n"
+     << "| model | " << absl::StrJoin(policies, " | ") << " |\n|---|";
+  for (size_t i = 0; i < policies.size(); ++i) md << "---:|";
+  md << "\n";
+  int exit_code = 0;
+  for (const std::string& model : List(absl::GetFlag(FLAGS_max_batch))) {
+    std::map<std::string, int> best;
+    md << "| " << model;
+    for (const std::string& policy : policies) {
+      const auto start = Clock::now();
+      const MaxBatchResult r = MaxBatch(model, policy, *device);
+      best[policy] = r.batch;
+      std::fprintf(stderr, "policy_bench: %s %s: max batch %d (%.1f s)\n",
+                   model.c_str(), policy.c_str(), r.batch,
+                   Seconds(Clock::now() - start));
+      md << " | " << r.batch << absl::StrFormat(" (%.2f)", r.slowdown);
+    }
+    md << " |\n";
+    if (model == "resnet50" && best.count("delta") && best.count("none")) {
+      const bool met = best["delta"] >= 2 * best["none"];
+      md << "\nTarget (ResNet-50): `delta` fits at least 2x the batch of "
+            "`none`: "
+         << best["delta"] << " vs " << best["none"] << " ("
+         << absl::StrFormat("%.2fx", best["none"] > 0
+                                         ? double(best["delta"]) / best["none"]
+                                         : 0.0)
+         << "): **" << (met ? "met" : "MISSED") << "**\n\n";
+    }
+  }
+  std::printf("%s", md.str().c_str());
+  const std::string doc = absl::GetFlag(FLAGS_update_doc);
+  if (!doc.empty() &&
+      !bench::UpdateDocSection(doc, "policy_bench_max_batch", md.str())) {
+    std::fprintf(stderr, "policy_bench: could not write %s\n", doc.c_str());
+    exit_code = 1;
+  }
+  return exit_code;
+}
+
+}  // namespace
+}  // namespace deltad::sim
+
+namespace deltad::sim {
+namespace {
+
+struct Targets {
+  std::ostringstream md;
+  bool all_met = true;
+};
+
+void CheckTargets(const std::vector<BenchTrace>& traces,
+                  const std::vector<Row>& rows,
+                  const std::vector<double>& ratios, Targets& t) {
+  // 1. delta no slower than dtr, swap-lru and offload-greedy wherever
+  //    anything fits, on the measured traces.
+  int pairs = 0;
+  int met = 0;
+  std::vector<std::string> misses;
+  for (const BenchTrace& trace : traces) {
+    if (trace.source != "dtr-log") continue;
+    for (double ratio : ratios) {
+      const SimResult* delta = Find(rows, trace.name, ratio, "delta");
+      bool any = false;
+      for (const Row& r : rows) {
+        if (r.trace == trace.name && std::abs(r.ratio - ratio) < 1e-9 &&
+            r.result.fits && r.result.policy != "none") {
+          any = true;
+        }
+      }
+      if (!any || delta == nullptr) continue;
+      for (const char* other : {"dtr", "swap-lru", "offload-greedy"}) {
+        const SimResult* o = Find(rows, trace.name, ratio, other);
+        if (o == nullptr || !o->fits) continue;
+        ++pairs;
+        // Within 0.5% counts as equal: the simulator is not that precise.
+        if (delta->fits && delta->slowdown() <= o->slowdown() * 1.005) {
+          ++met;
+        } else {
+          misses.push_back(absl::StrFormat(
+              "%s at %.1f: delta %s vs %s %.3f", trace.name, ratio,
+              delta->fits ? absl::StrFormat("%.3f", delta->slowdown())
+                          : std::string("does not fit"),
+              other, o->slowdown()));
+        }
+      }
+    }
+  }
+  const bool t1 = pairs > 0 && met == pairs;
+  t.all_met &= t1;
+  t.md << "| `delta` no slower than `dtr`, `swap-lru`, `offload-greedy` on "
+          "every measured trace and budget where anything fits (ties within "
+          "0.5% count as equal) | "
+       << met << " of " << pairs << " comparisons | **"
+       << (t1 ? "met" : "MISSED") << "** |\n";
+  // 2. delta within 1.10x of ideal at a 0.5 budget on the CNN traces.
+  int cnn = 0;
+  int cnn_met = 0;
+  std::vector<std::string> cnn_values;
+  for (const BenchTrace& trace : traces) {
+    if (!trace.cnn || trace.source != "dtr-log") continue;
+    const SimResult* delta = Find(rows, trace.name, 0.5, "delta");
+    if (delta == nullptr) continue;
+    ++cnn;
+    const bool ok = delta->fits && delta->slowdown() <= 1.10;
+    cnn_met += ok ? 1 : 0;
+    cnn_values.push_back(absl::StrCat(
+        trace.name, " ",
+        delta->fits ? absl::StrFormat("%.3f", delta->slowdown()) : "-"));
+  }
+  const bool t2 = cnn > 0 && cnn_met == cnn;
+  t.all_met &= t2;
+  t.md << "| `delta` within 1.10x of ideal at a 0.5 budget on the measured "
+          "CNN traces | "
+       << absl::StrJoin(cnn_values, "; ") << " | **" << (t2 ? "met" : "MISSED")
+       << "** |\n";
+  if (!misses.empty()) {
+    t.md << "\nWhere `delta` is slower: " << absl::StrJoin(misses, "; ")
+         << ".\n";
+  }
+}
+
+std::string FidelitySection(const std::vector<BenchTrace>& traces,
+                            bool* mostly_met) {
+  std::string dir = absl::GetFlag(FLAGS_traces);
+  if (dir.empty()) dir = DefaultDtrTraceDir();
+  auto measured =
+      LoadDtrMeasurements(absl::StrCat(dir, "/measured-data-full.json"));
+  std::ostringstream md;
+  md << "### Fidelity: simulated `dtr` against DTR's measured slowdown\n\n";
+  if (!measured.ok()) {
+    md << "Measured data not found (" << measured.status().message()
+       << ").\n\n";
+    *mostly_met = false;
+    return md.str();
+  }
+  md << "Measured: DTR's runs on a Titan V (`measured-data-full.json`), "
+        "slowdown = DTR median time / baseline median time at the same "
+        "batch. Simulated: the `dtr` policy on the same log at the same "
+        "absolute budget, Titan V profile.\n\n"
+     << "| model | batch | budget (GB) | measured | simulated | error |\n"
+     << "|---|---:|---:|---:|---:|---:|\n";
+  int pairs = 0;
+  int within = 0;
+  for (const BenchTrace& trace : traces) {
+    if (trace.dtr_model.empty()) continue;
+    const DtrMeasurement* base =
+        FindDtrBaseline(*measured, trace.dtr_model, trace.dtr_batch);
+    if (base == nullptr) continue;
+    auto device = FindDeviceProfile(trace.device);
+    if (!device.ok()) continue;
+    for (const DtrMeasurement& m : *measured) {
+      if (m.type != "dtr" || m.model != trace.dtr_model ||
+          m.batch != trace.dtr_batch) {
+        continue;
+      }
+      const double meas = m.median_ms / base->median_ms;
+      auto r = RunOne(trace.program, *device, "dtr", m.budget_bytes);
+      std::string sim = "-";
+      std::string err = "does not fit";
+      if (r.ok() && r->fits) {
+        ++pairs;
+        const double e = r->slowdown() / meas - 1;
+        within += std::abs(e) <= 0.15 ? 1 : 0;
+        sim = absl::StrFormat("%.3f", r->slowdown());
+        err = absl::StrFormat("%+.1f%%", 100 * e);
+      } else {
+        ++pairs;
+      }
+      md << "| " << trace.dtr_model << " | " << m.batch << " | "
+         << absl::StrFormat("%.1f", m.budget_bytes / 1e9) << " | "
+         << absl::StrFormat("%.3f", meas) << " | " << sim << " | " << err
+         << " |\n";
+    }
+  }
+  *mostly_met = pairs > 0 && 2 * within > pairs;
+  md << "\nWithin ±15%: " << within << " of " << pairs << " pairs: **"
+     << (*mostly_met ? "met" : "MISSED") << "** (target: most pairs).\n\n";
+  return md.str();
+}
+
+int RunTable(const std::string& command) {
+  const auto bench_start = Clock::now();
+  std::vector<std::string> policies = List(absl::GetFlag(FLAGS_policies));
+  if (policies.empty()) policies = AllPolicies();
+  std::vector<double> ratios;
+  for (const std::string& r : List(absl::GetFlag(FLAGS_ratios))) {
+    ratios.push_back(std::strtod(r.c_str(), nullptr));
+  }
+  const std::vector<BenchTrace> traces = LoadTraces();
+  if (traces.empty()) {
+    std::fprintf(stderr, "policy_bench: no traces to run\n");
+    return 2;
+  }
+  std::vector<Row> rows;
+  double slowest_run = 0;
+  std::string slowest_what;
+  for (size_t i = 0; i < traces.size(); ++i) {
+    const BenchTrace& trace = traces[i];
+    auto device = FindDeviceProfile(trace.device);
+    if (!device.ok()) continue;
+    const auto start = Clock::now();
+    for (double ratio : ratios) {
+      const auto budget = static_cast<int64_t>(
+          ratio * static_cast<double>(trace.program.peak_bytes));
+      for (const std::string& policy : policies) {
+        const auto run_start = Clock::now();
+        auto r = RunOne(trace.program, *device, policy, budget);
+        // Per replayed iteration: delta-replay runs two.
+        const double took =
+            Seconds(Clock::now() - run_start) / IterationsFor(policy);
+        if (took > slowest_run) {
+          slowest_run = took;
+          slowest_what =
+              absl::StrFormat("%s, %s at %.1f (%d ops)", trace.name, policy,
+                              ratio, trace.program.steps.size());
+        }
+        if (!r.ok()) {
+          std::fprintf(stderr, "policy_bench: %s %s: %s\n", trace.name.c_str(),
+                       policy.c_str(),
+                       std::string(r.status().message()).c_str());
+          return 1;
+        }
+        rows.push_back({trace.name, trace.source, trace.device, ratio, *r});
+      }
+    }
+    std::fprintf(stderr, "policy_bench: [%zu/%zu] %s (%zu ops): %.1f s\n",
+                 i + 1, traces.size(), trace.name.c_str(),
+                 trace.program.steps.size(), Seconds(Clock::now() - start));
+  }
+
+  std::ostringstream md;
+  md << "## policy_bench: every policy side by side\n\n"
+     << "Command: `" << command << "`  \nMachine: " << bench::CpuModel()
+     << "  \nDate: " << bench::Today() << "\n\n"
+     << "Each cell is the slowdown (simulated makespan / ideal compute time) "
+        "of one training iteration at a budget that is a fraction of the "
+        "trace's unlimited peak; `-` means it does not fit. Measured DTR "
+        "logs run on the Titan V profile, model traces on "
+     << absl::GetFlag(FLAGS_model_device) << " at batch "
+     << absl::GetFlag(FLAGS_model_batch)
+     << " (GPT at a quarter of it). "
+        "Every row is in `docs/bench/policy.csv`.\n\n";
+  for (const BenchTrace& trace : traces) {
+    md << "**" << trace.name << "** (" << trace.source << ", "
+       << trace.program.steps.size() << " ops, peak "
+       << absl::StrFormat("%.2f", trace.program.peak_bytes / 1e9)
+       << " GB, ideal "
+       << absl::StrFormat("%.1f", trace.program.compute_ns / 1e6)
+       << " ms)\n\n| budget | " << absl::StrJoin(policies, " | ")
+       << " |\n|---:|";
+    for (size_t i = 0; i < policies.size(); ++i) md << "---:|";
+    md << "\n";
+    for (double ratio : ratios) {
+      md << "| " << absl::StrFormat("%.1f", ratio);
+      for (const std::string& policy : policies) {
+        const SimResult* r = Find(rows, trace.name, ratio, policy);
+        md << " | " << (r ? Cell(*r) : "");
+      }
+      md << " |\n";
+    }
+    md << "\n";
+  }
+
+  Targets targets;
+  targets.md
+      << "### Targets\n\n| target | measured | result |\n|---|---|---|\n";
+  CheckTargets(traces, rows, ratios, targets);
+  bool fidelity_met = false;
+  const std::string fidelity = FidelitySection(traces, &fidelity_met);
+  const double total = Seconds(Clock::now() - bench_start);
+  targets.md << "| simulated `dtr` within ±15% of DTR's measured slowdown on "
+                "most pairs | see the fidelity table | **"
+             << (fidelity_met ? "met" : "MISSED") << "** |\n"
+             << "| the whole bench under 5 minutes | "
+             << absl::StrFormat("%.0f s", total) << " | **"
+             << (total < 300 ? "met" : "MISSED") << "** |\n"
+             << "| one replay of the largest trace under 1 s | slowest "
+                "iteration "
+             << absl::StrFormat("%.2f s", slowest_run) << " (" << slowest_what
+             << ") | **" << (slowest_run < 1.0 ? "met" : "MISSED") << "** |\n";
+
+  md << targets.md.str() << "\n" << fidelity;
+
+  const std::string csv = absl::GetFlag(FLAGS_csv);
+  if (!csv.empty()) WriteCsv(csv, rows);
+  const std::string plots = absl::GetFlag(FLAGS_plots);
+  if (!plots.empty()) {
+    std::vector<std::string> written;
+    WritePlots(plots, rows, policies, &written);
+    if (!written.empty()) {
+      md << "### Plots\n\n";
+      for (const std::string& svg : written) {
+        md << "![" << svg << "](bench/" << svg << ")\n";
+      }
+      md << "\n";
+    }
+  }
+  std::printf("%s", md.str().c_str());
+  const std::string doc = absl::GetFlag(FLAGS_update_doc);
+  if (!doc.empty() && !bench::UpdateDocSection(doc, "policy_bench", md.str())) {
+    std::fprintf(stderr, "policy_bench: could not write %s\n", doc.c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "policy_bench: %zu runs in %.0f s\n", rows.size(),
+               total);
+  return 0;
+}
+
+}  // namespace
+}  // namespace deltad::sim
+
+int main(int argc, char** argv) {
+  const std::string command = deltad::sim::Command(argc, argv);
+  absl::ParseCommandLine(argc, argv);
+  if (!absl::GetFlag(FLAGS_max_batch).empty()) {
+    return deltad::sim::RunMaxBatch(command);
+  }
+  return deltad::sim::RunTable(command);
+}

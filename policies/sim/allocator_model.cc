@@ -1,0 +1,158 @@
+#include "policies/sim/allocator_model.h"
+
+#include <algorithm>
+#include <iterator>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace deltad::sim {
+
+absl::StatusOr<AllocatorKind> ParseAllocatorKind(absl::string_view name) {
+  if (name == "exact") return AllocatorKind::kExact;
+  if (name == "best-fit") return AllocatorKind::kBestFit;
+  if (name == "vm-chunks") return AllocatorKind::kVmChunks;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown allocator '", name, "'; expected exact, best-fit or vm-chunks"));
+}
+
+absl::string_view AllocatorKindName(AllocatorKind kind) {
+  switch (kind) {
+    case AllocatorKind::kExact:
+      return "exact";
+    case AllocatorKind::kBestFit:
+      return "best-fit";
+    case AllocatorKind::kVmChunks:
+      return "vm-chunks";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// Sizes rounded up to a granule; capacity is the only limit. Blocks smaller
+// than the granule round to 512 bytes instead: they share chunks through a
+// small-block pool, as real chunked allocators do.
+class RoundingAllocator : public AllocatorModel {
+ public:
+  RoundingAllocator(int64_t capacity, int64_t granule)
+      : AllocatorModel(capacity), granule_(granule) {}
+  bool Allocate(int64_t id, int64_t bytes) override {
+    const int64_t g =
+        bytes < granule_ ? std::min<int64_t>(granule_, 512) : granule_;
+    const int64_t size = (bytes + g - 1) / g * g;
+    if (used_ + size > capacity_) return false;
+    blocks_[id] = size;
+    used_ += size;
+    return true;
+  }
+  void Free(int64_t id) override {
+    auto it = blocks_.find(id);
+    if (it == blocks_.end()) return;
+    used_ -= it->second;
+    blocks_.erase(it);
+  }
+  int64_t used() const override { return used_; }
+  int64_t AdjacentFree(int64_t) const override { return 0; }
+
+ private:
+  int64_t granule_;
+  int64_t used_ = 0;
+  absl::flat_hash_map<int64_t, int64_t> blocks_;
+};
+
+// One contiguous arena; the smallest free range that fits is used, and
+// neighbouring free ranges merge on free. Sizes round to 512 bytes, as the
+// PyTorch caching allocator does.
+class BestFitAllocator : public AllocatorModel {
+ public:
+  explicit BestFitAllocator(int64_t capacity) : AllocatorModel(capacity) {
+    if (capacity > 0) AddFree(0, capacity);
+  }
+  bool Allocate(int64_t id, int64_t bytes) override {
+    const int64_t size = (bytes + 511) / 512 * 512;
+    auto it = by_size_.lower_bound({size, 0});
+    if (it == by_size_.end()) return false;
+    const auto [range, start] = *it;
+    RemoveFree(start);
+    if (range > size) AddFree(start + size, range - size);
+    blocks_[id] = {start, size};
+    used_ += size;
+    return true;
+  }
+  void Free(int64_t id) override {
+    auto it = blocks_.find(id);
+    if (it == blocks_.end()) return;
+    int64_t start = it->second.first;
+    int64_t size = it->second.second;
+    used_ -= size;
+    blocks_.erase(it);
+    // Merge with the free ranges on either side.
+    auto next = by_start_.lower_bound(start);
+    if (next != by_start_.end() && next->first == start + size) {
+      size += next->second;
+      RemoveFree(next->first);
+    }
+    auto prev = by_start_.lower_bound(start);
+    if (prev != by_start_.begin()) {
+      --prev;
+      if (prev->first + prev->second == start) {
+        start = prev->first;
+        size += prev->second;
+        RemoveFree(prev->first);
+      }
+    }
+    AddFree(start, size);
+  }
+  int64_t used() const override { return used_; }
+  int64_t AdjacentFree(int64_t id) const override {
+    auto it = blocks_.find(id);
+    if (it == blocks_.end()) return 0;
+    const auto [start, size] = it->second;
+    int64_t sum = 0;
+    auto next = by_start_.find(start + size);
+    if (next != by_start_.end()) sum += next->second;
+    auto prev = by_start_.lower_bound(start);
+    if (prev != by_start_.begin()) {
+      --prev;
+      if (prev->first + prev->second == start) sum += prev->second;
+    }
+    return sum;
+  }
+
+ private:
+  void AddFree(int64_t start, int64_t size) {
+    by_start_[start] = size;
+    by_size_.insert({size, start});
+  }
+  void RemoveFree(int64_t start) {
+    auto it = by_start_.find(start);
+    by_size_.erase({it->second, start});
+    by_start_.erase(it);
+  }
+
+  int64_t used_ = 0;
+  std::map<int64_t, int64_t> by_start_;            // free: start -> size
+  std::set<std::pair<int64_t, int64_t>> by_size_;  // free: (size, start)
+  absl::flat_hash_map<int64_t, std::pair<int64_t, int64_t>> blocks_;
+};
+
+}  // namespace
+
+std::unique_ptr<AllocatorModel> MakeAllocatorModel(AllocatorKind kind,
+                                                   int64_t capacity,
+                                                   int64_t chunk_bytes) {
+  switch (kind) {
+    case AllocatorKind::kExact:
+      return std::make_unique<RoundingAllocator>(capacity, 1);
+    case AllocatorKind::kBestFit:
+      return std::make_unique<BestFitAllocator>(capacity);
+    case AllocatorKind::kVmChunks:
+      return std::make_unique<RoundingAllocator>(
+          capacity, chunk_bytes > 0 ? chunk_bytes : int64_t{2} << 20);
+  }
+  return nullptr;
+}
+
+}  // namespace deltad::sim

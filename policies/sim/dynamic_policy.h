@@ -1,0 +1,93 @@
+#ifndef DELTAD_POLICIES_SIM_DYNAMIC_POLICY_H_
+#define DELTAD_POLICIES_SIM_DYNAMIC_POLICY_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "policies/access_plan.h"
+#include "policies/cost_model.h"
+#include "policies/director.h"
+#include "policies/filter.h"
+#include "policies/prefetcher.h"
+#include "policies/release_planner.h"
+#include "policies/sim/simulator.h"
+#include "policies/tensor_table.h"
+#include "policies/watermarks.h"
+
+namespace deltad::sim {
+
+// What happens when memory in use passes the high watermark during the
+// forward pass.
+enum class EarlyRelease {
+  kNone,          // nothing: release only when an allocation needs room
+  kOffloadAhead,  // offload what the Director would offload, so the copies
+                  // overlap compute (ReleasePlanner::OffloadAhead)
+  kRelease,       // release down to the low watermark (DELTA Algorithm 1)
+};
+
+struct DynamicPolicyOptions {
+  std::string name = "delta";
+  policy::FilterOptions filter;
+  bool allow_offload = true;
+  bool allow_evict = true;
+  EarlyRelease early_release = EarlyRelease::kNone;
+  double high_watermark = policy::Watermarks::kDefaultHigh;
+  double low_watermark = policy::Watermarks::kDefaultLow;
+  // Reload offloaded tensors ahead of use during the backward pass.
+  bool prefetch = true;
+  int max_prefetch_in_flight = 2;
+  // Follow the previous iteration's access order this many bytes ahead
+  // (0: Algorithm 4's queue only). Needs iterations >= 2.
+  double replay_window_fraction = 0;
+  // Let the Director choose recompute over reload for offloaded tensors.
+  bool director_restore = true;
+};
+
+// The policy library driven by the simulator exactly as the daemon drives
+// it: every storage is a tensor in a TensorTable; releases come from the
+// ReleasePlanner (Filter + Director), prefetches from the Prefetcher. The
+// configurations delta, delta-paper, delta-replay, dtr, dtr-sampled and
+// swap-lru differ only in options. Not thread safe.
+class DynamicPolicy final : public SimPolicy {
+ public:
+  explicit DynamicPolicy(DynamicPolicyOptions options);
+
+  std::string name() const override { return options_.name; }
+  void BeginIteration(SimContext& ctx) override;
+  void AfterStep(SimContext& ctx, int32_t step) override;
+  void OnCreate(SimContext& ctx, int32_t s) override;
+  void OnAccess(SimContext& ctx, int32_t s) override;
+  void OnStateChange(SimContext& ctx, int32_t s, StorageState from,
+                     StorageState to) override;
+  bool MakeRoom(SimContext& ctx, int64_t bytes) override;
+  Restore ChooseRestore(SimContext& ctx, int32_t s) override;
+
+ private:
+  policy::TensorId IdOf(const SimContext& ctx, int32_t s) const;
+  bool Release(SimContext& ctx, int64_t bytes);
+  void OffloadAhead(SimContext& ctx, int64_t bytes);
+  std::vector<policy::TensorId> LockInUse(SimContext& ctx);
+
+  DynamicPolicyOptions options_;
+  policy::TensorTable table_;
+  policy::CostModel costs_;
+  policy::Filter filter_;
+  policy::Director director_;
+  policy::Watermarks watermarks_;
+  std::optional<policy::Prefetcher> prefetcher_;
+  policy::AccessPlan plan_;
+  std::vector<policy::TensorId> ids_;  // storage -> tensor id (0: none)
+  policy::TensorId next_id_ = 1;
+  bool first_iteration_ = true;
+};
+
+// The named configurations: delta, delta-paper, delta-replay, dtr,
+// dtr-sampled, swap-lru; and delta-ahead, an ablation (see its comment).
+std::optional<DynamicPolicyOptions> DynamicPolicyPreset(
+    const std::string& name);
+
+}  // namespace deltad::sim
+
+#endif  // DELTAD_POLICIES_SIM_DYNAMIC_POLICY_H_

@@ -1,0 +1,130 @@
+#include "policies/sim/program.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace deltad::sim {
+
+absl::StatusOr<Program> Compile(const Trace& trace) {
+  if (absl::Status s = trace.Validate(); !s.ok()) return s;
+  using Kind = TraceValue::Kind;
+  Program p;
+  p.name = trace.name;
+  std::vector<int32_t> storage_of(trace.values.size(), -1);
+  std::vector<int32_t> names;  // live values per storage
+  auto new_storage = [&](const TraceValue& v, int32_t producer) {
+    Storage s;
+    s.bytes = v.bytes;
+    s.constant = v.kind == Kind::kConstant;
+    s.producer = producer;
+    s.name = v.name;
+    p.storages.push_back(std::move(s));
+    names.push_back(1);
+    return static_cast<int32_t>(p.storages.size() - 1);
+  };
+  for (size_t v = 0; v < trace.values.size(); ++v) {
+    if (trace.values[v].kind == Kind::kConstant) {
+      storage_of[v] = new_storage(trace.values[v], -1);
+      p.constant_bytes += trace.values[v].bytes;
+    }
+  }
+  auto release = [&](int32_t value, std::vector<int32_t>& frees) {
+    const int32_t s = storage_of[value];
+    if (--names[s] == 0) frees.push_back(s);
+  };
+  for (int32_t v : trace.initial_releases) release(v, p.initial_frees);
+
+  int64_t live = p.constant_bytes;
+  for (int32_t s : p.initial_frees) live -= p.storages[s].bytes;
+  p.peak_bytes = live;
+  for (size_t i = 0; i < trace.ops.size(); ++i) {
+    const TraceOp& op = trace.ops[i];
+    Step step;
+    step.op = static_cast<int32_t>(i);
+    step.phase = op.phase;
+    step.time_ns = op.time_ns;
+    step.workspace_bytes = op.workspace_bytes;
+    step.conv = absl::StrContains(op.name, "conv") &&
+                !absl::StrContains(op.name, "backward");
+    absl::flat_hash_set<int32_t> seen;
+    for (int32_t v : op.inputs) {
+      if (seen.insert(storage_of[v]).second)
+        step.reads.push_back(storage_of[v]);
+    }
+    const auto step_index = static_cast<int32_t>(p.steps.size());
+    for (int32_t v : op.outputs) {
+      const TraceValue& val = trace.values[v];
+      if (val.kind == Kind::kAlias) {
+        storage_of[v] = storage_of[val.base];
+        ++names[storage_of[v]];
+        continue;
+      }
+      // An output, or an in-place update: a new immutable storage.
+      storage_of[v] = new_storage(val, step_index);
+      step.creates.push_back(storage_of[v]);
+      if (val.kind == Kind::kVersion) {
+        const int32_t old = storage_of[val.base];
+        if (seen.insert(old).second) step.reads.push_back(old);
+        step.in_place.push_back({storage_of[v], old});
+        // The name moves to the new storage.
+        release(val.base, step.frees);
+      }
+    }
+    for (int32_t s : step.creates) p.storages[s].parents = step.reads;
+    for (int32_t v : op.releases) release(v, step.frees);
+
+    // An in-place result whose old storage loses its last name here reuses
+    // that memory: it needs no bytes of its own.
+    absl::flat_hash_set<int32_t> reused;
+    for (const InPlace& ip : step.in_place) {
+      if (std::find(step.frees.begin(), step.frees.end(), ip.old) !=
+          step.frees.end()) {
+        reused.insert(ip.created);
+      }
+    }
+    int64_t need = step.workspace_bytes;
+    for (int32_t s : step.reads) need += p.storages[s].bytes;
+    for (int32_t s : step.creates) {
+      if (!reused.contains(s)) need += p.storages[s].bytes;
+    }
+    if (need > p.min_budget_bytes) {
+      p.min_budget_bytes = need;
+      p.min_budget_step = step_index;
+    }
+    for (int32_t s : step.creates) {
+      if (!reused.contains(s)) live += p.storages[s].bytes;
+    }
+    p.peak_bytes = std::max(p.peak_bytes, live + step.workspace_bytes);
+    for (int32_t s : step.frees) live -= p.storages[s].bytes;
+    for (int32_t s : reused) live += p.storages[s].bytes;
+    p.compute_ns += step.time_ns;
+    p.steps.push_back(std::move(step));
+  }
+  for (const Step& step : p.steps) {
+    for (int32_t s : step.frees) {
+      p.storages[s].freed_at = static_cast<int32_t>(&step - p.steps.data());
+    }
+  }
+  // Parents come before children, so one pass in creation order decides.
+  auto outlives = [&](int32_t parent, int32_t child) {
+    const int32_t pf = p.storages[parent].freed_at;
+    const int32_t cf = p.storages[child].freed_at;
+    return pf < 0 || (cf >= 0 && pf >= cf);
+  };
+  for (int32_t s = 0; s < static_cast<int32_t>(p.storages.size()); ++s) {
+    Storage& st = p.storages[s];
+    st.recomputable = st.producer >= 0;
+    for (int32_t parent : st.parents) {
+      if (!p.storages[parent].recomputable && !outlives(parent, s)) {
+        st.recomputable = false;
+      }
+    }
+  }
+  return p;
+}
+
+}  // namespace deltad::sim

@@ -1,0 +1,128 @@
+#ifndef DELTAD_POLICIES_SIM_SIMULATOR_H_
+#define DELTAD_POLICIES_SIM_SIMULATOR_H_
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "policies/sim/allocator_model.h"
+#include "policies/sim/device_profile.h"
+#include "policies/sim/program.h"
+
+namespace deltad::sim {
+
+enum class StorageState : uint8_t {
+  kAbsent,      // not created yet in this iteration
+  kResident,    // on the device
+  kOffloading,  // on the device, copy to the host in flight
+  kOffloaded,   // on the host only
+  kReloading,   // copy back in flight (device memory already taken)
+  kEvicted,     // nowhere; recompute from parents
+  kDead,        // dropped by the trace (may be recomputed for a child)
+};
+
+enum class Restore { kReload, kRecompute };
+
+struct SimOptions {
+  int64_t budget_bytes = 0;
+  int64_t host_bytes = int64_t{1} << 40;  // pinned host pool
+  AllocatorKind allocator = AllocatorKind::kExact;
+  int64_t chunk_bytes = int64_t{2} << 20;  // for AllocatorKind::kVmChunks
+  // Iterations run back to back; the last one is measured (earlier ones let
+  // replay plans learn the access order).
+  int iterations = 1;
+};
+
+struct SimResult {
+  std::string policy;
+  bool fits = false;
+  std::string failure;  // why it did not fit
+  int64_t budget_bytes = 0;
+  int64_t min_budget_bytes = 0;  // the largest single step
+  int64_t peak_bytes = 0;        // device bytes in use at most
+  int64_t makespan_ns = 0;       // of the measured iteration
+  int64_t compute_ns = 0;        // ideal: the sum of op times
+  int64_t recompute_ns = 0;
+  int64_t stall_ns = 0;  // compute waiting for copies or memory
+  int64_t d2h_bytes = 0;
+  int64_t h2d_bytes = 0;
+  int64_t offloads = 0;
+  int64_t reloads = 0;  // on demand and prefetched
+  int64_t prefetches = 0;
+  int64_t evictions = 0;
+  int64_t recomputes = 0;
+  double slowdown() const {
+    return compute_ns > 0 ? static_cast<double>(makespan_ns) /
+                                static_cast<double>(compute_ns)
+                          : 0.0;
+  }
+};
+
+class SimPolicy;
+
+// What a policy sees of a running simulation and the actions it may take.
+// Owned by the simulator; valid during the callbacks only.
+class SimContext {
+ public:
+  virtual ~SimContext() = default;
+  virtual const Program& program() const = 0;
+  virtual const DeviceProfile& device() const = 0;
+  virtual int64_t now_ns() const = 0;
+  virtual int32_t step() const = 0;  // the step being run (or next)
+  virtual int iteration() const = 0;
+  virtual StorageState state(int32_t s) const = 0;
+  virtual bool locked(int32_t s) const = 0;  // in use by the current op
+  // Every storage locked now (the current op's and a recompute's inputs).
+  virtual const std::vector<int32_t>& locked_storages() const = 0;
+  virtual int64_t budget() const = 0;
+  virtual int64_t device_used() const = 0;
+  virtual int64_t releasing_bytes() const = 0;  // offloads in flight
+  virtual int64_t host_free() const = 0;
+  virtual int reloads_in_flight() const = 0;
+  // Whether evicting `s` now would still let it be rebuilt.
+  virtual bool CanEvict(int32_t s) const = 0;
+
+  // Actions; false when the storage's state or lock forbids them.
+  virtual bool Offload(int32_t s) = 0;   // async copy out; memory freed after
+  virtual bool Evict(int32_t s) = 0;     // memory freed now
+  virtual bool Prefetch(int32_t s) = 0;  // async copy in, if memory fits now
+};
+
+// A release policy plugged into the simulator. Callbacks come from the
+// simulator's single thread.
+class SimPolicy {
+ public:
+  virtual ~SimPolicy() = default;
+  virtual std::string name() const = 0;
+  virtual void BeginIteration(SimContext& /*ctx*/) {}
+  virtual void BeforeStep(SimContext& /*ctx*/, int32_t /*step*/) {}
+  virtual void AfterStep(SimContext& /*ctx*/, int32_t /*step*/) {}
+  // A storage became resident by being created (not by reload/recompute).
+  virtual void OnCreate(SimContext& /*ctx*/, int32_t /*s*/) {}
+  virtual void OnAccess(SimContext& /*ctx*/, int32_t /*s*/) {}
+  virtual void OnStateChange(SimContext& /*ctx*/, int32_t /*s*/,
+                             StorageState /*from*/, StorageState /*to*/) {}
+  // Memory is short: release at least `bytes` (Offload/Evict). False when
+  // nothing more can be released.
+  virtual bool MakeRoom(SimContext& ctx, int64_t bytes) = 0;
+  // An offloaded storage is needed now.
+  virtual Restore ChooseRestore(SimContext& /*ctx*/, int32_t /*s*/) {
+    return Restore::kReload;
+  }
+};
+
+// Runs `program` on `device` under `options.budget_bytes` with `policy`.
+// Errors only for bad options; a run that does not fit is a result with
+// fits = false and the reason.
+absl::StatusOr<SimResult> Simulate(const Program& program,
+                                   const DeviceProfile& device,
+                                   SimPolicy& policy,
+                                   const SimOptions& options);
+
+}  // namespace deltad::sim
+
+#endif  // DELTAD_POLICIES_SIM_SIMULATOR_H_

@@ -1,0 +1,214 @@
+#include "policies/sim/allocator_model.h"
+
+#include <memory>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace deltad::sim {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+TEST(AllocatorKind, NamesParseBackToTheirKind) {
+  for (AllocatorKind kind : {AllocatorKind::kExact, AllocatorKind::kBestFit,
+                             AllocatorKind::kVmChunks}) {
+    auto parsed = ParseAllocatorKind(AllocatorKindName(kind));
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(*parsed, kind);
+  }
+  EXPECT_EQ(AllocatorKindName(AllocatorKind::kExact), "exact");
+  EXPECT_EQ(AllocatorKindName(AllocatorKind::kBestFit), "best-fit");
+  EXPECT_EQ(AllocatorKindName(AllocatorKind::kVmChunks), "vm-chunks");
+}
+
+TEST(AllocatorKind, UnknownNameErrorListsTheKnownNames) {
+  auto parsed = ParseAllocatorKind("first-fit");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(parsed.status().message(), HasSubstr("'first-fit'"));
+  EXPECT_THAT(parsed.status().message(), HasSubstr("exact"));
+  EXPECT_THAT(parsed.status().message(), HasSubstr("best-fit"));
+  EXPECT_THAT(parsed.status().message(), HasSubstr("vm-chunks"));
+}
+
+TEST(ExactAllocator, StopsAtCapacityWithoutRounding) {
+  auto a = MakeAllocatorModel(AllocatorKind::kExact, 1000, 0);
+  EXPECT_EQ(a->capacity(), 1000);
+  ASSERT_TRUE(a->Allocate(1, 599));
+  EXPECT_EQ(a->used(), 599);
+  EXPECT_FALSE(a->Allocate(2, 402));
+  EXPECT_EQ(a->used(), 599);
+  ASSERT_TRUE(a->Allocate(2, 401));  // exactly full
+  EXPECT_EQ(a->used(), 1000);
+  EXPECT_FALSE(a->Allocate(3, 1));
+}
+
+TEST(ExactAllocator, FreeReturnsTheBytes) {
+  auto a = MakeAllocatorModel(AllocatorKind::kExact, 1000, 0);
+  ASSERT_TRUE(a->Allocate(1, 600));
+  ASSERT_TRUE(a->Allocate(2, 300));
+  a->Free(1);
+  EXPECT_EQ(a->used(), 300);
+  EXPECT_TRUE(a->Allocate(3, 700));
+  // Freeing an unknown or already freed block changes nothing.
+  a->Free(1);
+  a->Free(42);
+  EXPECT_EQ(a->used(), 1000);
+  EXPECT_EQ(a->AdjacentFree(2), 0);
+}
+
+TEST(BestFitAllocator, RoundsTo512Bytes) {
+  auto a = MakeAllocatorModel(AllocatorKind::kBestFit, 8192, 0);
+  ASSERT_TRUE(a->Allocate(1, 1));
+  EXPECT_EQ(a->used(), 512);
+  ASSERT_TRUE(a->Allocate(2, 512));
+  EXPECT_EQ(a->used(), 1024);
+  ASSERT_TRUE(a->Allocate(3, 513));
+  EXPECT_EQ(a->used(), 2048);
+  a->Free(3);
+  EXPECT_EQ(a->used(), 1024);
+}
+
+TEST(BestFitAllocator, RoundingCountsAgainstCapacity) {
+  auto a = MakeAllocatorModel(AllocatorKind::kBestFit, 1024, 0);
+  ASSERT_TRUE(a->Allocate(1, 513));  // takes the whole arena
+  EXPECT_FALSE(a->Allocate(2, 1));
+}
+
+// Lays out [A 512][hole 2048][C 512][hole 1024][E 512] in a 4608-byte arena.
+std::unique_ptr<AllocatorModel> TwoHoles() {
+  auto a = MakeAllocatorModel(AllocatorKind::kBestFit, 4608, 0);
+  EXPECT_TRUE(a->Allocate(1, 512));   // A at 0
+  EXPECT_TRUE(a->Allocate(2, 2048));  // hole at 512
+  EXPECT_TRUE(a->Allocate(3, 512));   // C at 2560
+  EXPECT_TRUE(a->Allocate(4, 1024));  // hole at 3072
+  EXPECT_TRUE(a->Allocate(5, 512));   // E at 4096
+  EXPECT_EQ(a->used(), 4608);
+  a->Free(2);
+  a->Free(4);
+  return a;
+}
+
+TEST(BestFitAllocator, ChoosesTheSmallestHoleThatFits) {
+  auto a = TwoHoles();
+  // First fit would take the 2048-byte hole (lower address) and leave 1024
+  // free beside the block.
+  ASSERT_TRUE(a->Allocate(10, 1000));
+  EXPECT_EQ(a->AdjacentFree(10), 0);
+  // The large hole is intact.
+  EXPECT_TRUE(a->Allocate(11, 2048));
+  EXPECT_EQ(a->used(), 4608);
+}
+
+TEST(BestFitAllocator, TakesTheFrontOfALargerHole) {
+  auto a = TwoHoles();
+  ASSERT_TRUE(a->Allocate(10, 1536));  // only the 2048 hole fits
+  EXPECT_EQ(a->AdjacentFree(10), 512);
+  EXPECT_TRUE(a->Allocate(11, 1024));
+  EXPECT_TRUE(a->Allocate(12, 512));
+  EXPECT_FALSE(a->Allocate(13, 1));
+}
+
+TEST(BestFitAllocator, FragmentationFailsWithEnoughFreeBytes) {
+  auto a = MakeAllocatorModel(AllocatorKind::kBestFit, 4096, 0);
+  for (int64_t id = 0; id < 4; ++id) ASSERT_TRUE(a->Allocate(id, 1024));
+  a->Free(0);
+  a->Free(2);
+  EXPECT_EQ(a->capacity() - a->used(), 2048);
+  EXPECT_FALSE(a->Allocate(10, 2048));
+  EXPECT_FALSE(a->Allocate(10, 1025));
+  EXPECT_TRUE(a->Allocate(10, 1024));
+}
+
+TEST(BestFitAllocator, FreeingANeighbourOnBothSidesMerges) {
+  auto a = MakeAllocatorModel(AllocatorKind::kBestFit, 4096, 0);
+  for (int64_t id = 0; id < 4; ++id) ASSERT_TRUE(a->Allocate(id, 1024));
+  a->Free(0);
+  a->Free(2);
+  ASSERT_FALSE(a->Allocate(10, 3072));
+  a->Free(1);  // joins the holes before and after it
+  EXPECT_TRUE(a->Allocate(10, 3072));
+  EXPECT_EQ(a->used(), 4096);
+}
+
+TEST(BestFitAllocator, FreeingMergesWithTheHoleAfter) {
+  auto a = MakeAllocatorModel(AllocatorKind::kBestFit, 3072, 0);
+  for (int64_t id = 0; id < 3; ++id) ASSERT_TRUE(a->Allocate(id, 1024));
+  a->Free(1);
+  a->Free(0);
+  EXPECT_TRUE(a->Allocate(10, 2048));
+}
+
+TEST(BestFitAllocator, FreeingMergesWithTheHoleBefore) {
+  auto a = MakeAllocatorModel(AllocatorKind::kBestFit, 3072, 0);
+  for (int64_t id = 0; id < 3; ++id) ASSERT_TRUE(a->Allocate(id, 1024));
+  a->Free(0);
+  a->Free(1);
+  EXPECT_TRUE(a->Allocate(10, 2048));
+}
+
+TEST(BestFitAllocator, MergedHolesStayMergedAcrossManyFrees) {
+  auto a = MakeAllocatorModel(AllocatorKind::kBestFit, 8 * 512, 0);
+  for (int64_t id = 0; id < 8; ++id) ASSERT_TRUE(a->Allocate(id, 512));
+  for (int64_t id : {6, 1, 3, 0, 7, 5, 2, 4}) a->Free(id);
+  EXPECT_EQ(a->used(), 0);
+  EXPECT_TRUE(a->Allocate(10, 8 * 512));
+}
+
+TEST(BestFitAllocator, AdjacentFreeCountsBothSides) {
+  auto a = MakeAllocatorModel(AllocatorKind::kBestFit, 5120, 0);
+  for (int64_t id = 0; id < 4; ++id) ASSERT_TRUE(a->Allocate(id, 1024));
+  // 1024 free at the end of the arena.
+  EXPECT_EQ(a->AdjacentFree(3), 1024);
+  EXPECT_EQ(a->AdjacentFree(1), 0);
+  a->Free(0);
+  EXPECT_EQ(a->AdjacentFree(1), 1024);  // before
+  a->Free(2);
+  EXPECT_EQ(a->AdjacentFree(1), 2048);  // before and after
+  // Block 3 now has 1024 free before it and 1024 after it.
+  EXPECT_EQ(a->AdjacentFree(3), 2048);
+  EXPECT_EQ(a->AdjacentFree(99), 0);  // unknown block
+}
+
+TEST(VmChunksAllocator, RoundsLargeBlocksToWholeChunks) {
+  auto a = MakeAllocatorModel(AllocatorKind::kVmChunks, 64 * kMiB, 2 * kMiB);
+  ASSERT_TRUE(a->Allocate(1, 3 * kMiB));
+  EXPECT_EQ(a->used(), 4 * kMiB);
+  ASSERT_TRUE(a->Allocate(2, 2 * kMiB));
+  EXPECT_EQ(a->used(), 6 * kMiB);
+  ASSERT_TRUE(a->Allocate(3, 2 * kMiB + 1));
+  EXPECT_EQ(a->used(), 10 * kMiB);
+  a->Free(1);
+  EXPECT_EQ(a->used(), 6 * kMiB);
+  EXPECT_EQ(a->AdjacentFree(2), 0);
+}
+
+TEST(VmChunksAllocator, RoundsSmallBlocksTo512Bytes) {
+  auto a = MakeAllocatorModel(AllocatorKind::kVmChunks, 64 * kMiB, 2 * kMiB);
+  ASSERT_TRUE(a->Allocate(1, 100));
+  EXPECT_EQ(a->used(), 512);
+  ASSERT_TRUE(a->Allocate(2, kMiB + 1));
+  EXPECT_EQ(a->used(), 512 + kMiB + 512);
+}
+
+TEST(VmChunksAllocator, RoundingCanExceedCapacityWhereExactFits) {
+  auto exact = MakeAllocatorModel(AllocatorKind::kExact, 6 * kMiB, 0);
+  auto chunks =
+      MakeAllocatorModel(AllocatorKind::kVmChunks, 6 * kMiB, 2 * kMiB);
+  EXPECT_TRUE(exact->Allocate(1, 3 * kMiB));
+  EXPECT_TRUE(exact->Allocate(2, 3 * kMiB));
+  EXPECT_TRUE(chunks->Allocate(1, 3 * kMiB));
+  EXPECT_FALSE(chunks->Allocate(2, 3 * kMiB));
+}
+
+TEST(VmChunksAllocator, DefaultsTo2MiBChunks) {
+  auto a = MakeAllocatorModel(AllocatorKind::kVmChunks, 64 * kMiB, 0);
+  ASSERT_TRUE(a->Allocate(1, 3 * kMiB));
+  EXPECT_EQ(a->used(), 4 * kMiB);
+}
+
+}  // namespace
+}  // namespace deltad::sim

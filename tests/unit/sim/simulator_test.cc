@@ -1,0 +1,203 @@
+#include "policies/sim/simulator.h"
+
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "policies/sim/policy_registry.h"
+#include "policies/sim/program.h"
+#include "policies/sim/trace.h"
+
+namespace deltad::sim {
+namespace {
+
+using ::testing::HasSubstr;
+
+// 1 byte per ns each way: moving a tensor costs as long as making it.
+DeviceProfile TestDevice(int copy_engines = 2) {
+  DeviceProfile d;
+  d.name = "test";
+  d.memory_bytes = int64_t{1} << 30;
+  d.h2d_bytes_per_s = 1e9;
+  d.d2h_bytes_per_s = 1e9;
+  d.copy_engines = copy_engines;
+  return d;
+}
+
+// A training iteration of a chain: input x, L layers each saving its
+// output for backward, then backward in reverse releasing each activation
+// after its last use. `heavy` makes recompute dearer than a copy.
+Trace ChainTrace(int layers, int64_t bytes, int64_t time_ns,
+                 bool heavy = false) {
+  TraceBuilder b("chain");
+  const int32_t x = b.Constant("x", bytes);
+  std::vector<int32_t> w;
+  for (int i = 0; i < layers; ++i) {
+    w.push_back(b.Constant(absl::StrCat("w", i), 64));
+  }
+  std::vector<int32_t> act;
+  int32_t prev = x;
+  for (int i = 0; i < layers; ++i) {
+    b.Op("linear", Phase::kForward, heavy ? 4 * time_ns : time_ns)
+        .Input(prev)
+        .Input(w[i]);
+    prev = b.Output(absl::StrCat("a", i), bytes);
+    act.push_back(prev);
+  }
+  int32_t grad = -1;
+  for (int i = layers - 1; i >= 0; --i) {
+    b.Op("linear_backward", Phase::kBackward, time_ns).Input(act[i]);
+    if (grad >= 0) b.Input(grad);
+    const int32_t g = b.Output(absl::StrCat("g", i), bytes);
+    b.Version(w[i]);
+    if (grad >= 0) b.Release(grad);
+    b.Release(act[i]);
+    grad = g;
+  }
+  b.Release(grad);
+  return std::move(b).Build();
+}
+
+SimResult RunPolicy(const Program& p, absl::string_view policy, int64_t budget,
+                    AllocatorKind alloc = AllocatorKind::kExact,
+                    int copy_engines = 2) {
+  auto made = MakePolicy(policy);
+  EXPECT_TRUE(made.ok()) << made.status();
+  SimOptions o;
+  o.budget_bytes = budget;
+  o.allocator = alloc;
+  o.iterations = IterationsFor(policy);
+  const DeviceProfile d = TestDevice(copy_engines);
+  auto r = Simulate(p, d, **made, o);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : SimResult{};
+}
+
+Program Compiled(const Trace& t) {
+  auto p = Compile(t);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return std::move(*p);
+}
+
+TEST(Simulator, NoneWithPeakBudgetRunsAtIdealTime) {
+  const Program p = Compiled(ChainTrace(8, 1000, 1000));
+  const SimResult r = RunPolicy(p, "none", p.peak_bytes);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_EQ(r.makespan_ns, p.compute_ns);
+  EXPECT_EQ(r.peak_bytes, p.peak_bytes);
+  EXPECT_EQ(r.d2h_bytes + r.h2d_bytes + r.recompute_ns + r.stall_ns, 0);
+}
+
+TEST(Simulator, NoneBelowPeakDoesNotFit) {
+  const Program p = Compiled(ChainTrace(8, 1000, 1000));
+  const SimResult r = RunPolicy(p, "none", p.peak_bytes - 1);
+  EXPECT_FALSE(r.fits);
+  EXPECT_THAT(r.failure, HasSubstr("out of memory"));
+}
+
+TEST(Simulator, BudgetBelowTheLargestStepIsInfeasible) {
+  const Program p = Compiled(ChainTrace(8, 1000, 1000));
+  auto policy = MakePolicy("delta");
+  ASSERT_TRUE(policy.ok());
+  SimOptions o;
+  o.budget_bytes = p.min_budget_bytes - 1;
+  auto r = Simulate(p, TestDevice(), **policy, o);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(),
+              HasSubstr(absl::StrCat("infeasible: needs at least ",
+                                     p.min_budget_bytes, " bytes")));
+}
+
+TEST(Simulator, RejectsBadOptions) {
+  const Program p = Compiled(ChainTrace(2, 1000, 1000));
+  NoReleasePolicy none;
+  SimOptions o;
+  o.budget_bytes = 0;
+  EXPECT_EQ(Simulate(p, TestDevice(), none, o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  o.budget_bytes = p.peak_bytes;
+  o.iterations = 0;
+  EXPECT_EQ(Simulate(p, TestDevice(), none, o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+class EveryReleasingPolicy : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(EveryReleasingPolicy, FitsHalfThePeakWithinBudgetAndAccountsTime) {
+  const Program p = Compiled(ChainTrace(12, 1000, 1000));
+  const int64_t budget = p.peak_bytes / 2;
+  ASSERT_GE(budget, p.min_budget_bytes);
+  const SimResult r = RunPolicy(p, GetParam(), budget);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_LE(r.peak_bytes, budget);
+  EXPECT_GE(r.makespan_ns, p.compute_ns);
+  // The compute stream only ever runs ops, recomputes, or waits.
+  EXPECT_EQ(r.makespan_ns, p.compute_ns + r.recompute_ns + r.stall_ns);
+  // Nothing comes back that did not go out.
+  EXPECT_LE(r.h2d_bytes, r.d2h_bytes);
+  EXPECT_GT(r.offloads + r.evictions, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, EveryReleasingPolicy,
+                         ::testing::Values("dtr", "dtr-sampled", "swap-lru",
+                                           "delta", "delta-replay"));
+
+TEST(Simulator, DtrOnlyRecomputes) {
+  const Program p = Compiled(ChainTrace(12, 1000, 1000));
+  const SimResult r = RunPolicy(p, "dtr", p.peak_bytes / 2);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_EQ(r.d2h_bytes + r.h2d_bytes, 0);
+  EXPECT_GT(r.recomputes, 0);
+  EXPECT_GT(r.recompute_ns, 0);
+}
+
+TEST(Simulator, SwapLruOnlyCopies) {
+  const Program p = Compiled(ChainTrace(12, 1000, 1000));
+  const SimResult r = RunPolicy(p, "swap-lru", p.peak_bytes / 2);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_EQ(r.evictions + r.recomputes, 0);
+  EXPECT_GT(r.d2h_bytes, 0);
+  EXPECT_GT(r.h2d_bytes, 0);
+}
+
+TEST(Simulator, DeltaOffloadsWhatIsDearToRecompute) {
+  // Recompute costs 4x a copy: the Director offloads, and prefetching in
+  // backward hides most of the reload time.
+  const Program p = Compiled(ChainTrace(12, 1000, 1000, /*heavy=*/true));
+  const SimResult delta = RunPolicy(p, "delta", p.peak_bytes / 2);
+  const SimResult dtr = RunPolicy(p, "dtr", p.peak_bytes / 2);
+  ASSERT_TRUE(delta.fits) << delta.failure;
+  ASSERT_TRUE(dtr.fits) << dtr.failure;
+  EXPECT_GT(delta.offloads, 0);
+  EXPECT_GT(delta.prefetches, 0);
+  EXPECT_LT(delta.makespan_ns, dtr.makespan_ns);
+}
+
+TEST(Simulator, OneCopyEngineSerialisesBothDirections) {
+  const Program p = Compiled(ChainTrace(12, 1000, 1000, /*heavy=*/true));
+  const SimResult two =
+      RunPolicy(p, "delta", p.peak_bytes / 2, AllocatorKind::kExact,
+                /*copy_engines=*/2);
+  const SimResult one =
+      RunPolicy(p, "delta", p.peak_bytes / 2, AllocatorKind::kExact,
+                /*copy_engines=*/1);
+  ASSERT_TRUE(two.fits && one.fits);
+  EXPECT_GE(one.makespan_ns, two.makespan_ns);
+}
+
+TEST(Simulator, ChunkedAllocatorRoundsLargeBlocksUp) {
+  // 3 MiB activations on 2 MiB chunks take 4 MiB each.
+  const int64_t mib = int64_t{1} << 20;
+  const Program p = Compiled(ChainTrace(4, 3 * mib, 1000));
+  const SimResult exact = RunPolicy(p, "none", 64 * mib, AllocatorKind::kExact);
+  const SimResult chunks =
+      RunPolicy(p, "none", 64 * mib, AllocatorKind::kVmChunks);
+  ASSERT_TRUE(exact.fits && chunks.fits);
+  EXPECT_EQ(exact.peak_bytes, p.peak_bytes);
+  EXPECT_GT(chunks.peak_bytes, exact.peak_bytes);
+}
+
+}  // namespace
+}  // namespace deltad::sim
