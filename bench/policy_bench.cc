@@ -34,6 +34,7 @@
 #include "policies/sim/policy_registry.h"
 #include "policies/sim/program.h"
 #include "policies/sim/simulator.h"
+#include "policies/sim/static_policies.h"
 
 ABSL_FLAG(std::string, traces, "",
           "folder of the measured DTR logs (default: $DELTAD_DTR_TRACES or "
@@ -53,6 +54,8 @@ ABSL_FLAG(std::string, max_batch, "",
           "find the largest batch each policy fits for these models");
 ABSL_FLAG(std::string, max_batch_device, "a100-80gb",
           "device profile for --max_batch");
+ABSL_FLAG(std::string, allocator, "exact",
+          "allocator model: exact, best-fit or vm-chunks");
 ABSL_FLAG(int, host_gib, 128,
           "pinned host pool per GPU in GiB (a DGX A100: 1 TiB for 8 GPUs)");
 
@@ -75,6 +78,7 @@ struct Row {
   std::string device;
   double ratio = 0;
   SimResult result;
+  int64_t swap_lb_ns = 0;  // the offloading paper's LB at this budget
 };
 
 std::vector<std::string> List(const std::string& csv) {
@@ -95,6 +99,8 @@ absl::StatusOr<SimResult> RunOne(const Program& program,
   SimOptions o;
   o.budget_bytes = budget;
   o.host_bytes = int64_t{absl::GetFlag(FLAGS_host_gib)} << 30;
+  // Checked once in main(); an unknown name cannot reach here.
+  o.allocator = *ParseAllocatorKind(absl::GetFlag(FLAGS_allocator));
   o.iterations = IterationsFor(policy);
   auto r = Simulate(program, device, **made, o);
   if (r.ok()) return r;
@@ -201,7 +207,8 @@ void WriteCsv(const std::string& path, const std::vector<Row>& rows) {
   std::ofstream out(path, std::ios::trunc);
   out << "trace,source,device,budget_ratio,budget_bytes,policy,fits,slowdown,"
          "makespan_ns,compute_ns,peak_bytes,d2h_bytes,h2d_bytes,recompute_ns,"
-         "stall_ns,offloads,evictions,recomputes,failure\n";
+         "stall_ns,offloads,evictions,recomputes,min_budget_bytes,"
+         "swap_lower_bound_ns,failure\n";
   for (const Row& row : rows) {
     const SimResult& r = row.result;
     out << row.trace << ',' << row.source << ',' << row.device << ','
@@ -211,7 +218,8 @@ void WriteCsv(const std::string& path, const std::vector<Row>& rows) {
         << r.makespan_ns << ',' << r.compute_ns << ',' << r.peak_bytes << ','
         << r.d2h_bytes << ',' << r.h2d_bytes << ',' << r.recompute_ns << ','
         << r.stall_ns << ',' << r.offloads << ',' << r.evictions << ','
-        << r.recomputes << ',' << CsvEscape(r.failure) << '\n';
+        << r.recomputes << ',' << r.min_budget_bytes << ',' << row.swap_lb_ns
+        << ',' << CsvEscape(r.failure) << '\n';
   }
 }
 
@@ -566,7 +574,9 @@ int RunTable(const std::string& command) {
                        std::string(r.status().message()).c_str());
           return 1;
         }
-        rows.push_back({trace.name, trace.source, trace.device, ratio, *r});
+        rows.push_back(
+            {trace.name, trace.source, trace.device, ratio, *r,
+             ComputeLowerBounds(trace.program, *device, budget).swap_only_ns});
       }
     }
     std::fprintf(stderr, "policy_bench: [%zu/%zu] %s (%zu ops): %.1f s\n",
@@ -584,25 +594,38 @@ int RunTable(const std::string& command) {
         "logs run on the Titan V profile, model traces on "
      << absl::GetFlag(FLAGS_model_device) << " at batch "
      << absl::GetFlag(FLAGS_model_batch)
-     << " (GPT at a quarter of it). "
-        "Every row is in `docs/bench/policy.csv`.\n\n";
+     << " (GPT at a quarter of it). The last column is the offloading "
+        "paper's lower bound for any swap-only schedule, max(compute, excess "
+        "out + excess back), as a slowdown. Every row is in "
+        "`docs/bench/policy.csv`.\n\n";
   for (const BenchTrace& trace : traces) {
     md << "**" << trace.name << "** (" << trace.source << ", "
        << trace.program.steps.size() << " ops, peak "
        << absl::StrFormat("%.2f", trace.program.peak_bytes / 1e9)
        << " GB, ideal "
        << absl::StrFormat("%.1f", trace.program.compute_ns / 1e6)
-       << " ms)\n\n| budget | " << absl::StrJoin(policies, " | ")
-       << " |\n|---:|";
-    for (size_t i = 0; i < policies.size(); ++i) md << "---:|";
+       << " ms, largest op "
+       << absl::StrFormat("%.2f", trace.program.min_budget_bytes / 1e9)
+       << " GB)\n\n| budget | " << absl::StrJoin(policies, " | ")
+       << " | swap LB |\n|---:|";
+    for (size_t i = 0; i <= policies.size(); ++i) md << "---:|";
     md << "\n";
     for (double ratio : ratios) {
       md << "| " << absl::StrFormat("%.1f", ratio);
+      int64_t lb = 0;
       for (const std::string& policy : policies) {
         const SimResult* r = Find(rows, trace.name, ratio, policy);
         md << " | " << (r ? Cell(*r) : "");
       }
-      md << " |\n";
+      for (const Row& row : rows) {
+        if (row.trace == trace.name && std::abs(row.ratio - ratio) < 1e-9) {
+          lb = row.swap_lb_ns;
+        }
+      }
+      md << " | "
+         << absl::StrFormat("%.3f",
+                            static_cast<double>(lb) / trace.program.compute_ns)
+         << " |\n";
     }
     md << "\n";
   }
@@ -658,6 +681,12 @@ int RunTable(const std::string& command) {
 int main(int argc, char** argv) {
   const std::string command = deltad::sim::Command(argc, argv);
   absl::ParseCommandLine(argc, argv);
+  if (auto a = deltad::sim::ParseAllocatorKind(absl::GetFlag(FLAGS_allocator));
+      !a.ok()) {
+    std::fprintf(stderr, "policy_bench: %s\n",
+                 std::string(a.status().message()).c_str());
+    return 2;
+  }
   if (!absl::GetFlag(FLAGS_max_batch).empty()) {
     return deltad::sim::RunMaxBatch(command);
   }

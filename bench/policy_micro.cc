@@ -83,7 +83,7 @@ void BM_ReleaseDecision(benchmark::State& state, Heuristic h, bool sampled) {
   options.sampled = sampled;
   options.skip_small = sampled;
   options.seed = 7;
-  Filter filter(options);
+  Filter filter(options, &w.costs);
   Director director(w.costs);
   Scope scope;
   scope.gpu = 0;
@@ -101,7 +101,8 @@ void BM_ReleaseDecision(benchmark::State& state, Heuristic h, bool sampled) {
 
 void Register() {
   for (bool sampled : {false, true}) {
-    for (Heuristic h : {Heuristic::kDelta, Heuristic::kDtrEq}) {
+    for (Heuristic h :
+         {Heuristic::kDelta, Heuristic::kDeltaCost, Heuristic::kDtrEq}) {
       const std::string name =
           absl::StrCat("ReleaseDecision/", HeuristicName(h),
                        sampled ? "/sampled" : "/exact");

@@ -21,21 +21,25 @@ absl::Status CostModel::SetBandwidth(GpuId gpu, LinkBandwidth bw) {
         "GPU ", gpu, ": bandwidth must be positive and finite, got d2h=",
         bw.d2h_bytes_per_s, " h2d=", bw.h2d_bytes_per_s, " bytes/s"));
   }
+  if (static_cast<size_t>(gpu) >= bandwidth_.size()) {
+    bandwidth_.resize(gpu + 1, LinkBandwidth{});
+  }
   bandwidth_[gpu] = bw;
   return absl::OkStatus();
 }
 
 void CostModel::SetOffloadBacklog(GpuId gpu, int64_t bytes) {
-  if (bytes <= 0) {
-    backlog_.erase(gpu);
-  } else {
-    backlog_[gpu] = bytes;
-  }
+  if (gpu < 0) return;
+  if (static_cast<size_t>(gpu) >= backlog_.size()) backlog_.resize(gpu + 1, 0);
+  backlog_[gpu] = std::max<int64_t>(0, bytes);
 }
 
 LinkBandwidth CostModel::Bandwidth(GpuId gpu) const {
-  auto it = bandwidth_.find(gpu);
-  return it == bandwidth_.end() ? kDefaultBandwidth : it->second;
+  if (gpu < 0 || static_cast<size_t>(gpu) >= bandwidth_.size() ||
+      bandwidth_[gpu].d2h_bytes_per_s <= 0) {
+    return kDefaultBandwidth;
+  }
+  return bandwidth_[gpu];
 }
 
 int64_t CostModel::OffloadNs(GpuId gpu, int64_t bytes) const {

@@ -2,8 +2,8 @@
 #define DELTAD_POLICIES_COST_MODEL_H_
 
 #include <cstdint>
+#include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "policies/tensor.h"
 #include "policies/tensor_table.h"
@@ -45,12 +45,15 @@ class CostModel {
 
  private:
   int64_t Backlog(GpuId gpu) const {
-    auto it = backlog_.find(gpu);
-    return it == backlog_.end() ? 0 : it->second;
+    return gpu >= 0 && static_cast<size_t>(gpu) < backlog_.size()
+               ? backlog_[gpu]
+               : 0;
   }
 
-  absl::flat_hash_map<GpuId, LinkBandwidth> bandwidth_;
-  absl::flat_hash_map<GpuId, int64_t> backlog_;
+  // Indexed by GPU: a node has a handful, and the Filter prices a swap for
+  // every candidate it scores.
+  std::vector<LinkBandwidth> bandwidth_;  // zero: not measured, use default
+  std::vector<int64_t> backlog_;
 };
 
 // c_r(t): the tensor's own compute cost plus that of every evicted component

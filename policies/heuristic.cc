@@ -65,7 +65,7 @@ double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
       const double recompute =
           t.flags.uncomputable || t.flags.evict_pinned
               ? kNever
-              : static_cast<double>(RecomputeNs(table, slot));
+              : static_cast<double>(NeighbourhoodNsEq(table, slot));
       const double swap = t.flags.offload_pinned || costs == nullptr
                               ? kNever
                               : static_cast<double>(costs->SwapNs(t));

@@ -18,8 +18,10 @@ enum class Heuristic {
   kDtrEq,      // c_r / (m * s), union-find neighbourhood (DTR's h_DTR-eq)
   kMegEngine,  // DTR-eq with MegEngine's fragmentation and recompute terms
   // min(c_r, c_s) / (m * s): DELTA's h_r and h_o (eqs. 5, 6) taken together,
-  // the cost of whichever release the Director would choose. An action the
-  // flags forbid counts as infinitely dear.
+  // the cost of whichever release the Director would choose. c_r here is
+  // DTR's neighbourhood (evicted ancestors and children, union-find): evicting
+  // t also makes its evicted children's rebuild need t. An action the flags
+  // forbid counts as infinitely dear.
   kDeltaCost,
 };
 

@@ -72,6 +72,12 @@ class BestFitAllocator : public AllocatorModel {
   }
   bool Allocate(int64_t id, int64_t bytes) override {
     const int64_t size = (bytes + 511) / 512 * 512;
+    if (size == 0) {
+      // An empty tensor takes no memory; a zero-sized block in the arena
+      // would share its start with a free range and break the merging.
+      blocks_[id] = {-1, 0};
+      return true;
+    }
     auto it = by_size_.lower_bound({size, 0});
     if (it == by_size_.end()) return false;
     const auto [range, start] = *it;
@@ -88,6 +94,7 @@ class BestFitAllocator : public AllocatorModel {
     int64_t size = it->second.second;
     used_ -= size;
     blocks_.erase(it);
+    if (size == 0) return;
     // Merge with the free ranges on either side.
     auto next = by_start_.lower_bound(start);
     if (next != by_start_.end() && next->first == start + size) {
@@ -108,7 +115,7 @@ class BestFitAllocator : public AllocatorModel {
   int64_t used() const override { return used_; }
   int64_t AdjacentFree(int64_t id) const override {
     auto it = blocks_.find(id);
-    if (it == blocks_.end()) return 0;
+    if (it == blocks_.end() || it->second.second == 0) return 0;
     const auto [start, size] = it->second;
     int64_t sum = 0;
     auto next = by_start_.find(start + size);

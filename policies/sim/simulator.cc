@@ -219,7 +219,7 @@ bool Engine::Allocate(int64_t id, int64_t bytes) {
     // What offloads in flight will not cover is what the policy must free.
     const int64_t headroom = allocator_->capacity() - allocator_->used();
     int64_t shortfall = bytes - headroom - releasing_;
-    if (shortfall <= 0 && releasing_ > 0) {
+    if (shortfall <= 0 && !d2h_.queue.empty()) {
       // Enough is on its way out: wait for the next copy to land.
       StallUntil(d2h_.queue.front().end_ns);
       continue;
@@ -230,7 +230,7 @@ bool Engine::Allocate(int64_t id, int64_t bytes) {
         allocator_->used() - releasing_ < before) {
       continue;
     }
-    if (releasing_ > 0) {
+    if (!d2h_.queue.empty()) {
       StallUntil(d2h_.queue.front().end_ns);
       continue;
     }

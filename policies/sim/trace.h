@@ -61,6 +61,7 @@ struct Trace {
 class TraceBuilder {
  public:
   explicit TraceBuilder(std::string name) { trace_.name = std::move(name); }
+  void set_name(std::string name) { trace_.name = std::move(name); }
 
   int32_t Constant(absl::string_view name, int64_t bytes);
   // Starts an op; Output/Alias/Version/Input attach to the last one started.

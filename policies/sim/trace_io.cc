@@ -110,7 +110,7 @@ class Parser {
 
   absl::Status ParseName(const std::vector<absl::string_view>& w) {
     if (w.size() != 2) return Error("expected 'name <trace name>'");
-    builder_ = TraceBuilder(std::string(w[1]));
+    builder_.set_name(std::string(w[1]));
     return absl::OkStatus();
   }
 
@@ -262,30 +262,34 @@ std::string FormatTrace(const Trace& trace) {
                     op.time_ns);
     if (op.workspace_bytes > 0)
       absl::StrAppend(&out, " ws=", op.workspace_bytes);
-    auto field = [&](absl::string_view key, const std::vector<int32_t>& ids,
-                     auto fmt) {
+    if (!op.inputs.empty()) {
+      absl::StrAppend(
+          &out,
+          " in=", absl::StrJoin(op.inputs, ",", [&](std::string* o, int32_t v) {
+            absl::StrAppend(o, vals[v].name);
+          }));
+    }
+    // Results in their order, a key per run of one kind: the reader creates
+    // them in the order the keys appear, and a view of a value updated by the
+    // same op must come after the update.
+    for (size_t i = 0; i < op.outputs.size();) {
+      const Kind kind = vals[op.outputs[i]].kind;
       std::vector<std::string> items;
-      for (int32_t v : ids) {
-        std::string item = fmt(v);
-        if (!item.empty()) items.push_back(std::move(item));
+      for (; i < op.outputs.size() && vals[op.outputs[i]].kind == kind; ++i) {
+        const TraceValue& v = vals[op.outputs[i]];
+        if (kind == Kind::kOutput) {
+          items.push_back(absl::StrCat(v.name, ":", v.bytes));
+        } else if (kind == Kind::kAlias) {
+          items.push_back(absl::StrCat(v.name, ":", vals[v.base].name));
+        } else {
+          items.push_back(v.name);
+        }
       }
-      if (!items.empty())
-        absl::StrAppend(&out, " ", key, "=", absl::StrJoin(items, ","));
-    };
-    field("in", op.inputs, [&](int32_t v) { return vals[v].name; });
-    field("out", op.outputs, [&](int32_t v) {
-      return vals[v].kind == Kind::kOutput
-                 ? absl::StrCat(vals[v].name, ":", vals[v].bytes)
-                 : std::string();
-    });
-    field("alias", op.outputs, [&](int32_t v) {
-      return vals[v].kind == Kind::kAlias
-                 ? absl::StrCat(vals[v].name, ":", vals[vals[v].base].name)
-                 : std::string();
-    });
-    field("mut", op.outputs, [&](int32_t v) {
-      return vals[v].kind == Kind::kVersion ? vals[v].name : std::string();
-    });
+      const absl::string_view key = kind == Kind::kOutput  ? "out"
+                                    : kind == Kind::kAlias ? "alias"
+                                                           : "mut";
+      absl::StrAppend(&out, " ", key, "=", absl::StrJoin(items, ","));
+    }
     absl::StrAppend(&out, "\n");
     release_line(op.releases);
   }

@@ -640,5 +640,25 @@ TEST(HeuristicTest, DeltaCostTreatsAForbiddenActionAsInfinitelyDear) {
   EXPECT_DOUBLE_EQ(s, 2000.0 / 10000);
 }
 
+TEST(HeuristicTest, DeltaCostCountsEvictedChildrenInTheRecomputePrice) {
+  // Swapping is dear (1 byte/ns for 100000 bytes); recompute decides.
+  CostModel costs;
+  ASSERT_TRUE(costs.SetBandwidth(0, {1e9, 1e9}).ok());
+  TensorTable table;
+  ASSERT_TRUE(table.Add(Spec(1, 100000, /*compute_cost_ns=*/100), 0).ok());
+  TensorSpec child = Spec(2, 100000, /*compute_cost_ns=*/700);
+  child.parents = {1};
+  ASSERT_TRUE(table.Add(child, 0).ok());
+  const auto score = [&] {
+    return Score(Heuristic::kDeltaCost, MegEngineParams{}, table,
+                 table.SlotOf(1), 10, &costs);
+  };
+  EXPECT_DOUBLE_EQ(score(), 100.0 / (100000.0 * 10));
+  // With its child evicted, evicting 1 would make the child's rebuild
+  // need 1 as well: the price is both.
+  ASSERT_TRUE(table.SetState(2, TensorState::kEvicted).ok());
+  EXPECT_DOUBLE_EQ(score(), 800.0 / (100000.0 * 10));
+}
+
 }  // namespace
 }  // namespace deltad::policy

@@ -210,5 +210,23 @@ TEST(VmChunksAllocator, DefaultsTo2MiBChunks) {
   EXPECT_EQ(a->used(), 4 * kMiB);
 }
 
+// Regression: a zero-byte block (DTR's logs hold empty tensors) was placed at
+// the start of a free range and broke the merging on free, corrupting the
+// arena's maps.
+TEST(AllocatorModel, BestFitEmptyBlocksTakeNoSpaceAndFreeCleanly) {
+  auto a = MakeAllocatorModel(AllocatorKind::kBestFit, 4096, 0);
+  ASSERT_TRUE(a->Allocate(1, 0));
+  ASSERT_TRUE(a->Allocate(2, 0));
+  ASSERT_TRUE(a->Allocate(3, 1024));
+  EXPECT_EQ(a->used(), 1024);
+  EXPECT_EQ(a->AdjacentFree(1), 0);
+  a->Free(1);
+  a->Free(3);
+  a->Free(2);
+  EXPECT_EQ(a->used(), 0);
+  // The whole arena is one free range again.
+  EXPECT_TRUE(a->Allocate(4, 4096));
+}
+
 }  // namespace
 }  // namespace deltad::sim

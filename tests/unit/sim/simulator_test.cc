@@ -199,5 +199,27 @@ TEST(Simulator, ChunkedAllocatorRoundsLargeBlocksUp) {
   EXPECT_GT(chunks.peak_bytes, exact.peak_bytes);
 }
 
+TEST(Simulator, DeltaOnTheBestFitArenaWithEmptyTensorsStaysWithinBudget) {
+  // Mixed sizes fragment the arena; empty tensors come from real logs.
+  TraceBuilder b("mixed");
+  int32_t prev = b.Constant("x", 4096);
+  std::vector<int32_t> saved;
+  for (int i = 0; i < 16; ++i) {
+    b.Op("f", Phase::kForward, 1000).Input(prev);
+    prev = b.Output(absl::StrCat("a", i), (i % 3 + 1) * 4096);
+    b.Output(absl::StrCat("empty", i), 0);
+    saved.push_back(prev);
+  }
+  for (int i = 15; i >= 0; --i) {
+    b.Op("f_backward", Phase::kBackward, 1000).Input(saved[i]);
+    b.Release(saved[i]);
+  }
+  const Program p = Compiled(std::move(b).Build());
+  const SimResult r =
+      RunPolicy(p, "delta", p.peak_bytes / 2, AllocatorKind::kBestFit);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_LE(r.peak_bytes, p.peak_bytes / 2);
+}
+
 }  // namespace
 }  // namespace deltad::sim

@@ -7,7 +7,6 @@
 #include <fstream>
 #include <string>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -355,12 +354,10 @@ TEST(TraceIo, AnOpMayReadTheValueItUpdatesInPlace) {
   EXPECT_EQ(t->values[t->ops[0].outputs[0]].base, 0);
 }
 
-// BUG (trace_io.cc, ParseName): a `name` statement replaces the whole
-// builder, dropping the constants and ops parsed before it while the table
-// of live names still points at their old indices. A later statement then
-// silently binds a name to a different value (here `in=a` reads `b`).
-// Expected: either an error at the `name` line or the statements kept.
-TEST(TraceIo, DISABLED_ANameStatementAfterConstantsKeepsThem) {
+// Regression: a `name` statement once replaced the whole builder, dropping
+// the constants and ops parsed before it while the table of live names still
+// pointed at their old indices, so `in=a` read `b`.
+TEST(TraceIo, ANameStatementAfterConstantsKeepsThem) {
   auto t = ParseTrace(
       "deltad-trace 1\nconst a 4\nname late\nconst b 8\n"
       "op f fwd 1 in=a out=y:4\n",
@@ -375,12 +372,10 @@ TEST(TraceIo, DISABLED_ANameStatementAfterConstantsKeepsThem) {
   EXPECT_EQ(t->values[t->ops[0].inputs[0]].name, "a");
 }
 
-// BUG (trace_io.cc, FormatTrace): an op's created values are written
-// grouped as out=, alias=, mut=, but the reader creates them in the order
-// the keys appear. When an op updates a value and then views the new
-// version (`mut=y alias=v:y`), the formatted `alias=v:y mut=y` makes `v` a
-// view of the OLD version instead: the round trip changes the trace.
-TEST(TraceIo, DISABLED_FormatKeepsAViewOfAnUpdatedValueOnTheNewVersion) {
+// Regression: the writer once listed results as out=, alias=, mut= whatever
+// their order, so `mut=y alias=v:y` (a view of the updated y) came back as
+// a view of the old y.
+TEST(TraceIo, FormatKeepsAViewOfAnUpdatedValueOnTheNewVersion) {
   auto first = ParseTrace(
       "deltad-trace 1\nconst x 4\nop f fwd 1 in=x out=y:8\n"
       "op g bwd 1 mut=y alias=v:y\n");
