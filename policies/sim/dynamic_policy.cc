@@ -28,9 +28,12 @@ DynamicPolicy::DynamicPolicy(DynamicPolicyOptions options)
   if (prefetcher.ok()) prefetcher_.emplace(std::move(*prefetcher));
 }
 
-policy::TensorId DynamicPolicy::IdOf(const SimContext& ctx, int32_t s) const {
-  (void)ctx;
+policy::TensorId DynamicPolicy::IdOf(int32_t s) const {
   return static_cast<size_t>(s) < ids_.size() ? ids_[s] : 0;
+}
+
+void DynamicPolicy::Check(const absl::Status& status) {
+  if (!status.ok() && mirror_status_.ok()) mirror_status_ = status;
 }
 
 void DynamicPolicy::BeginIteration(SimContext& ctx) {
@@ -53,6 +56,7 @@ void DynamicPolicy::OnCreate(SimContext& ctx, int32_t s) {
   spec.id = next_id_++;
   spec.session = kSession;
   spec.gpu = 0;
+  // The table refuses empty tensors; an empty storage weighs one byte.
   spec.bytes = std::max<int64_t>(1, st.bytes);
   spec.compute_cost_ns =
       st.producer >= 0 ? program.steps[st.producer].time_ns : 0;
@@ -64,12 +68,14 @@ void DynamicPolicy::OnCreate(SimContext& ctx, int32_t s) {
     if (ids_[p] != 0 && table_.Contains(ids_[p]))
       spec.parents.push_back(ids_[p]);
   }
-  if (table_.Add(spec, ctx.now_ns()).ok()) ids_[s] = spec.id;
+  const absl::Status added = table_.Add(spec, ctx.now_ns());
+  Check(added);
+  if (added.ok()) ids_[s] = spec.id;
 }
 
 void DynamicPolicy::OnAccess(SimContext& ctx, int32_t s) {
-  const policy::TensorId id = IdOf(ctx, s);
-  if (id != 0) (void)table_.Touch(id, ctx.now_ns());
+  const policy::TensorId id = IdOf(s);
+  if (id != 0) Check(table_.Touch(id, ctx.now_ns()));
   if (options_.replay_window_fraction > 0) {
     plan_.Record(static_cast<uint64_t>(s) + 1, ctx.program().storages[s].bytes);
   }
@@ -78,7 +84,7 @@ void DynamicPolicy::OnAccess(SimContext& ctx, int32_t s) {
 void DynamicPolicy::OnStateChange(SimContext& ctx, int32_t s, StorageState from,
                                   StorageState to) {
   using TS = policy::TensorState;
-  const policy::TensorId id = IdOf(ctx, s);
+  const policy::TensorId id = IdOf(s);
   // Dead storages rebuilt for a child are not the framework's tensors.
   if (id == 0 || from == StorageState::kDead) return;
   const policy::Tensor* t = table_.Find(id);
@@ -86,30 +92,30 @@ void DynamicPolicy::OnStateChange(SimContext& ctx, int32_t s, StorageState from,
   const TS cur = t->state;
   switch (to) {
     case StorageState::kDead:
-      (void)table_.Free(id);
+      Check(table_.Free(id));
       ids_[s] = 0;
       return;
     case StorageState::kResident:
       if (cur == TS::kOffloading) {
-        (void)table_.CancelRelease(id);
+        Check(table_.CancelRelease(id));
       } else if (cur == TS::kReloading) {
-        (void)table_.SetState(id, TS::kResident);
+        Check(table_.SetState(id, TS::kResident));
       } else if (cur == TS::kEvicted || cur == TS::kOffloaded) {
-        (void)table_.MarkRecomputed(id, ctx.now_ns());
+        Check(table_.MarkRecomputed(id, ctx.now_ns()));
       }
       return;
     case StorageState::kOffloading:
-      if (cur != TS::kOffloading) (void)table_.SetState(id, TS::kOffloading);
+      if (cur != TS::kOffloading) Check(table_.SetState(id, TS::kOffloading));
       return;
     case StorageState::kOffloaded:
-      if (cur != TS::kOffloaded) (void)table_.SetState(id, TS::kOffloaded);
+      if (cur != TS::kOffloaded) Check(table_.SetState(id, TS::kOffloaded));
       if (prefetcher_) prefetcher_->OnOffloaded(id);
       return;
     case StorageState::kReloading:
-      if (cur != TS::kReloading) (void)table_.SetState(id, TS::kReloading);
+      if (cur != TS::kReloading) Check(table_.SetState(id, TS::kReloading));
       return;
     case StorageState::kEvicted:
-      if (cur != TS::kEvicted) (void)table_.SetState(id, TS::kEvicted);
+      if (cur != TS::kEvicted) Check(table_.SetState(id, TS::kEvicted));
       return;
     case StorageState::kAbsent:
       return;
@@ -123,7 +129,7 @@ std::vector<policy::TensorId> DynamicPolicy::LockInUse(SimContext& ctx) {
   // locks for the planner, so it never picks a tensor in use.
   std::vector<policy::TensorId> locked;
   for (int32_t s : ctx.locked_storages()) {
-    const policy::TensorId id = IdOf(ctx, s);
+    const policy::TensorId id = IdOf(s);
     if (id != 0 && table_.Lock(id).ok()) locked.push_back(id);
   }
   return locked;
@@ -135,7 +141,7 @@ bool DynamicPolicy::Release(SimContext& ctx, int64_t bytes) {
   policy::Scope scope;
   scope.gpu = 0;
   auto orders = planner.Release(scope, bytes, ctx.now_ns(), ctx.host_free());
-  for (policy::TensorId id : locked) (void)table_.Unlock(id);
+  for (policy::TensorId id : locked) Check(table_.Unlock(id));
   if (!orders.ok()) return false;
   bool any = false;
   for (const policy::ReleaseOrder& o : *orders) {
@@ -146,7 +152,7 @@ bool DynamicPolicy::Release(SimContext& ctx, int64_t bytes) {
     if (done) {
       any = true;
     } else {
-      (void)table_.CancelRelease(o.id);
+      Check(table_.CancelRelease(o.id));
     }
   }
   return any;
@@ -159,10 +165,10 @@ void DynamicPolicy::OffloadAhead(SimContext& ctx, int64_t bytes) {
   scope.gpu = 0;
   const std::vector<policy::ReleaseOrder> orders =
       planner.OffloadAhead(scope, bytes, ctx.now_ns(), ctx.host_free());
-  for (policy::TensorId id : locked) (void)table_.Unlock(id);
+  for (policy::TensorId id : locked) Check(table_.Unlock(id));
   for (const policy::ReleaseOrder& o : orders) {
     if (!ctx.Offload(static_cast<int32_t>(table_.Find(o.id)->stable_key - 1))) {
-      (void)table_.CancelRelease(o.id);
+      Check(table_.CancelRelease(o.id));
     }
   }
 }
@@ -224,8 +230,8 @@ void DynamicPolicy::AfterStep(SimContext& ctx, int32_t step) {
   }
 }
 
-Restore DynamicPolicy::ChooseRestore(SimContext& ctx, int32_t s) {
-  const policy::TensorId id = IdOf(ctx, s);
+Restore DynamicPolicy::ChooseRestore(SimContext& /*ctx*/, int32_t s) {
+  const policy::TensorId id = IdOf(s);
   if (!options_.director_restore || id == 0) return Restore::kReload;
   return director_.ChooseRestore(table_, table_.SlotOf(id)) ==
                  policy::RestoreAction::kRecompute

@@ -64,8 +64,13 @@ class DynamicPolicy final : public SimPolicy {
   bool MakeRoom(SimContext& ctx, int64_t bytes) override;
   Restore ChooseRestore(SimContext& ctx, int32_t s) override;
 
+  // The first time the policy's table refused a change the simulator made:
+  // the mirror and the simulation disagree, a bug. OK when they never did.
+  const absl::Status& mirror_status() const { return mirror_status_; }
+
  private:
-  policy::TensorId IdOf(const SimContext& ctx, int32_t s) const;
+  policy::TensorId IdOf(int32_t s) const;
+  void Check(const absl::Status& status);
   bool Release(SimContext& ctx, int64_t bytes);
   void OffloadAhead(SimContext& ctx, int64_t bytes);
   std::vector<policy::TensorId> LockInUse(SimContext& ctx);
@@ -81,6 +86,7 @@ class DynamicPolicy final : public SimPolicy {
   std::vector<policy::TensorId> ids_;  // storage -> tensor id (0: none)
   policy::TensorId next_id_ = 1;
   bool first_iteration_ = true;
+  absl::Status mirror_status_;
 };
 
 // The named configurations: delta, delta-paper, delta-replay, dtr,

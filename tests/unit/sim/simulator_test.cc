@@ -1,11 +1,14 @@
 #include "policies/sim/simulator.h"
 
+#include <iostream>
 #include <memory>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "policies/sim/dtr_log.h"
+#include "policies/sim/dynamic_policy.h"
 #include "policies/sim/policy_registry.h"
 #include "policies/sim/program.h"
 #include "policies/sim/trace.h"
@@ -219,6 +222,55 @@ TEST(Simulator, DeltaOnTheBestFitArenaWithEmptyTensorsStaysWithinBudget) {
       RunPolicy(p, "delta", p.peak_bytes / 2, AllocatorKind::kBestFit);
   ASSERT_TRUE(r.fits) << r.failure;
   EXPECT_LE(r.peak_bytes, p.peak_bytes / 2);
+}
+
+// The policy library's table mirrors every storage the simulator moves; a
+// change it refuses means the two disagree (how a leak of rebuilt tensors
+// once hid). Run every dynamic configuration on the chain and, where they
+// are present, on two of DTR's measured logs at tight budgets.
+TEST(Simulator, DynamicPoliciesMirrorEveryChangeWithoutARefusal) {
+  std::vector<std::pair<std::string, Program>> programs;
+  programs.emplace_back("chain", Compiled(ChainTrace(12, 1000, 1000)));
+  for (const std::string& path : ListDtrLogs(DELTAD_DTR_TRACES)) {
+    if (path.find("unet") == std::string::npos &&
+        path.find("resnet32") == std::string::npos) {
+      continue;
+    }
+    auto trace = ImportDtrLog(path);
+    ASSERT_TRUE(trace.ok()) << trace.status();
+    programs.emplace_back(path, Compiled(*trace));
+  }
+  if (programs.size() == 1) {
+    std::cout << "[ NOTE     ] no DTR logs in " << DELTAD_DTR_TRACES
+              << ": mirror checked on the chain trace only\n";
+  } else {
+    std::cout << "[ NOTE     ] mirror checked on " << programs.size()
+              << " traces\n";
+  }
+  for (const auto& [name, program] : programs) {
+    for (const char* preset : {"delta", "delta-paper", "delta-replay", "dtr",
+                               "swap-lru", "delta-ahead"}) {
+      for (double ratio : {0.3, 0.5}) {
+        auto options = DynamicPolicyPreset(preset);
+        ASSERT_TRUE(options.has_value()) << preset;
+        DynamicPolicy policy(*options);
+        SimOptions o;
+        o.budget_bytes =
+            std::max(program.min_budget_bytes,
+                     static_cast<int64_t>(
+                         ratio * static_cast<double>(program.peak_bytes)));
+        o.iterations = IterationsFor(preset);
+        auto r = Simulate(program, TestDevice(), policy, o);
+        ASSERT_TRUE(r.ok()) << r.status();
+        EXPECT_TRUE(policy.mirror_status().ok())
+            << name << " " << preset << " at " << ratio << ": "
+            << policy.mirror_status();
+        if (r->fits) {
+          EXPECT_LE(r->peak_bytes, o.budget_bytes);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
