@@ -1,0 +1,149 @@
+#include "daemon/gpu_arbiter.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+
+namespace deltad::daemon {
+
+absl::StatusOr<GpuArbiter> GpuArbiter::Create(int gpu, int64_t budget_bytes,
+                                              int64_t min_session_bytes) {
+  if (budget_bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GPU ", gpu, ": budget must be positive, got ", budget_bytes));
+  }
+  if (min_session_bytes < 0 || min_session_bytes > budget_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GPU ", gpu, ": guaranteed minimum per session must be within 0..",
+        budget_bytes, " bytes, got ", min_session_bytes));
+  }
+  return GpuArbiter(gpu, budget_bytes, min_session_bytes);
+}
+
+int64_t GpuArbiter::Floor(const Entry& e) const {
+  return e.requested > 0 ? std::min(e.requested, min_session_bytes_)
+                         : min_session_bytes_;
+}
+
+int64_t GpuArbiter::granted_bytes() const {
+  int64_t sum = 0;
+  for (const auto& [id, e] : sessions_) sum += e.budget;
+  return sum;
+}
+
+absl::StatusOr<std::vector<BudgetChange>> GpuArbiter::AddSession(
+    SessionId session, uint32_t weight, int64_t requested) {
+  if (sessions_.contains(session)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("session ", session, " is already on GPU ", gpu_));
+  }
+  if (requested < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("requested budget must not be negative, got ", requested));
+  }
+  Entry entry;
+  entry.weight = std::max<uint32_t>(1, weight);
+  entry.requested = requested;
+  int64_t floors = Floor(entry);
+  for (const auto& [id, e] : sessions_) floors += Floor(e);
+  if (floors > budget_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "GPU ", gpu_, " cannot take another session: its budget of ",
+        budget_bytes_, " bytes would not cover the guaranteed minimum of ",
+        min_session_bytes_, " bytes for ", sessions_.size() + 1, " sessions"));
+  }
+  sessions_.emplace(session, entry);
+  std::vector<BudgetChange> changes = Rebalance();
+  // The newcomer first: its grant is the answer to its request.
+  auto it =
+      std::find_if(changes.begin(), changes.end(),
+                   [&](const BudgetChange& c) { return c.session == session; });
+  if (it == changes.end()) {
+    changes.insert(changes.begin(), {session, sessions_[session].budget});
+  } else {
+    std::rotate(changes.begin(), it, it + 1);
+  }
+  return changes;
+}
+
+absl::StatusOr<std::vector<BudgetChange>> GpuArbiter::RemoveSession(
+    SessionId session) {
+  if (sessions_.erase(session) == 0) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " is not on GPU ", gpu_));
+  }
+  return Rebalance();
+}
+
+int64_t GpuArbiter::BudgetOf(SessionId session) const {
+  auto it = sessions_.find(session);
+  return it == sessions_.end() ? 0 : it->second.budget;
+}
+
+std::vector<BudgetChange> GpuArbiter::Rebalance() {
+  constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max();
+  std::map<SessionId, int64_t> grant;
+  std::map<SessionId, int64_t> want;  // beyond the floor
+  int64_t left = budget_bytes_;
+  for (const auto& [id, e] : sessions_) {
+    grant[id] = Floor(e);
+    left -= grant[id];
+    want[id] = e.requested > 0 ? e.requested - grant[id] : kUnbounded;
+  }
+  // Water-filling by weight over what is left.
+  std::vector<SessionId> active;
+  for (const auto& [id, w] : want) {
+    if (w > 0) active.push_back(id);
+  }
+  while (left > 0 && !active.empty()) {
+    double weights = 0;
+    for (SessionId id : active) weights += sessions_[id].weight;
+    bool capped = false;
+    std::vector<SessionId> still;
+    for (SessionId id : active) {
+      const auto share = static_cast<int64_t>(static_cast<double>(left) *
+                                              sessions_[id].weight / weights);
+      if (want[id] <= share) {
+        grant[id] += want[id];
+        capped = true;
+      } else {
+        still.push_back(id);
+      }
+    }
+    if (capped) {
+      // Recompute what is left after the capped ones took their fill.
+      left = budget_bytes_;
+      for (const auto& [id, g] : grant) left -= g;
+      for (SessionId id : active) {
+        if (std::find(still.begin(), still.end(), id) == still.end()) {
+          want[id] = 0;
+        }
+      }
+      active = std::move(still);
+      continue;
+    }
+    // Nobody is capped: split what is left by weight; rounding leftovers go
+    // to the first sessions so the whole budget is used.
+    int64_t given = 0;
+    for (SessionId id : active) {
+      const auto share = static_cast<int64_t>(static_cast<double>(left) *
+                                              sessions_[id].weight / weights);
+      grant[id] += share;
+      given += share;
+    }
+    for (size_t i = 0; given < left; ++i, ++given)
+      ++grant[active[i % active.size()]];
+    left = 0;
+  }
+  std::vector<BudgetChange> changes;
+  for (auto& [id, e] : sessions_) {
+    if (e.budget != grant[id]) {
+      e.budget = grant[id];
+      changes.push_back({id, e.budget});
+    }
+  }
+  return changes;
+}
+
+}  // namespace deltad::daemon

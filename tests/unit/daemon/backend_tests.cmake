@@ -1,0 +1,1 @@
+deltad_daemon_test(sim_backend_test sim_backend_test.cc)

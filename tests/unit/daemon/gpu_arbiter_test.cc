@@ -1,0 +1,157 @@
+#include "daemon/gpu_arbiter.h"
+
+#include <cstdint>
+#include <map>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace deltad::daemon {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+GpuArbiter Make(int64_t budget, int64_t min_session) {
+  auto a = GpuArbiter::Create(0, budget, min_session);
+  EXPECT_TRUE(a.ok()) << a.status();
+  return std::move(*a);
+}
+
+TEST(GpuArbiter, RejectsBadConfiguration) {
+  EXPECT_EQ(GpuArbiter::Create(0, 0, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(GpuArbiter::Create(0, kGiB, 2 * kGiB).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(GpuArbiter::Create(0, kGiB, -1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(GpuArbiter, ASessionAloneGetsTheWholeBudget) {
+  GpuArbiter a = Make(80 * kGiB, kGiB);
+  auto changes = a.AddSession(1, 1, 0);
+  ASSERT_TRUE(changes.ok()) << changes.status();
+  ASSERT_EQ(changes->size(), 1u);
+  EXPECT_EQ((*changes)[0].session, 1u);
+  EXPECT_EQ((*changes)[0].budget_bytes, 80 * kGiB);
+}
+
+TEST(GpuArbiter, EqualWeightsSplitEvenlyAndReportWhoChanged) {
+  GpuArbiter a = Make(80 * kGiB, kGiB);
+  ASSERT_TRUE(a.AddSession(1, 1, 0).ok());
+  auto changes = a.AddSession(2, 1, 0);
+  ASSERT_TRUE(changes.ok());
+  // The newcomer's grant comes first, then the session that shrank.
+  ASSERT_EQ(changes->size(), 2u);
+  EXPECT_EQ((*changes)[0].session, 2u);
+  EXPECT_EQ((*changes)[1].session, 1u);
+  EXPECT_EQ(a.BudgetOf(1), 40 * kGiB);
+  EXPECT_EQ(a.BudgetOf(2), 40 * kGiB);
+}
+
+TEST(GpuArbiter, WeightsSplitProportionally) {
+  GpuArbiter a = Make(80 * kGiB, kGiB);
+  ASSERT_TRUE(a.AddSession(1, 3, 0).ok());
+  ASSERT_TRUE(a.AddSession(2, 1, 0).ok());
+  // Floors of 1 GiB each, the remaining 78 GiB by 3:1.
+  EXPECT_EQ(a.BudgetOf(1), kGiB + 78 * kGiB * 3 / 4);
+  EXPECT_EQ(a.BudgetOf(2), kGiB + 78 * kGiB / 4);
+  EXPECT_EQ(a.granted_bytes(), 80 * kGiB);
+}
+
+TEST(GpuArbiter, ASmallRequestIsCappedAndItsSurplusGoesToTheOthers) {
+  GpuArbiter a = Make(80 * kGiB, kGiB);
+  ASSERT_TRUE(a.AddSession(1, 1, 10 * kGiB).ok());
+  ASSERT_TRUE(a.AddSession(2, 1, 0).ok());
+  ASSERT_TRUE(a.AddSession(3, 1, 0).ok());
+  EXPECT_EQ(a.BudgetOf(1), 10 * kGiB);
+  EXPECT_EQ(a.BudgetOf(2), 35 * kGiB);
+  EXPECT_EQ(a.BudgetOf(3), 35 * kGiB);
+}
+
+TEST(GpuArbiter, GuaranteedMinimumHoldsForALowWeight) {
+  GpuArbiter a = Make(10 * kGiB, 2 * kGiB);
+  ASSERT_TRUE(a.AddSession(1, 100, 0).ok());
+  ASSERT_TRUE(a.AddSession(2, 1, 0).ok());
+  // By weight alone session 2 would get 0.1 GiB.
+  EXPECT_GE(a.BudgetOf(2), 2 * kGiB);
+  EXPECT_EQ(a.granted_bytes(), 10 * kGiB);
+}
+
+TEST(GpuArbiter, RefusesASessionWhoseFloorWouldNotFit) {
+  GpuArbiter a = Make(10 * kGiB, 4 * kGiB);
+  ASSERT_TRUE(a.AddSession(1, 1, 0).ok());
+  ASSERT_TRUE(a.AddSession(2, 1, 0).ok());
+  const int64_t before1 = a.BudgetOf(1);
+  auto third = a.AddSession(3, 1, 0);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(third.status().message(), HasSubstr("guaranteed minimum"));
+  EXPECT_EQ(a.sessions(), 2u);
+  EXPECT_EQ(a.BudgetOf(1), before1);
+  // A session asking for less than the minimum needs only that much.
+  EXPECT_TRUE(a.AddSession(4, 1, kGiB).ok());
+}
+
+TEST(GpuArbiter, RemovingASessionGivesItsShareBack) {
+  GpuArbiter a = Make(90 * kGiB, kGiB);
+  for (SessionId s : {1, 2, 3}) ASSERT_TRUE(a.AddSession(s, 1, 0).ok());
+  EXPECT_EQ(a.BudgetOf(1), 30 * kGiB);
+  auto grew = a.RemoveSession(2);
+  ASSERT_TRUE(grew.ok());
+  EXPECT_EQ(grew->size(), 2u);
+  EXPECT_EQ(a.BudgetOf(1), 45 * kGiB);
+  EXPECT_EQ(a.BudgetOf(2), 0);
+  EXPECT_EQ(a.RemoveSession(2).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(GpuArbiter, RejectsDuplicateAndNegativeRequests) {
+  GpuArbiter a = Make(10 * kGiB, kGiB);
+  ASSERT_TRUE(a.AddSession(1, 1, 0).ok());
+  EXPECT_EQ(a.AddSession(1, 1, 0).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(a.AddSession(2, 1, -5).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// Random admissions and departures: the grants never exceed the budget,
+// every floor holds, no session gets more than it asked, and when some
+// session is left wanting the whole budget is handed out.
+TEST(GpuArbiter, RandomChurnKeepsEveryInvariant) {
+  std::mt19937_64 rng(7);
+  const int64_t budget = 64 * kGiB;
+  const int64_t min = 2 * kGiB;
+  GpuArbiter a = Make(budget, min);
+  std::map<SessionId, int64_t> requested;
+  for (int step = 0; step < 2000; ++step) {
+    const SessionId id = rng() % 40;
+    if (requested.contains(id)) {
+      ASSERT_TRUE(a.RemoveSession(id).ok());
+      requested.erase(id);
+    } else {
+      const int64_t req = rng() % 3 == 0 ? 0 : int64_t(rng() % (40 * kGiB));
+      if (a.AddSession(id, 1 + rng() % 8, req).ok()) requested[id] = req;
+    }
+    int64_t sum = 0;
+    bool someone_wants_more = false;
+    for (const auto& [s, req] : requested) {
+      const int64_t b = a.BudgetOf(s);
+      sum += b;
+      const int64_t floor = req > 0 ? std::min(req, min) : min;
+      ASSERT_GE(b, floor) << "step " << step;
+      if (req > 0) {
+        ASSERT_LE(b, req) << "step " << step;
+      }
+      if (req == 0 || b < req) someone_wants_more = true;
+    }
+    ASSERT_LE(sum, budget) << "step " << step;
+    if (someone_wants_more && !requested.empty()) {
+      ASSERT_EQ(sum, budget) << "step " << step;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace deltad::daemon
