@@ -6,10 +6,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "daemon/session_id.h"
 
 namespace deltad::daemon {
-
-using SessionId = uint64_t;
 
 struct BudgetChange {
   SessionId session = 0;

@@ -7,9 +7,21 @@
 
 namespace deltad::policy {
 
+namespace {
+
+bool AnyTensor(const Tensor& /*t*/) { return true; }
+
+}  // namespace
+
 absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Release(
     const Scope& scope, int64_t bytes, int64_t now_ns,
     int64_t host_bytes_available) {
+  return Release(scope, bytes, now_ns, host_bytes_available, AnyTensor);
+}
+
+absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Release(
+    const Scope& scope, int64_t bytes, int64_t now_ns,
+    int64_t host_bytes_available, Eligible eligible) {
   if (bytes <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("bytes to release must be positive, got ", bytes));
@@ -35,7 +47,7 @@ absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Release(
     absl::Status failure;
     while (freed < bytes) {
       auto pick = filter_.Select(table_, scope, now_ns, [&](const Tensor& t) {
-        return director_.CanRelease(t, host_left);
+        return eligible(t) && director_.CanRelease(t, host_left);
       });
       if (!pick.ok()) break;
       const Tensor& t = table_.AtSlot(*pick);
@@ -80,13 +92,19 @@ absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Release(
 std::vector<ReleaseOrder> ReleasePlanner::OffloadAhead(
     const Scope& scope, int64_t bytes, int64_t now_ns,
     int64_t host_bytes_available) {
+  return OffloadAhead(scope, bytes, now_ns, host_bytes_available, AnyTensor);
+}
+
+std::vector<ReleaseOrder> ReleasePlanner::OffloadAhead(
+    const Scope& scope, int64_t bytes, int64_t now_ns,
+    int64_t host_bytes_available, Eligible eligible) {
   std::vector<ReleaseOrder> orders;
   int64_t host_left = std::max<int64_t>(0, host_bytes_available);
   // Offloads planned in this call queue behind each other on the link.
   const int64_t host_left_at_start = host_left;
   for (int64_t freed = 0; freed < bytes;) {
     auto pick = filter_.Select(table_, scope, now_ns, [&](const Tensor& t) {
-      if (!director_.CanRelease(t, host_left)) return false;
+      if (!eligible(t) || !director_.CanRelease(t, host_left)) return false;
       auto action = director_.Decide(table_, table_.SlotOf(t.id), host_left,
                                      host_left_at_start - host_left);
       return action.ok() && *action == ReleaseAction::kOffload;

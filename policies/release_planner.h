@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "policies/director.h"
 #include "policies/filter.h"
@@ -24,6 +25,11 @@ struct ReleaseOrder {
 // Does not own its collaborators; not thread safe.
 class ReleasePlanner {
  public:
+  // Which tensors the caller allows as victims, checked with the Director's
+  // own test (both must hold). The daemon restricts a GPU-wide release to
+  // the sessions that may lose tensors; the other overloads allow all.
+  using Eligible = absl::FunctionRef<bool(const Tensor&)>;
+
   ReleasePlanner(TensorTable& table, Filter& filter, const Director& director)
       : table_(table), filter_(filter), director_(director) {}
 
@@ -33,6 +39,11 @@ class ReleasePlanner {
   absl::StatusOr<std::vector<ReleaseOrder>> Release(
       const Scope& scope, int64_t bytes, int64_t now_ns,
       int64_t host_bytes_available);
+  // The same, choosing only tensors that pass `eligible` (read at each pick,
+  // so it may depend on the releases already chosen in this call).
+  absl::StatusOr<std::vector<ReleaseOrder>> Release(
+      const Scope& scope, int64_t bytes, int64_t now_ns,
+      int64_t host_bytes_available, Eligible eligible);
 
   // The early start of DELTA (§4.2), for use above the high watermark:
   // offloads, in the Filter's order, up to `bytes` of the tensors the
@@ -43,6 +54,11 @@ class ReleasePlanner {
   std::vector<ReleaseOrder> OffloadAhead(const Scope& scope, int64_t bytes,
                                          int64_t now_ns,
                                          int64_t host_bytes_available);
+  // The same, offloading only tensors that pass `eligible`.
+  std::vector<ReleaseOrder> OffloadAhead(const Scope& scope, int64_t bytes,
+                                         int64_t now_ns,
+                                         int64_t host_bytes_available,
+                                         Eligible eligible);
 
  private:
   TensorTable& table_;

@@ -360,6 +360,73 @@ TEST_F(ReleasePlannerTest, GpuScopeReleasesOtherSessionsStaleTensors) {
   EXPECT_THAT(Ids(*orders), ElementsAre(2));
 }
 
+// --- With an eligibility check ----------------------------------------------
+
+TEST_F(ReleasePlannerTest, ReleaseTakesOnlyEligibleTensors) {
+  // Equal sizes: the Filter's order is 1, 2, 3, ...; only even ids allowed.
+  for (TensorId id = 1; id <= 6; ++id) Add(Spec(id, 100, Kind::kCheap), id);
+  auto even = [](const Tensor& t) { return t.id % 2 == 0; };
+  absl::StatusOr<std::vector<ReleaseOrder>> orders =
+      planner_.Release(SessionScope(kSession), 200, kNow, kPlenty, even);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(2, 4));
+  for (TensorId id : {1, 3, 5, 6}) EXPECT_EQ(State(id), TensorState::kResident);
+}
+
+TEST_F(ReleasePlannerTest, ReleaseWithTooFewEligibleBytesChangesNothing) {
+  for (TensorId id = 1; id <= 6; ++id) Add(Spec(id, 100, Kind::kCheap), id);
+  auto even = [](const Tensor& t) { return t.id % 2 == 0; };
+  const std::string before = Snapshot(6);
+  // 600 bytes are resident, but only the 300 of even ids may go.
+  absl::StatusOr<std::vector<ReleaseOrder>> orders =
+      planner_.Release(SessionScope(kSession), 400, kNow, kPlenty, even);
+  ASSERT_FALSE(orders.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(orders.status())) << orders.status();
+  EXPECT_THAT(std::string(orders.status().message()),
+              HasSubstr("can free at most 300 bytes"));
+  EXPECT_EQ(Snapshot(6), before);
+}
+
+TEST_F(ReleasePlannerTest, EligibilityDoesNotOverrideTheDirector) {
+  // Tensor 1 (stalest) is eligible but can only be offloaded, and there is
+  // no host memory: the Director's check still excludes it.
+  TensorFlags uncomputable;
+  uncomputable.uncomputable = true;
+  Add(Spec(1, 100, Kind::kCheap, {}, uncomputable), 0);
+  Add(Spec(2, 100, Kind::kCheap), 1);
+  auto all = [](const Tensor&) { return true; };
+  absl::StatusOr<std::vector<ReleaseOrder>> orders =
+      planner_.Release(SessionScope(kSession), 100, kNow, 0, all);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(2));
+  EXPECT_EQ(State(1), TensorState::kResident);
+}
+
+TEST_F(ReleasePlannerTest, EligibilityIsReadAgainAtEachPick) {
+  // Allow session 2's tensors only while session 2 holds more than 150
+  // bytes: one of its tensors goes, then session 1's.
+  Add(Spec(1, 100, Kind::kCheap, {}, {}, /*session=*/2), 0);
+  Add(Spec(2, 100, Kind::kCheap, {}, {}, /*session=*/2), 1);
+  Add(Spec(3, 100, Kind::kCheap), 2);
+  auto capped = [this](const Tensor& t) {
+    return t.session != 2 || table_.SessionStats(2).committed_bytes() > 150;
+  };
+  absl::StatusOr<std::vector<ReleaseOrder>> orders =
+      planner_.Release(GpuScope(0), 200, kNow, kPlenty, capped);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(1, 3));
+  EXPECT_EQ(State(2), TensorState::kResident);
+}
+
+TEST_F(ReleasePlannerTest, OffloadAheadTakesOnlyEligibleTensors) {
+  for (TensorId id = 1; id <= 6; ++id) Add(Spec(id, 100, Kind::kCostly), id);
+  auto above_three = [](const Tensor& t) { return t.id > 3; };
+  const std::vector<ReleaseOrder> orders = planner_.OffloadAhead(
+      SessionScope(kSession), 10000, kNow, kPlenty, above_three);
+  EXPECT_THAT(Ids(orders), ElementsAre(4, 5, 6));
+  for (TensorId id : {1, 2, 3}) EXPECT_EQ(State(id), TensorState::kResident);
+}
+
 // --- With the watermark trigger ---------------------------------------------
 
 constexpr int64_t kBudget = 10000;

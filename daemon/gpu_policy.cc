@@ -1,0 +1,801 @@
+#include "daemon/gpu_policy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "policies/status_macros.h"
+
+namespace deltad::daemon {
+
+using policy::Tensor;
+using policy::TensorId;
+using policy::TensorState;
+
+namespace {
+
+std::string KindName(int kind) {
+  const std::string& name = v1::TensorEvent::Kind_Name(kind);
+  return name.empty() ? absl::StrCat("kind ", kind) : name;
+}
+
+int64_t Fraction(double fraction, int64_t bytes) {
+  return static_cast<int64_t>(
+      std::floor(fraction * static_cast<double>(bytes)));
+}
+
+// Whether an error from the planner only says that no tensor qualified.
+bool NothingToRelease(const absl::Status& s) {
+  return absl::IsNotFound(s) || absl::IsResourceExhausted(s);
+}
+
+}  // namespace
+
+// A batch checked against the table and against its own earlier entries:
+// applying it cannot fail. The table is not copyable, so "all or nothing"
+// is done by validating first and applying second, rather than applying to a
+// copy. Each event becomes the table calls it stands for, chosen from the
+// state the tensor will be in by then.
+struct GpuPolicy::BatchPlan {
+  enum class Op { kTouch, kFree, kSetState, kCancel, kRecompute };
+  struct Step {
+    Op op;
+    TensorId id;
+    TensorState to = TensorState::kResident;  // kSetState only
+  };
+
+  std::vector<policy::TensorSpec> specs;  // with GPU-wide ids
+  std::vector<uint64_t> spec_locals;      // the session's id of each spec
+  absl::flat_hash_map<uint64_t, size_t> created;  // own id -> index in specs
+  std::vector<Step> steps;
+};
+
+GpuPolicy::GpuPolicy(int gpu, int64_t gpu_budget_bytes,
+                     GpuPolicyOptions options, policy::Watermarks watermarks)
+    : gpu_(gpu),
+      gpu_budget_bytes_(gpu_budget_bytes),
+      options_(std::move(options)),
+      watermarks_(watermarks),
+      filter_(options_.filter, &costs_),
+      director_(costs_) {}
+
+absl::StatusOr<std::unique_ptr<GpuPolicy>> GpuPolicy::Create(
+    int gpu, int64_t gpu_budget_bytes, GpuPolicyOptions options) {
+  if (gpu < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("negative GPU index ", gpu));
+  }
+  if (gpu_budget_bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GPU ", gpu, ": budget must be positive, got ", gpu_budget_bytes));
+  }
+  if (options.max_prefetch_in_flight < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_prefetch_in_flight must be at least 1, got ",
+                     options.max_prefetch_in_flight));
+  }
+  if (options.max_tensors_per_session < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tensors_per_session must be at least 1, got ",
+                     options.max_tensors_per_session));
+  }
+  if (options.max_batch_events < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_batch_events must be at least 1, got ", options.max_batch_events));
+  }
+  absl::StatusOr<policy::Watermarks> watermarks =
+      policy::Watermarks::Create(options.high_watermark, options.low_watermark);
+  if (!watermarks.ok()) return watermarks.status();
+  const policy::LinkBandwidth link = options.link;
+  std::unique_ptr<GpuPolicy> p(
+      new GpuPolicy(gpu, gpu_budget_bytes, std::move(options), *watermarks));
+  DELTAD_RETURN_IF_ERROR(p->costs_.SetBandwidth(gpu, link));
+  return p;
+}
+
+absl::Status GpuPolicy::AddSession(SessionId session, int64_t budget_bytes,
+                                   int64_t host_quota_bytes) {
+  if (sessions_.contains(session)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("session ", session, " is already on GPU ", gpu_));
+  }
+  if (budget_bytes < 0 || host_quota_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session ", session, ": negative budget (", budget_bytes,
+                     " bytes) or host quota (", host_quota_bytes, " bytes)"));
+  }
+  policy::PrefetchOptions prefetch;
+  prefetch.max_in_flight = options_.max_prefetch_in_flight;
+  absl::StatusOr<policy::Prefetcher> prefetcher =
+      policy::Prefetcher::Create(prefetch);
+  if (!prefetcher.ok()) return prefetcher.status();
+  Session& s = sessions_[session];
+  s.budget_bytes = budget_bytes;
+  s.host_quota_bytes = host_quota_bytes;
+  s.prefetcher = std::make_unique<policy::Prefetcher>(std::move(*prefetcher));
+  return absl::OkStatus();
+}
+
+absl::Status GpuPolicy::RemoveSession(SessionId session) {
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " is not on GPU ", gpu_));
+  }
+  // Freeing every tensor not freed yet retires them all, freed ancestors
+  // kept for recompute included: their children are all in this session.
+  // Sorted so that the table's slots, and hence later decisions, do not
+  // depend on hash order.
+  std::vector<TensorId> live;
+  for (const auto& [id, own] : it->second.locals) {
+    const Tensor* t = table_.Find(id);
+    if (t != nullptr && t->state != TensorState::kFreed) live.push_back(id);
+  }
+  std::sort(live.begin(), live.end());
+  absl::Status status;
+  for (TensorId id : live) {
+    if (absl::Status s = table_.Free(id); !s.ok() && status.ok()) status = s;
+  }
+  sessions_.erase(it);
+  return status;
+}
+
+absl::Status GpuPolicy::SetBudget(SessionId session, int64_t budget_bytes) {
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " is not on GPU ", gpu_));
+  }
+  if (budget_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session ", session, ": negative budget ", budget_bytes, " bytes"));
+  }
+  it->second.budget_bytes = budget_bytes;
+  return absl::OkStatus();
+}
+
+// --- Apply -----------------------------------------------------------------
+
+absl::Status GpuPolicy::Apply(SessionId session, const v1::EventBatch& batch,
+                              int64_t now_ns) {
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " is not on GPU ", gpu_));
+  }
+  const int64_t entries =
+      int64_t{batch.created_size()} + int64_t{batch.events_size()};
+  if (entries > options_.max_batch_events) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("batch has ", batch.created_size(), " creations and ",
+                     batch.events_size(), " events; the limit is ",
+                     options_.max_batch_events, " in all"));
+  }
+  Session& s = it->second;
+  BatchPlan plan;
+  DELTAD_RETURN_IF_ERROR(PlanCreations(session, s, batch, plan));
+  DELTAD_RETURN_IF_ERROR(PlanEvents(session, s, batch, plan));
+  return ApplyPlan(s, plan, now_ns);
+}
+
+absl::Status GpuPolicy::PlanCreations(SessionId session, const Session& s,
+                                      const v1::EventBatch& batch,
+                                      BatchPlan& plan) const {
+  const int n = batch.created_size();
+  // Freed tensors kept for recompute count: a client could otherwise grow
+  // the table without bound while holding few live tensors.
+  const int64_t records = static_cast<int64_t>(s.locals.size()) + n;
+  if (records > options_.max_tensors_per_session) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session ", session, " would hold ", records,
+        " tensor records (freed ones still needed for recompute included); "
+        "the limit is ",
+        options_.max_tensors_per_session));
+  }
+  plan.specs.reserve(n);
+  plan.spec_locals.reserve(n);
+  for (int i = 0; i < n; ++i) {
+    const v1::TensorCreated& c = batch.created(i);
+    const uint64_t own = c.tensor_id();
+    if (c.bytes() <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", own, ": size must be positive, got ", c.bytes()));
+    }
+    // No tensor can be larger than the memory it lives in; the bound also
+    // keeps every byte sum far from overflow.
+    if (c.bytes() > gpu_budget_bytes_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", own, ": ", c.bytes(), " bytes is more than GPU ", gpu_,
+          "'s whole budget of ", gpu_budget_bytes_, " bytes"));
+    }
+    if (c.compute_cost_ns() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", own, ": negative compute cost ",
+                       c.compute_cost_ns(), " ns"));
+    }
+    if (!plan.created.emplace(own, plan.specs.size()).second) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("tensor ", own, " is created twice in one batch"));
+    }
+    if (auto known = s.ids.find(own); known != s.ids.end()) {
+      const Tensor* t = table_.Find(known->second);
+      if (t != nullptr && t->state != TensorState::kFreed) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "tensor ", own, " already exists; free it before reusing its id"));
+      }
+    }
+    policy::TensorSpec spec;
+    spec.id = next_id_ + static_cast<TensorId>(i);
+    spec.session = session;
+    spec.gpu = gpu_;
+    spec.bytes = c.bytes();
+    spec.flags.evict_pinned = c.flags().evict_pinned();
+    spec.flags.offload_pinned = c.flags().offload_pinned();
+    spec.flags.uncomputable = c.flags().uncomputable();
+    spec.compute_cost_ns = c.compute_cost_ns();
+    spec.stable_key = c.stable_key();
+    plan.specs.push_back(std::move(spec));
+    plan.spec_locals.push_back(own);
+  }
+  // Parents, once every id of the batch is known: they may come later in
+  // the batch. Edges inside the batch are kept for the cycle check.
+  std::vector<std::vector<size_t>> children(n);
+  std::vector<int> pending(n, 0);
+  for (int i = 0; i < n; ++i) {
+    const v1::TensorCreated& c = batch.created(i);
+    for (uint64_t parent : c.parent_ids()) {
+      if (parent == c.tensor_id()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor ", c.tensor_id(), " lists itself as a parent (cycle)"));
+      }
+      if (auto b = plan.created.find(parent); b != plan.created.end()) {
+        children[b->second].push_back(static_cast<size_t>(i));
+        ++pending[i];
+        plan.specs[i].parents.push_back(plan.specs[b->second].id);
+        continue;
+      }
+      auto known = s.ids.find(parent);
+      const Tensor* t =
+          known == s.ids.end() ? nullptr : table_.Find(known->second);
+      if (t == nullptr) {
+        return absl::NotFoundError(absl::StrCat("tensor ", c.tensor_id(),
+                                                ": parent ", parent,
+                                                " is not a tensor of this "
+                                                "session"));
+      }
+      if (t->state == TensorState::kFreed) {
+        return absl::NotFoundError(absl::StrCat(
+            "tensor ", c.tensor_id(), ": parent ", parent, " was freed"));
+      }
+      plan.specs[i].parents.push_back(known->second);
+    }
+  }
+  // Kahn's algorithm over the batch's own edges.
+  std::vector<size_t> order;
+  for (int i = 0; i < n; ++i) {
+    if (pending[i] == 0) order.push_back(static_cast<size_t>(i));
+  }
+  for (size_t k = 0; k < order.size(); ++k) {
+    for (size_t c : children[order[k]]) {
+      if (--pending[c] == 0) order.push_back(c);
+    }
+  }
+  if (order.size() != static_cast<size_t>(n)) {
+    // What is left is on a cycle or below one; walking up through parents
+    // left over reaches the cycle, so the message names a tensor on it.
+    size_t i = 0;
+    while (pending[i] == 0) ++i;
+    std::vector<bool> seen(n, false);
+    while (!seen[i]) {
+      seen[i] = true;
+      for (uint64_t parent : batch.created(static_cast<int>(i)).parent_ids()) {
+        auto b = plan.created.find(parent);
+        if (b != plan.created.end() && pending[b->second] != 0) {
+          i = b->second;
+          break;
+        }
+      }
+    }
+    return absl::InvalidArgumentError(absl::StrCat("cycle in parents: tensor ",
+                                                   plan.spec_locals[i],
+                                                   " is its own ancestor"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
+                                   const v1::EventBatch& batch,
+                                   BatchPlan& plan) const {
+  using Op = BatchPlan::Op;
+  // Each tensor's state as the events so far leave it.
+  struct Sim {
+    TensorState state;
+    bool evicted_from_device;
+    policy::TensorFlags flags;
+  };
+  absl::flat_hash_map<TensorId, Sim> sim;
+  absl::flat_hash_set<uint64_t> freed_here;
+
+  for (int i = 0; i < batch.events_size(); ++i) {
+    const v1::TensorEvent& e = batch.events(i);
+    const uint64_t own = e.tensor_id();
+    const int kind = static_cast<int>(e.kind());
+    auto error = [&](absl::StatusCode code, absl::string_view what) {
+      return absl::Status(code, absl::StrCat("event ", i, " (", KindName(kind),
+                                             ") for tensor ", own, ": ", what));
+    };
+    if (kind == v1::TensorEvent::KIND_UNSPECIFIED ||
+        !v1::TensorEvent::Kind_IsValid(kind)) {
+      return error(absl::StatusCode::kInvalidArgument, "unknown event kind");
+    }
+    // The id, as this batch's earlier entries leave it. A freed tensor the
+    // table keeps for recompute is as unknown to the client as a retired
+    // one, so both answer NOT_FOUND.
+    TensorId id = 0;
+    if (freed_here.contains(own)) {
+      return error(absl::StatusCode::kNotFound,
+                   "it was freed earlier in this batch");
+    }
+    if (auto c = plan.created.find(own); c != plan.created.end()) {
+      id = plan.specs[c->second].id;
+      sim.try_emplace(
+          id, Sim{TensorState::kResident, false, plan.specs[c->second].flags});
+    } else {
+      auto known = s.ids.find(own);
+      const Tensor* t =
+          known == s.ids.end() ? nullptr : table_.Find(known->second);
+      if (t == nullptr) {
+        return error(absl::StatusCode::kNotFound,
+                     absl::StrCat("session ", session, " has no such tensor"));
+      }
+      if (t->state == TensorState::kFreed) {
+        return error(absl::StatusCode::kNotFound, "it was freed");
+      }
+      id = known->second;
+      sim.try_emplace(id, Sim{t->state, t->evicted_from_device, t->flags});
+    }
+    Sim& t = sim.at(id);
+    const TensorState from = t.state;
+    auto illegal = [&](absl::string_view allowed) {
+      return error(absl::StatusCode::kFailedPrecondition,
+                   absl::StrCat("the tensor is ", policy::TensorStateName(from),
+                                "; allowed only when ", allowed));
+    };
+    auto set = [&](TensorState to) {
+      plan.steps.push_back({Op::kSetState, id, to});
+      if (to == TensorState::kEvicted) {
+        t.evicted_from_device = t.state == TensorState::kResident;
+      }
+      t.state = to;
+    };
+    // The table's own rules on flags, checked here so that the batch fails
+    // whole, before anything is applied. No lock is ever taken on this
+    // table, so lock counts need no check.
+    const bool may_evict = !t.flags.evict_pinned && !t.flags.uncomputable;
+
+    switch (e.kind()) {
+      case v1::TensorEvent::ACCESSED:
+        if (!policy::OccupiesDevice(from)) {
+          return illegal(
+              "its bytes are on the device (resident, offloading "
+              "or reloading)");
+        }
+        plan.steps.push_back({Op::kTouch, id});
+        break;
+      case v1::TensorEvent::FREED:
+        plan.steps.push_back({Op::kFree, id});
+        t.state = TensorState::kFreed;
+        freed_here.insert(own);
+        break;
+      case v1::TensorEvent::OFFLOADED:
+        if (from == TensorState::kResident) {
+          // The process offloaded on its own: the copy went through the
+          // offloading state too, whether the daemon saw it or not.
+          if (t.flags.offload_pinned) {
+            return error(absl::StatusCode::kFailedPrecondition,
+                         "the tensor is offload-pinned");
+          }
+          set(TensorState::kOffloading);
+          set(TensorState::kOffloaded);
+        } else if (from == TensorState::kOffloading ||
+                   from == TensorState::kReloading) {
+          // Reloading: the reload was abandoned, the host copy remains.
+          set(TensorState::kOffloaded);
+        } else {
+          return illegal("resident, offloading or reloading");
+        }
+        break;
+      case v1::TensorEvent::RELOADED:
+        if (from != TensorState::kReloading &&
+            from != TensorState::kOffloaded) {
+          return illegal("offloaded or reloading");
+        }
+        set(TensorState::kResident);
+        break;
+      case v1::TensorEvent::EVICTED:
+        if (from == TensorState::kEvicted) break;  // confirms an evict order
+        if (from != TensorState::kResident && from != TensorState::kOffloaded) {
+          return illegal("resident or offloaded");
+        }
+        if (!may_evict) {
+          return error(absl::StatusCode::kFailedPrecondition,
+                       t.flags.uncomputable
+                           ? "the tensor is uncomputable: evicting it would "
+                             "lose its bytes"
+                           : "the tensor is evict-pinned");
+        }
+        set(TensorState::kEvicted);
+        break;
+      case v1::TensorEvent::RECOMPUTED:
+        if (from != TensorState::kEvicted && from != TensorState::kOffloaded) {
+          return illegal("evicted or offloaded");
+        }
+        if (t.flags.uncomputable) {
+          return error(absl::StatusCode::kFailedPrecondition,
+                       "the tensor is uncomputable");
+        }
+        plan.steps.push_back({Op::kRecompute, id});
+        t.state = TensorState::kResident;
+        break;
+      case v1::TensorEvent::RELEASE_FAILED:
+        if (from == TensorState::kOffloading ||
+            (from == TensorState::kEvicted && t.evicted_from_device)) {
+          plan.steps.push_back({Op::kCancel, id});
+          t.state = TensorState::kResident;
+        } else if (from == TensorState::kReloading) {
+          // A prefetch is an order too; failing it leaves the host copy.
+          set(TensorState::kOffloaded);
+        } else {
+          return illegal(
+              "an order is outstanding (offloading, evicted from the device, "
+              "or reloading)");
+        }
+        break;
+      default:
+        return error(absl::StatusCode::kInvalidArgument, "unknown event kind");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuPolicy::ApplyPlan(Session& s, const BatchPlan& plan,
+                                  int64_t now_ns) {
+  using Op = BatchPlan::Op;
+  // Atomic in the table; nothing else has changed if it refuses.
+  if (!plan.specs.empty()) {
+    DELTAD_RETURN_IF_ERROR(table_.AddBatch(plan.specs, now_ns));
+  }
+  next_id_ += plan.specs.size();
+  for (size_t i = 0; i < plan.specs.size(); ++i) {
+    // A reused id now names the new tensor; a freed one it named before
+    // stays in `locals` until the table retires it.
+    s.ids[plan.spec_locals[i]] = plan.specs[i].id;
+    s.locals[plan.specs[i].id] = plan.spec_locals[i];
+  }
+  // Events carry the process's clock, which the Filter cannot compare with
+  // other processes' clocks; every access is stamped with the daemon's.
+  for (const BatchPlan::Step& step : plan.steps) {
+    absl::Status applied;
+    switch (step.op) {
+      case Op::kTouch:
+        applied = table_.Touch(step.id, now_ns);
+        break;
+      case Op::kFree:
+        applied = FreeAndForget(s, step.id);
+        break;
+      case Op::kSetState:
+        applied = table_.SetState(step.id, step.to);
+        if (applied.ok() && step.to == TensorState::kOffloaded) {
+          s.prefetcher->OnOffloaded(step.id);
+        }
+        break;
+      case Op::kCancel:
+        applied = table_.CancelRelease(step.id);
+        break;
+      case Op::kRecompute:
+        applied = table_.MarkRecomputed(step.id, now_ns);
+        break;
+    }
+    if (!applied.ok()) {
+      // PlanEvents mirrors the table's rules; a refusal here means they
+      // drifted apart, and part of the batch has been applied.
+      return absl::InternalError(
+          absl::StrCat("batch partly applied, the table refused a validated "
+                       "event: ",
+                       applied.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<TensorId> GpuPolicy::RetiredByFree(TensorId id) const {
+  std::vector<TensorId> out;
+  const uint32_t slot = table_.SlotOf(id);
+  if (slot == UINT32_MAX || table_.AtSlot(slot).live_children != 0) return out;
+  // The table's cascade, played on counts: a parent retires when it is
+  // freed and its last live child retires.
+  absl::flat_hash_map<uint32_t, uint32_t> live_children;
+  std::vector<uint32_t> work{slot};
+  while (!work.empty()) {
+    const Tensor& t = table_.AtSlot(work.back());
+    work.pop_back();
+    out.push_back(t.id);
+    for (uint32_t p : t.parents) {
+      const Tensor& parent = table_.AtSlot(p);
+      auto left = live_children.try_emplace(p, parent.live_children).first;
+      if (--left->second == 0 && parent.state == TensorState::kFreed) {
+        work.push_back(p);
+      }
+    }
+  }
+  return out;
+}
+
+absl::Status GpuPolicy::FreeAndForget(Session& s, TensorId id) {
+  const std::vector<TensorId> retiring = RetiredByFree(id);
+  DELTAD_RETURN_IF_ERROR(table_.Free(id));
+  for (TensorId gone : retiring) {
+    if (table_.Contains(gone)) continue;
+    auto own = s.locals.find(gone);
+    if (own == s.locals.end()) continue;
+    // The id may already name a newer tensor: drop only this one's mapping.
+    if (auto m = s.ids.find(own->second); m != s.ids.end() && m->second == gone)
+      s.ids.erase(m);
+    s.locals.erase(own);
+  }
+  return absl::OkStatus();
+}
+
+// --- Releases ----------------------------------------------------------------
+
+int64_t GpuPolicy::HostLeft(SessionId session, const Session& s) const {
+  return std::max<int64_t>(
+      0, s.host_quota_bytes - table_.SessionStats(session).host_bytes);
+}
+
+absl::flat_hash_map<SessionId, int64_t> GpuPolicy::Victims(SessionId requester,
+                                                           int64_t incoming,
+                                                           Tier tier) const {
+  absl::flat_hash_map<SessionId, int64_t> out;
+  for (const auto& [id, s] : sessions_) {
+    bool may_lose = false;
+    if (tier == Tier::kRequester) {
+      may_lose = id == requester;
+    } else {
+      const int64_t held = table_.SessionStats(id).committed_bytes() +
+                           (id == requester ? incoming : 0);
+      may_lose = held > s.budget_bytes;
+    }
+    if (may_lose) out.emplace(id, HostLeft(id, s));
+  }
+  return out;
+}
+
+absl::StatusOr<policy::ReleaseOrder> GpuPolicy::ReleaseOne(SessionId requester,
+                                                           int64_t incoming,
+                                                           Tier tier,
+                                                           int64_t now_ns) {
+  // Victims and host are read afresh for each tensor: the last release may
+  // have brought its session down to its share or used its host quota.
+  const absl::flat_hash_map<SessionId, int64_t> victims =
+      Victims(requester, incoming, tier);
+  if (victims.empty()) {
+    return absl::NotFoundError("no session may lose tensors");
+  }
+  int64_t most_host = 0;
+  for (const auto& [id, host] : victims) most_host = std::max(most_host, host);
+  // An offload is priced behind the copies already queued on the link.
+  costs_.SetOffloadBacklog(gpu_, table_.GpuStats(gpu_).releasing_bytes);
+  policy::ReleasePlanner planner(table_, filter_, director_);
+  // One tensor per call. The planner takes one host figure, but each session
+  // offloads into its own quota: the eligibility checks the owner's quota,
+  // and the figure passed is the largest, so it never refuses what the
+  // owner's quota allows.
+  absl::StatusOr<std::vector<policy::ReleaseOrder>> orders = planner.Release(
+      policy::Scope{gpu_, std::nullopt}, 1, now_ns, most_host,
+      [&](const Tensor& t) {
+        auto v = victims.find(t.session);
+        return v != victims.end() && director_.CanRelease(t, v->second);
+      });
+  if (!orders.ok()) return orders.status();
+  policy::ReleaseOrder order = orders->front();
+  if (order.action == policy::ReleaseAction::kOffload) {
+    const SessionId owner = table_.Find(order.id)->session;
+    if (table_.SessionStats(owner).host_bytes >
+        sessions_.at(owner).host_quota_bytes) {
+      // The Director saw the larger figure; with the owner's own it would
+      // have evicted (the eligibility made sure the tensor may be evicted).
+      DELTAD_RETURN_IF_ERROR(table_.CancelRelease(order.id));
+      DELTAD_RETURN_IF_ERROR(table_.SetState(order.id, TensorState::kEvicted));
+      order.action = policy::ReleaseAction::kEvict;
+    }
+  }
+  return order;
+}
+
+std::optional<policy::ReleaseOrder> GpuPolicy::OffloadOneAhead(
+    SessionId requester, Tier tier, int64_t now_ns) {
+  const absl::flat_hash_map<SessionId, int64_t> victims =
+      Victims(requester, 0, tier);
+  if (victims.empty()) return std::nullopt;
+  int64_t most_host = 0;
+  for (const auto& [id, host] : victims) most_host = std::max(most_host, host);
+  costs_.SetOffloadBacklog(gpu_, table_.GpuStats(gpu_).releasing_bytes);
+  policy::ReleasePlanner planner(table_, filter_, director_);
+  // Only offloads: a tensor that fits its owner's quota gets the same
+  // decision from the Director under the larger figure.
+  std::vector<policy::ReleaseOrder> orders =
+      planner.OffloadAhead(policy::Scope{gpu_, std::nullopt}, 1, now_ns,
+                           most_host, [&](const Tensor& t) {
+                             auto v = victims.find(t.session);
+                             return v != victims.end() && t.bytes <= v->second;
+                           });
+  if (orders.empty()) return std::nullopt;
+  return orders.front();
+}
+
+std::pair<SessionId, v1::ReleaseOrder> GpuPolicy::ToWire(
+    const policy::ReleaseOrder& order) const {
+  const SessionId owner = table_.Find(order.id)->session;
+  v1::ReleaseOrder out;
+  out.set_tensor_id(sessions_.at(owner).locals.at(order.id));
+  out.set_action(order.action == policy::ReleaseAction::kOffload
+                     ? v1::ReleaseOrder::OFFLOAD
+                     : v1::ReleaseOrder::EVICT);
+  out.set_bytes(order.bytes);
+  return {owner, std::move(out)};
+}
+
+absl::StatusOr<std::map<SessionId, std::vector<v1::ReleaseOrder>>>
+GpuPolicy::MakeRoom(SessionId session, int64_t bytes, int64_t now_ns) {
+  if (!sessions_.contains(session)) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " is not on GPU ", gpu_));
+  }
+  if (bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("room asked must not be negative, got ", bytes, " bytes"));
+  }
+  if (bytes > gpu_budget_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session ", session, " asks room for ", bytes, " bytes, more than GPU ",
+        gpu_, "'s whole budget of ", gpu_budget_bytes_,
+        " bytes; no release can make that much room"));
+  }
+  // The rule: release exactly what the GPU lacks, max(0, committed bytes of
+  // the GPU + bytes - GPU budget). Below the budget nothing is released even
+  // when the session passes its share; a session's share only decides who
+  // loses tensors (see Victims). The requester's own excess is not added:
+  // when it is over its share it is among the first victims anyway, and
+  // adding its excess would release memory nobody asked for.
+  const int64_t need =
+      table_.GpuStats(gpu_).committed_bytes() + bytes - gpu_budget_bytes_;
+  std::map<SessionId, std::vector<v1::ReleaseOrder>> out;
+  if (need <= 0) return out;
+
+  std::vector<policy::ReleaseOrder> chosen;
+  int64_t freed = 0;
+  absl::Status failure;
+  for (Tier tier : {Tier::kOverShare, Tier::kRequester}) {
+    while (freed < need && failure.ok()) {
+      absl::StatusOr<policy::ReleaseOrder> order =
+          ReleaseOne(session, bytes, tier, now_ns);
+      if (!order.ok()) {
+        if (!NothingToRelease(order.status())) failure = order.status();
+        break;
+      }
+      freed += order->bytes;
+      chosen.push_back(*order);
+    }
+  }
+  if (freed < need || !failure.ok()) {
+    // All or nothing: undo in reverse so the table ends as it began.
+    for (auto it = chosen.rbegin(); it != chosen.rend(); ++it) {
+      DELTAD_RETURN_IF_ERROR(table_.CancelRelease(it->id));
+    }
+    if (!failure.ok()) return failure;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session ", session, " asks room for ", bytes, " bytes: GPU ", gpu_,
+        " must release ", need, " bytes; can free at most ", freed,
+        " bytes (victims may come only from sessions above their share and "
+        "from the asking session; the rest is within other sessions' shares, "
+        "pinned, or needs host memory their quotas lack)"));
+  }
+  for (const policy::ReleaseOrder& o : chosen) {
+    auto [owner, wire] = ToWire(o);
+    out[owner].push_back(std::move(wire));
+    ++sessions_.at(owner).releases_ordered;
+  }
+  return out;
+}
+
+// --- Plan --------------------------------------------------------------------
+
+std::map<SessionId, v1::Orders> GpuPolicy::Plan(SessionId session,
+                                                int64_t now_ns) {
+  std::map<SessionId, v1::Orders> out;
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) return out;
+
+  // DELTA's early start, over the GPU: above the high watermark, offload
+  // down to the low one, from the same victims as MakeRoom, so that copies
+  // overlap compute instead of an allocation waiting for them later.
+  absl::StatusOr<int64_t> to_free = watermarks_.BytesToFree(
+      table_.GpuStats(gpu_).committed_bytes(), 0, gpu_budget_bytes_);
+  if (to_free.ok() && *to_free > 0) {
+    int64_t freed = 0;
+    for (Tier tier : {Tier::kOverShare, Tier::kRequester}) {
+      while (freed < *to_free) {
+        std::optional<policy::ReleaseOrder> order =
+            OffloadOneAhead(session, tier, now_ns);
+        if (!order) break;
+        freed += order->bytes;
+        auto [owner, wire] = ToWire(*order);
+        *out[owner].add_release() = std::move(wire);
+        ++sessions_.at(owner).releases_ordered;
+      }
+    }
+  }
+
+  // Prefetch for the session, up to the high watermark of its budget, and
+  // never past that of the GPU counting offloads still in flight: a reload
+  // allocates now, and past the mark it would only be offloaded again.
+  Session& s = it->second;
+  std::erase_if(s.reloading, [&](TensorId id) {
+    const Tensor* t = table_.Find(id);
+    return t == nullptr || t->state != TensorState::kReloading;
+  });
+  const int64_t room =
+      std::min(Fraction(watermarks_.high(), s.budget_bytes) -
+                   table_.SessionStats(session).committed_bytes(),
+               Fraction(watermarks_.high(), gpu_budget_bytes_) -
+                   table_.GpuStats(gpu_).device_bytes);
+  if (room > 0) {
+    const std::vector<TensorId> ids = s.prefetcher->Plan(
+        table_, room, static_cast<int>(s.reloading.size()), nullptr, session);
+    for (TensorId id : ids) {
+      if (!table_.SetState(id, TensorState::kReloading).ok()) continue;
+      s.reloading.push_back(id);
+      out[session].add_prefetch_tensor_ids(s.locals.at(id));
+    }
+  } else if (s.prefetcher->queued() > 2 * s.locals.size() + 64) {
+    // The queue drops stale entries only when it plans, and a session that
+    // stays above its mark never plans: every offload would stay queued for
+    // the life of the daemon. Planning with one byte of room prunes it; the
+    // few 1-byte tensors that returns go back, oldest first, in place.
+    std::vector<TensorId> taken =
+        s.prefetcher->Plan(table_, 1, 0, nullptr, session);
+    for (auto id = taken.rbegin(); id != taken.rend(); ++id) {
+      s.prefetcher->OnOffloaded(*id);
+    }
+  }
+  return out;
+}
+
+// --- Usage -------------------------------------------------------------------
+
+absl::StatusOr<SessionUsage> GpuPolicy::Usage(SessionId session) const {
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " is not on GPU ", gpu_));
+  }
+  const policy::MemoryStats stats = table_.SessionStats(session);
+  SessionUsage u;
+  u.budget_bytes = it->second.budget_bytes;
+  u.host_quota_bytes = it->second.host_quota_bytes;
+  u.device_bytes = stats.committed_bytes();
+  u.host_bytes = stats.host_bytes;
+  u.tensors = stats.tensors;
+  u.releases_ordered = it->second.releases_ordered;
+  return u;
+}
+
+int64_t GpuPolicy::device_bytes() const {
+  return table_.GpuStats(gpu_).committed_bytes();
+}
+
+}  // namespace deltad::daemon

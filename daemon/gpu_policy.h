@@ -1,0 +1,186 @@
+#ifndef DELTAD_DAEMON_GPU_POLICY_H_
+#define DELTAD_DAEMON_GPU_POLICY_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "daemon/session_id.h"
+#include "deltad/v1/memory_manager.pb.h"
+#include "policies/cost_model.h"
+#include "policies/director.h"
+#include "policies/filter.h"
+#include "policies/prefetcher.h"
+#include "policies/release_planner.h"
+#include "policies/tensor_table.h"
+#include "policies/watermarks.h"
+
+namespace deltad::daemon {
+
+struct GpuPolicyOptions {
+  policy::FilterOptions filter;  // heuristic, sampled search
+  double high_watermark = policy::Watermarks::kDefaultHigh;
+  double low_watermark = policy::Watermarks::kDefaultLow;
+  policy::LinkBandwidth link{25e9, 25e9};  // measured by the backend
+  int max_prefetch_in_flight = 2;
+  int64_t max_tensors_per_session = int64_t{4} << 20;
+  int32_t max_batch_events = 65536;
+};
+
+struct SessionUsage {
+  int64_t budget_bytes = 0;
+  int64_t host_quota_bytes = 0;
+  int64_t device_bytes = 0;  // committed: resident, minus offloads leaving
+  int64_t host_bytes = 0;
+  int64_t tensors = 0;
+  uint64_t releases_ordered = 0;
+};
+
+// One GPU's policy engine: the tensors of every session on the GPU in one
+// TensorTable, and the Filter/Director/Prefetcher running over them.
+//
+// Tensor ids on the wire are the session's own; they are mapped to ids that
+// are unique on the GPU, so a session can never name, release or read the
+// tensors of another (a foreign or unknown id is NOT_FOUND, as if it did not
+// exist).
+//
+// Memory is shared across sessions. A session may hold more than its budget
+// (its arbiter share) while the GPU has room; when room is needed, the
+// tensors released come first from sessions above their share, then from
+// the requesting session itself. A session within its share never loses
+// tensors to another.
+//
+// Not thread safe: the service serialises calls per GPU.
+class GpuPolicy {
+ public:
+  static absl::StatusOr<std::unique_ptr<GpuPolicy>> Create(
+      int gpu, int64_t gpu_budget_bytes, GpuPolicyOptions options);
+
+  // ALREADY_EXISTS for a known session.
+  absl::Status AddSession(SessionId session, int64_t budget_bytes,
+                          int64_t host_quota_bytes);
+  // Forgets the session and every tensor it had. NOT_FOUND when unknown.
+  absl::Status RemoveSession(SessionId session);
+  absl::Status SetBudget(SessionId session, int64_t budget_bytes);
+
+  // Applies a batch: creations first (parents by the session's ids, within
+  // the batch or already known), then events in order. All or nothing: on
+  // error nothing of the batch is applied and the message names the tensor
+  // and what was wrong. INVALID_ARGUMENT for malformed input (sizes, unknown
+  // event kinds, cycles), NOT_FOUND for unknown ids, FAILED_PRECONDITION for
+  // an event the tensor's state does not allow, RESOURCE_EXHAUSTED past the
+  // batch or tensor limits.
+  absl::Status Apply(SessionId session, const v1::EventBatch& batch,
+                     int64_t now_ns);
+
+  // Orders that make room for `bytes` more in `session`: the synchronous
+  // path. Keyed by the session that must carry each order out (ids are that
+  // session's own). RESOURCE_EXHAUSTED "can free at most N bytes" when the
+  // allowed victims cannot cover it; nothing changes then.
+  //
+  // Releases exactly what the GPU lacks, max(0, GPU committed bytes + bytes -
+  // GPU budget): an empty map means the allocation fits as it is, even past
+  // the session's share. Victims, one at a time in the Filter's order over
+  // the GPU: first tensors of sessions above their budget (`session`
+  // included, counting `bytes`), each only while it stays above; then
+  // `session`'s own. Offloads fit the owner's host quota, else evict.
+  // Bytes above the GPU budget: RESOURCE_EXHAUSTED; negative:
+  // INVALID_ARGUMENT.
+  absl::StatusOr<std::map<SessionId, std::vector<v1::ReleaseOrder>>> MakeRoom(
+      SessionId session, int64_t bytes, int64_t now_ns);
+
+  // After a batch: early releases above the high watermark of the GPU and
+  // prefetches for `session` while its backward pass reads offloaded
+  // tensors. Orders for other sessions are keyed by their id.
+  //
+  // Early releases are offloads only (ReleasePlanner::OffloadAhead), down to
+  // the low watermark, from the same victims as MakeRoom. Prefetched tensors
+  // become kReloading (they count as device bytes) until RELOADED, or
+  // OFFLOADED / RELEASE_FAILED when the reload did not happen. Empty for an
+  // unknown session.
+  std::map<SessionId, v1::Orders> Plan(SessionId session, int64_t now_ns);
+
+  absl::StatusOr<SessionUsage> Usage(SessionId session) const;
+  int64_t device_bytes() const;  // all sessions
+  int64_t gpu_budget_bytes() const { return gpu_budget_bytes_; }
+
+ private:
+  GpuPolicy(int gpu, int64_t gpu_budget_bytes, GpuPolicyOptions options,
+            policy::Watermarks watermarks);
+
+  struct Session {
+    int64_t budget_bytes = 0;
+    int64_t host_quota_bytes = 0;
+    uint64_t releases_ordered = 0;
+    // The session's own id -> the GPU-wide id in table_.
+    absl::flat_hash_map<uint64_t, policy::TensorId> ids;
+    // The reverse, for every tensor of the session that table_ records,
+    // freed ones kept for recompute included (their own id may already name
+    // a newer tensor): translates orders back and counts against
+    // max_tensors_per_session.
+    absl::flat_hash_map<policy::TensorId, uint64_t> locals;
+    // Prefetches ordered (kReloading) and maybe not reported back yet;
+    // pruned when Plan counts them.
+    std::vector<policy::TensorId> reloading;
+    std::unique_ptr<policy::Prefetcher> prefetcher;
+  };
+
+  // Whose tensors a release may take, in this order (see the class comment).
+  enum class Tier {
+    kOverShare,  // sessions above their budget, each down to it at most
+    kRequester,  // the session that asks for room, without limit
+  };
+
+  struct BatchPlan;  // a validated batch, ready to apply (gpu_policy.cc)
+  absl::Status PlanCreations(SessionId session, const Session& s,
+                             const v1::EventBatch& batch,
+                             BatchPlan& plan) const;
+  absl::Status PlanEvents(SessionId session, const Session& s,
+                          const v1::EventBatch& batch, BatchPlan& plan) const;
+  absl::Status ApplyPlan(Session& s, const BatchPlan& plan, int64_t now_ns);
+  // Frees a tensor and forgets the ids of every record the table retires.
+  absl::Status FreeAndForget(Session& s, policy::TensorId id);
+  // The tensors Free(id) retires: id itself and its freed ancestors whose
+  // last live child it is, transitively. Read before freeing.
+  std::vector<policy::TensorId> RetiredByFree(policy::TensorId id) const;
+
+  // Sessions whose tensors `tier` allows as victims, with the host bytes
+  // each has left for offloads. `incoming` counts as already held by
+  // `requester`.
+  absl::flat_hash_map<SessionId, int64_t> Victims(SessionId requester,
+                                                  int64_t incoming,
+                                                  Tier tier) const;
+  // One release (or offload ahead) chosen by the Filter over the whole GPU
+  // among the victims of `tier`; NotFound/ResourceExhausted when none.
+  absl::StatusOr<policy::ReleaseOrder> ReleaseOne(SessionId requester,
+                                                  int64_t incoming, Tier tier,
+                                                  int64_t now_ns);
+  std::optional<policy::ReleaseOrder> OffloadOneAhead(SessionId requester,
+                                                      Tier tier,
+                                                      int64_t now_ns);
+  // The order as its owner must read it: owner's id and its own tensor id.
+  std::pair<SessionId, v1::ReleaseOrder> ToWire(
+      const policy::ReleaseOrder& order) const;
+  int64_t HostLeft(SessionId session, const Session& s) const;
+
+  int gpu_;
+  int64_t gpu_budget_bytes_;
+  GpuPolicyOptions options_;
+  policy::Watermarks watermarks_;
+  policy::TensorTable table_;
+  policy::CostModel costs_;
+  policy::Filter filter_;
+  policy::Director director_;
+  std::map<SessionId, Session> sessions_;
+  policy::TensorId next_id_ = 1;
+};
+
+}  // namespace deltad::daemon
+
+#endif  // DELTAD_DAEMON_GPU_POLICY_H_

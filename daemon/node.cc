@@ -1,0 +1,297 @@
+#include "daemon/node.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace deltad::daemon {
+
+namespace {
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void CountOrders(Metrics* metrics, int gpu, const v1::Orders& orders) {
+  if (metrics == nullptr) return;
+  int64_t offloads = 0;
+  int64_t evictions = 0;
+  for (const v1::ReleaseOrder& o : orders.release()) {
+    (o.action() == v1::ReleaseOrder::OFFLOAD ? offloads : evictions) += 1;
+  }
+  metrics->AddOrders(gpu, OrderKind::kOffload, offloads);
+  metrics->AddOrders(gpu, OrderKind::kEvict, evictions);
+  metrics->AddOrders(gpu, OrderKind::kPrefetch,
+                     orders.prefetch_tensor_ids_size());
+  metrics->AddOrders(gpu, OrderKind::kBudget,
+                     orders.new_budget_bytes() > 0 ? 1 : 0);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Node>> Node::Create(DeviceBackend& backend,
+                                                   HostPool& pool,
+                                                   Metrics* metrics,
+                                                   NodeOptions options) {
+  if (!(options.gpu_share > 0) || options.gpu_share > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu_share must be in (0, 1], got ", options.gpu_share));
+  }
+  std::unique_ptr<Node> node(
+      new Node(backend, pool, metrics, std::move(options)));
+  for (const GpuInfo& info : backend.gpus()) {
+    const auto budget = static_cast<int64_t>(
+        node->options_.gpu_share * static_cast<double>(info.memory_bytes));
+    auto arbiter = GpuArbiter::Create(info.index, budget,
+                                      node->options_.min_session_bytes);
+    if (!arbiter.ok()) return arbiter.status();
+    auto gpu = std::make_unique<Gpu>(std::move(*arbiter));
+    GpuPolicyOptions policy = node->options_.policy;
+    policy.link = {info.d2h_bytes_per_s, info.h2d_bytes_per_s};
+    auto engine = GpuPolicy::Create(info.index, budget, policy);
+    if (!engine.ok()) return engine.status();
+    gpu->policy = std::move(*engine);
+    node->gpus_.push_back(std::move(gpu));
+    if (metrics != nullptr) metrics->SetGpuBudget(info.index, budget);
+  }
+  return node;
+}
+
+void Node::AddBudgetOrders(const std::vector<BudgetChange>& changes,
+                           SessionId except, Gpu& gpu, OrdersBySession& out) {
+  for (const BudgetChange& c : changes) {
+    (void)gpu.policy->SetBudget(c.session, c.budget_bytes);
+    if (c.session == except) continue;
+    out[c.session].set_new_budget_bytes(c.budget_bytes);
+  }
+}
+
+void Node::UpdateGpuMetrics(int gpu_index, Gpu& gpu) {
+  if (metrics_ == nullptr) return;
+  metrics_->SetGpuUsed(gpu_index, gpu.policy->device_bytes());
+  metrics_->SetSessions(gpu_index,
+                        static_cast<int64_t>(gpu.arbiter.sessions()));
+  const HostPoolStats pool = pool_.Stats();
+  metrics_->SetHostPool(pool.free_bytes, pool.granted_bytes);
+}
+
+absl::StatusOr<Node::Opened> Node::OpenSession(
+    absl::string_view peer_token, const v1::OpenSessionRequest& request) {
+  const int g = request.gpu();
+  if (g < 0 || g >= static_cast<int>(gpus_.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no GPU ", g, ": this node has ", gpus_.size(), " (0..",
+                     static_cast<int>(gpus_.size()) - 1, ")"));
+  }
+  if (request.requested_budget_bytes() < 0 ||
+      request.requested_host_bytes() < 0) {
+    return absl::InvalidArgumentError("requested sizes must not be negative");
+  }
+  if (request.priority() > 100) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("priority must be at most 100, got ", request.priority()));
+  }
+  auto session =
+      registry_.Open(peer_token, g, request.priority(), request.label());
+  if (!session.ok()) return session.status();
+  Gpu& gpu = *gpus_[g];
+  Opened opened;
+  {
+    std::lock_guard<std::mutex> lock(gpu.mu);
+    auto changes = gpu.arbiter.AddSession(session->id, session->priority,
+                                          request.requested_budget_bytes());
+    if (!changes.ok()) {
+      (void)registry_.Close(session->token);
+      return changes.status();
+    }
+    const int64_t budget = gpu.arbiter.BudgetOf(session->id);
+    const int64_t quota = request.requested_host_bytes() > 0
+                              ? request.requested_host_bytes()
+                              : options_.default_host_quota_bytes;
+    // A session without host memory still works (the Director evicts), so
+    // a pool that cannot cover the quota grants nothing rather than fail.
+    auto slabs = quota >= pool_.slab_bytes()
+                     ? pool_.Grant(session->id, quota)
+                     : absl::StatusOr<std::vector<Slab>>(std::vector<Slab>{});
+    if (slabs.ok()) opened.slabs = std::move(*slabs);
+    int64_t granted_host = 0;
+    for (const Slab& s : opened.slabs) granted_host += s.bytes;
+    if (absl::Status s =
+            gpu.policy->AddSession(session->id, budget, granted_host);
+        !s.ok()) {
+      (void)gpu.arbiter.RemoveSession(session->id);
+      (void)pool_.ReleaseSession(session->id);
+      (void)registry_.Close(session->token);
+      return s;
+    }
+    AddBudgetOrders(*changes, session->id, gpu, opened.others);
+    v1::OpenSessionResponse& r = opened.response;
+    r.set_session_token(session->token);
+    r.set_session_id(session->id);
+    r.set_granted_budget_bytes(budget);
+    r.set_host_quota_bytes(granted_host);
+    for (const Slab& s : opened.slabs) {
+      v1::HostSlab* slab = r.add_host_slabs();
+      slab->set_slab_id(s.id);
+      slab->set_bytes(s.bytes);
+    }
+    r.set_side_socket_path(options_.side_socket_path);
+    const GpuInfo& info = backend_.gpus()[g];
+    r.set_d2h_bytes_per_second(info.d2h_bytes_per_s);
+    r.set_h2d_bytes_per_second(info.h2d_bytes_per_s);
+    UpdateGpuMetrics(g, gpu);
+  }
+  return opened;
+}
+
+OrdersBySession Node::Reclaim(const SessionInfo& session) {
+  OrdersBySession others;
+  Gpu& gpu = *gpus_[session.gpu];
+  {
+    std::lock_guard<std::mutex> lock(gpu.mu);
+    (void)gpu.policy->RemoveSession(session.id);
+    auto changes = gpu.arbiter.RemoveSession(session.id);
+    if (changes.ok()) AddBudgetOrders(*changes, session.id, gpu, others);
+    (void)pool_.ReleaseSession(session.id);
+    UpdateGpuMetrics(session.gpu, gpu);
+  }
+  return others;
+}
+
+absl::StatusOr<OrdersBySession> Node::CloseSession(absl::string_view token) {
+  auto session = registry_.Close(token);
+  if (!session.ok()) return session.status();
+  return Reclaim(*session);
+}
+
+OrdersBySession Node::PeerGone(absl::string_view peer_token) {
+  OrdersBySession others;
+  for (const SessionInfo& s : registry_.ForgetPeer(peer_token)) {
+    for (auto& [id, orders] : Reclaim(s)) others[id].MergeFrom(orders);
+  }
+  return others;
+}
+
+absl::StatusOr<OrdersBySession> Node::Apply(absl::string_view token,
+                                            const v1::EventBatch& batch) {
+  auto session = registry_.Authorize(token);
+  if (!session.ok()) return session.status();
+  Gpu& gpu = *gpus_[session->gpu];
+  std::lock_guard<std::mutex> lock(gpu.mu);
+  const int64_t now = NowNs();
+  if (absl::Status s = gpu.policy->Apply(session->id, batch, now); !s.ok()) {
+    return s;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::map<SessionId, v1::Orders> orders = gpu.policy->Plan(session->id, now);
+  if (metrics_ != nullptr) {
+    metrics_->ObserveDecision(
+        session->gpu,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+            .count());
+    for (const auto& [id, o] : orders) CountOrders(metrics_, session->gpu, o);
+  }
+  UpdateGpuMetrics(session->gpu, gpu);
+  return OrdersBySession(orders.begin(), orders.end());
+}
+
+absl::StatusOr<Node::Released> Node::Release(
+    const v1::ReleaseRequest& request) {
+  auto session = registry_.Authorize(request.session_token());
+  if (!session.ok()) return session.status();
+  if (request.bytes() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bytes to release must be positive, got ", request.bytes()));
+  }
+  Gpu& gpu = *gpus_[session->gpu];
+  std::lock_guard<std::mutex> lock(gpu.mu);
+  const int64_t now = NowNs();
+  if (request.has_batch()) {
+    if (absl::Status s = gpu.policy->Apply(session->id, request.batch(), now);
+        !s.ok()) {
+      return s;
+    }
+  }
+  const auto start = std::chrono::steady_clock::now();
+  auto orders = gpu.policy->MakeRoom(session->id, request.bytes(), now);
+  if (metrics_ != nullptr) {
+    metrics_->ObserveDecision(
+        session->gpu,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+            .count());
+  }
+  if (!orders.ok()) return orders.status();
+  Released released;
+  // MakeRoom succeeded: once its orders are carried out, the GPU has room.
+  released.response.set_room_available(true);
+  for (auto& [id, list] : *orders) {
+    if (id == session->id) {
+      for (v1::ReleaseOrder& o : list) {
+        released.response.set_bytes(released.response.bytes() + o.bytes());
+        *released.response.add_release() = std::move(o);
+      }
+    } else {
+      for (v1::ReleaseOrder& o : list) {
+        *released.others[id].add_release() = std::move(o);
+      }
+    }
+  }
+  if (metrics_ != nullptr) {
+    v1::Orders own;
+    *own.mutable_release() = released.response.release();
+    CountOrders(metrics_, session->gpu, own);
+    for (const auto& [id, o] : released.others) {
+      CountOrders(metrics_, session->gpu, o);
+    }
+  }
+  UpdateGpuMetrics(session->gpu, gpu);
+  return released;
+}
+
+v1::NodeStatusResponse Node::Status() const {
+  v1::NodeStatusResponse r;
+  r.set_version(options_.version);
+  r.set_backend(std::string(backend_.name()));
+  const std::vector<SessionInfo> sessions = registry_.List();
+  for (size_t g = 0; g < gpus_.size(); ++g) {
+    const GpuInfo& info = backend_.gpus()[g];
+    Gpu& gpu = *gpus_[g];
+    std::lock_guard<std::mutex> lock(gpu.mu);
+    v1::GpuStatus* s = r.add_gpus();
+    s->set_gpu(info.index);
+    s->set_name(info.name);
+    s->set_uuid(info.uuid);
+    s->set_memory_bytes(info.memory_bytes);
+    s->set_budget_bytes(gpu.arbiter.budget_bytes());
+    s->set_used_bytes(gpu.policy->device_bytes());
+    s->set_d2h_bytes_per_second(info.d2h_bytes_per_s);
+    s->set_h2d_bytes_per_second(info.h2d_bytes_per_s);
+    s->set_sessions(static_cast<uint32_t>(gpu.arbiter.sessions()));
+    for (const SessionInfo& session : sessions) {
+      if (session.gpu != static_cast<int>(g)) continue;
+      auto usage = gpu.policy->Usage(session.id);
+      v1::SessionStatus* out = r.add_sessions();
+      out->set_session_id(session.id);
+      out->set_gpu(session.gpu);
+      out->set_pid(session.peer.pid);
+      out->set_uid(session.peer.uid);
+      out->set_label(session.label);
+      if (usage.ok()) {
+        out->set_budget_bytes(usage->budget_bytes);
+        out->set_device_bytes(usage->device_bytes);
+        out->set_host_bytes(usage->host_bytes);
+        out->set_tensors(static_cast<uint64_t>(usage->tensors));
+        out->set_releases(usage->releases_ordered);
+      }
+    }
+  }
+  const HostPoolStats pool = pool_.Stats();
+  r.set_host_pool_bytes(pool.total_bytes);
+  r.set_host_pool_granted_bytes(pool.granted_bytes);
+  return r;
+}
+
+}  // namespace deltad::daemon

@@ -1,0 +1,109 @@
+#ifndef DELTAD_DAEMON_NODE_H_
+#define DELTAD_DAEMON_NODE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "daemon/backend/device_backend.h"
+#include "daemon/gpu_arbiter.h"
+#include "daemon/gpu_policy.h"
+#include "daemon/host_pool.h"
+#include "daemon/metrics.h"
+#include "daemon/session_registry.h"
+#include "deltad/v1/memory_manager.pb.h"
+
+namespace deltad::daemon {
+
+struct NodeOptions {
+  double gpu_share = 0.9;  // of each GPU's memory, handed out as budgets
+  int64_t min_session_bytes = int64_t{1} << 30;
+  int64_t default_host_quota_bytes = int64_t{8} << 30;
+  int max_sessions_per_gpu = 64;
+  GpuPolicyOptions policy;       // its link bandwidth is taken from the backend
+  std::string side_socket_path;  // told to clients in OpenSession
+  std::string version = "0.1.0";
+};
+
+// Orders to deliver, by the session that must carry them out.
+using OrdersBySession = std::map<SessionId, v1::Orders>;
+
+// The daemon's state and its every decision, behind one thread-safe API:
+// sessions and their credentials, each GPU's arbiter and policy engine, the
+// host pool. The gRPC service and the side socket only translate to and from
+// it. Each GPU has its own lock, so sessions on different GPUs never wait
+// for each other. Does not own the backend, the pool or the metrics; they
+// must outlive it. Thread safe.
+class Node {
+ public:
+  static absl::StatusOr<std::unique_ptr<Node>> Create(DeviceBackend& backend,
+                                                      HostPool& pool,
+                                                      Metrics* metrics,
+                                                      NodeOptions options);
+
+  SessionRegistry& registry() { return registry_; }
+
+  struct Opened {
+    v1::OpenSessionResponse response;
+    std::vector<Slab> slabs;  // fds to pass to the process (pool-owned)
+    OrdersBySession others;   // budget changes of the other sessions
+  };
+  // For the process that holds `peer_token` (see SessionRegistry).
+  absl::StatusOr<Opened> OpenSession(absl::string_view peer_token,
+                                     const v1::OpenSessionRequest& request);
+  // Returns the budget changes of the sessions that remain.
+  absl::StatusOr<OrdersBySession> CloseSession(absl::string_view token);
+  // The process behind a peer token is gone: reclaims all its sessions.
+  OrdersBySession PeerGone(absl::string_view peer_token);
+
+  // Applies a batch from the session; returns the orders it causes, for it
+  // and for others.
+  absl::StatusOr<OrdersBySession> Apply(absl::string_view token,
+                                        const v1::EventBatch& batch);
+  // The synchronous path: orders that make room for request.bytes().
+  struct Released {
+    v1::ReleaseResponse response;
+    OrdersBySession others;
+  };
+  absl::StatusOr<Released> Release(const v1::ReleaseRequest& request);
+
+  v1::NodeStatusResponse Status() const;
+
+ private:
+  struct Gpu {
+    std::mutex mu;
+    GpuArbiter arbiter;
+    std::unique_ptr<GpuPolicy> policy;
+    explicit Gpu(GpuArbiter a) : arbiter(std::move(a)) {}
+  };
+
+  Node(DeviceBackend& backend, HostPool& pool, Metrics* metrics,
+       NodeOptions options)
+      : backend_(backend),
+        pool_(pool),
+        metrics_(metrics),
+        options_(std::move(options)),
+        registry_(options_.max_sessions_per_gpu) {}
+  // Removes a session from its GPU and the pool; the lock of its GPU must
+  // not be held.
+  OrdersBySession Reclaim(const SessionInfo& session);
+  void AddBudgetOrders(const std::vector<BudgetChange>& changes,
+                       SessionId except, Gpu& gpu, OrdersBySession& out);
+  void UpdateGpuMetrics(int gpu_index, Gpu& gpu);
+
+  DeviceBackend& backend_;
+  HostPool& pool_;
+  Metrics* metrics_;
+  const NodeOptions options_;
+  SessionRegistry registry_;
+  std::vector<std::unique_ptr<Gpu>> gpus_;
+};
+
+}  // namespace deltad::daemon
+
+#endif  // DELTAD_DAEMON_NODE_H_

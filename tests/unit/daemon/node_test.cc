@@ -1,0 +1,208 @@
+#include "daemon/node.h"
+
+#include <memory>
+#include <string>
+
+#include "daemon/backend/sim_backend.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace deltad::daemon {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+// Two simulated GPUs of 10 GiB (9 GiB of budget each), a 1 GiB host pool in
+// 64 MiB slabs, metrics recorded.
+class NodeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SimBackendOptions sim;
+    sim.gpus = 2;
+    sim.memory_bytes = 10 * kGiB;
+    auto backend = SimBackend::Create(sim);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    backend_ = std::move(*backend);
+    auto pool = HostPool::Create(kGiB, 64 * kMiB);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_ = std::move(*pool);
+    std::vector<GpuLabel> labels;
+    for (const GpuInfo& g : backend_->gpus()) {
+      labels.push_back({g.index, g.uuid, g.memory_bytes});
+    }
+    auto metrics = Metrics::Create(labels, "test", "sim");
+    ASSERT_TRUE(metrics.ok()) << metrics.status();
+    metrics_ = std::move(*metrics);
+    NodeOptions options;
+    options.min_session_bytes = kGiB;
+    options.default_host_quota_bytes = 256 * kMiB;
+    options.side_socket_path = "/run/deltad/deltad.sock.fds";
+    auto node = Node::Create(*backend_, *pool_, metrics_.get(), options);
+    ASSERT_TRUE(node.ok()) << node.status();
+    node_ = std::move(*node);
+  }
+
+  std::string Peer(pid_t pid) {
+    PeerIdentity p;
+    p.pid = pid;
+    p.uid = 1000;
+    auto t = node_->registry().RegisterPeer(p);
+    EXPECT_TRUE(t.ok());
+    return *t;
+  }
+
+  Node::Opened Open(const std::string& peer, int gpu, int64_t host = 0) {
+    v1::OpenSessionRequest r;
+    r.set_gpu(gpu);
+    r.set_requested_host_bytes(host);
+    auto opened = node_->OpenSession(peer, r);
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    return opened.ok() ? std::move(*opened) : Node::Opened{};
+  }
+
+  static v1::EventBatch Create(uint64_t id, int64_t bytes) {
+    v1::EventBatch b;
+    v1::TensorCreated* c = b.add_created();
+    c->set_tensor_id(id);
+    c->set_bytes(bytes);
+    c->set_compute_cost_ns(1000);
+    return b;
+  }
+
+  std::unique_ptr<SimBackend> backend_;
+  std::unique_ptr<HostPool> pool_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<Node> node_;
+};
+
+TEST_F(NodeTest, OpeningGrantsABudgetHostSlabsAndTheLinkFigures) {
+  const Node::Opened o = Open(Peer(100), 1);
+  EXPECT_EQ(o.response.granted_budget_bytes(),
+            static_cast<int64_t>(0.9 * 10 * kGiB));
+  EXPECT_EQ(o.response.host_quota_bytes(), 256 * kMiB);
+  EXPECT_EQ(o.slabs.size(), 4u);
+  EXPECT_EQ(o.response.host_slabs_size(), 4);
+  EXPECT_EQ(o.response.side_socket_path(), "/run/deltad/deltad.sock.fds");
+  EXPECT_GT(o.response.d2h_bytes_per_second(), 0);
+  EXPECT_TRUE(o.others.empty());
+}
+
+TEST_F(NodeTest, ASecondSessionSplitsTheGpuAndTheFirstIsTold) {
+  const Node::Opened a = Open(Peer(100), 0);
+  const Node::Opened b = Open(Peer(101), 0);
+  const int64_t half = static_cast<int64_t>(0.9 * 10 * kGiB) / 2;
+  EXPECT_EQ(b.response.granted_budget_bytes(), half);
+  ASSERT_TRUE(b.others.contains(a.response.session_id()));
+  EXPECT_EQ(b.others.at(a.response.session_id()).new_budget_bytes(), half);
+}
+
+TEST_F(NodeTest, BadOpenRequestsAreRefusedWithTheReason) {
+  v1::OpenSessionRequest r;
+  r.set_gpu(7);
+  auto bad_gpu = node_->OpenSession(Peer(1), r);
+  EXPECT_EQ(bad_gpu.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad_gpu.status().message(), HasSubstr("this node has 2"));
+  r.set_gpu(0);
+  EXPECT_EQ(node_->OpenSession("forged", r).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  r.set_requested_budget_bytes(-1);
+  EXPECT_EQ(node_->OpenSession(Peer(2), r).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(NodeTest, BatchesShowInTheStatusAndStayWithTheirSession) {
+  const Node::Opened a = Open(Peer(100), 0);
+  const Node::Opened b = Open(Peer(101), 0);
+  ASSERT_TRUE(
+      node_->Apply(a.response.session_token(), Create(1, 100 * kMiB)).ok());
+  // B names A's tensor id: for B it does not exist.
+  v1::EventBatch touch;
+  v1::TensorEvent* e = touch.add_events();
+  e->set_kind(v1::TensorEvent::ACCESSED);
+  e->set_tensor_id(1);
+  EXPECT_EQ(node_->Apply(b.response.session_token(), touch).status().code(),
+            absl::StatusCode::kNotFound);
+  const v1::NodeStatusResponse status = node_->Status();
+  EXPECT_EQ(status.backend(), "sim");
+  ASSERT_EQ(status.gpus_size(), 2);
+  EXPECT_EQ(status.gpus(0).used_bytes(), 100 * kMiB);
+  EXPECT_EQ(status.gpus(0).sessions(), 2u);
+  ASSERT_EQ(status.sessions_size(), 2);
+  EXPECT_EQ(status.sessions(0).pid(), 100);
+  EXPECT_EQ(status.sessions(0).device_bytes(), 100 * kMiB);
+  EXPECT_EQ(status.sessions(1).device_bytes(), 0);
+  EXPECT_EQ(node_->Apply("forged", touch).status().code(),
+            absl::StatusCode::kUnauthenticated);
+}
+
+TEST_F(NodeTest, ReleaseOrdersWhatTheGpuLacksForTheAllocation) {
+  const Node::Opened a = Open(Peer(100), 0);
+  // 8 GiB held of the GPU's 9 GiB budget.
+  v1::EventBatch batch;
+  for (uint64_t id = 1; id <= 16; ++id) {
+    v1::TensorCreated* c = batch.add_created();
+    c->set_tensor_id(id);
+    c->set_bytes(512 * kMiB);
+    c->set_compute_cost_ns(1000);
+  }
+  ASSERT_TRUE(node_->Apply(a.response.session_token(), batch).ok());
+  v1::ReleaseRequest r;
+  r.set_session_token(a.response.session_token());
+  // 512 MiB fits in what is left: allocate now, nothing to release.
+  r.set_bytes(512 * kMiB);
+  auto fits = node_->Release(r);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  EXPECT_TRUE(fits->response.room_available());
+  EXPECT_EQ(fits->response.release_size(), 0);
+  // 2 GiB does not: the GPU lacks about 1 GiB, released from this session.
+  r.set_bytes(2 * kGiB);
+  auto released = node_->Release(r);
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_TRUE(released->response.room_available());
+  const int64_t budget = static_cast<int64_t>(0.9 * 10 * kGiB);
+  EXPECT_GE(released->response.bytes(), 8 * kGiB + 2 * kGiB - budget);
+  EXPECT_LT(released->response.bytes(), 2 * kGiB);
+  // More than the whole GPU can never fit.
+  r.set_bytes(100 * kGiB);
+  EXPECT_EQ(node_->Release(r).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  r.set_bytes(0);
+  EXPECT_EQ(node_->Release(r).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(NodeTest, AProcessThatDiesIsReclaimedAndTheOthersGrow) {
+  const std::string dying = Peer(100);
+  const Node::Opened a = Open(dying, 0);
+  const Node::Opened b = Open(Peer(101), 0);
+  ASSERT_TRUE(node_->Apply(a.response.session_token(), Create(1, kGiB)).ok());
+  const int64_t granted_before = pool_->Stats().granted_bytes;
+  const OrdersBySession others = node_->PeerGone(dying);
+  ASSERT_TRUE(others.contains(b.response.session_id()));
+  EXPECT_EQ(others.at(b.response.session_id()).new_budget_bytes(),
+            static_cast<int64_t>(0.9 * 10 * kGiB));
+  EXPECT_EQ(pool_->Stats().granted_bytes, granted_before - 256 * kMiB);
+  const v1::NodeStatusResponse status = node_->Status();
+  EXPECT_EQ(status.gpus(0).sessions(), 1u);
+  EXPECT_EQ(status.gpus(0).used_bytes(), 0);
+  EXPECT_EQ(
+      node_->Apply(a.response.session_token(), Create(2, 1)).status().code(),
+      absl::StatusCode::kUnauthenticated);
+}
+
+TEST_F(NodeTest, MetricsFollowSessionsAndUse) {
+  const Node::Opened a = Open(Peer(100), 1);
+  ASSERT_TRUE(node_->Apply(a.response.session_token(), Create(1, kMiB)).ok());
+  const std::string scrape = metrics_->Scrape();
+  EXPECT_THAT(scrape, HasSubstr("deltad_sessions{gpu=\"1\""));
+  EXPECT_THAT(scrape, HasSubstr("deltad_gpu_used_bytes{gpu=\"1\""));
+  ASSERT_TRUE(node_->CloseSession(a.response.session_token()).ok());
+  EXPECT_EQ(node_->CloseSession(a.response.session_token()).status().code(),
+            absl::StatusCode::kUnauthenticated);
+}
+
+}  // namespace
+}  // namespace deltad::daemon
