@@ -1,0 +1,163 @@
+#include "daemon/memory_manager_service.h"
+
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace deltad::daemon {
+
+bool Mailboxes::Open(SessionId session) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return boxes_.emplace(session, Box{}).second;
+}
+
+void Mailboxes::Close(SessionId session) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = boxes_.find(session);
+    if (it != boxes_.end()) it->second.closed = true;
+  }
+  cv_.notify_all();
+}
+
+void Mailboxes::Post(SessionId session, v1::Orders orders) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = boxes_.find(session);
+    if (it == boxes_.end() || it->second.closed) return;
+    it->second.queue.push_back(std::move(orders));
+  }
+  cv_.notify_all();
+}
+
+void Mailboxes::PostAll(const OrdersBySession& orders) {
+  for (const auto& [session, o] : orders) Post(session, o);
+}
+
+void Mailboxes::Broadcast(const v1::Orders& orders) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [session, box] : boxes_) {
+      if (!box.closed) box.queue.push_back(orders);
+    }
+  }
+  cv_.notify_all();
+}
+
+bool Mailboxes::Take(SessionId session, v1::Orders* out) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    auto it = boxes_.find(session);
+    if (it == boxes_.end()) return false;
+    Box& box = it->second;
+    if (!box.queue.empty()) {
+      *out = std::move(box.queue.front());
+      box.queue.pop_front();
+      return true;
+    }
+    if (box.closed) {
+      boxes_.erase(it);
+      return false;
+    }
+    cv_.wait(lock);
+  }
+}
+
+grpc::Status ToGrpc(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+grpc::Status MemoryManagerService::OpenSession(
+    grpc::ServerContext* /*context*/, const v1::OpenSessionRequest* request,
+    v1::OpenSessionResponse* response) {
+  auto opened = node_.OpenSession(request->peer_token(), *request);
+  if (!opened.ok()) return ToGrpc(opened.status());
+  *response = std::move(opened->response);
+  mailboxes_.PostAll(opened->others);
+  return grpc::Status::OK;
+}
+
+grpc::Status MemoryManagerService::CloseSession(
+    grpc::ServerContext* /*context*/, const v1::CloseSessionRequest* request,
+    v1::CloseSessionResponse* /*response*/) {
+  auto session = node_.registry().Authorize(request->session_token());
+  auto others = node_.CloseSession(request->session_token());
+  if (!others.ok()) return ToGrpc(others.status());
+  if (session.ok()) mailboxes_.Close(session->id);
+  mailboxes_.PostAll(*others);
+  return grpc::Status::OK;
+}
+
+grpc::Status MemoryManagerService::Session(
+    grpc::ServerContext* /*context*/,
+    grpc::ServerReaderWriter<v1::Orders, v1::SessionMessage>* stream) {
+  v1::SessionMessage message;
+  if (!stream->Read(&message)) return grpc::Status::OK;
+  const std::string token = message.session_token();
+  auto session = node_.registry().Authorize(token);
+  if (!session.ok()) return ToGrpc(session.status());
+  const SessionId id = session->id;
+  if (!mailboxes_.Open(id)) {
+    return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                        "this session already has a stream");
+  }
+  // The only writer of this stream: orders from every source go through the
+  // session's mailbox.
+  std::thread writer([this, id, stream] {
+    v1::Orders orders;
+    while (mailboxes_.Take(id, &orders)) {
+      if (!stream->Write(orders)) break;
+    }
+  });
+  do {
+    if (!message.session_token().empty() && message.session_token() != token) {
+      v1::Orders refused;
+      refused.set_rejected_batch("a stream carries one session's batches");
+      mailboxes_.Post(id, std::move(refused));
+      continue;
+    }
+    if (!message.has_batch()) continue;
+    auto orders = node_.Apply(token, message.batch());
+    if (!orders.ok()) {
+      if (orders.status().code() == absl::StatusCode::kUnauthenticated) break;
+      v1::Orders refused;
+      refused.set_rejected_batch(std::string(orders.status().message()));
+      mailboxes_.Post(id, std::move(refused));
+      continue;
+    }
+    mailboxes_.PostAll(*orders);
+  } while (stream->Read(&message));
+  // The stream ended: the process closed it or went away. Reclaim now.
+  mailboxes_.Close(id);
+  writer.join();
+  auto others = node_.CloseSession(token);
+  if (others.ok()) mailboxes_.PostAll(*others);
+  return grpc::Status::OK;
+}
+
+grpc::Status MemoryManagerService::Release(grpc::ServerContext* /*context*/,
+                                           const v1::ReleaseRequest* request,
+                                           v1::ReleaseResponse* response) {
+  auto released = node_.Release(*request);
+  if (!released.ok()) return ToGrpc(released.status());
+  *response = std::move(released->response);
+  mailboxes_.PostAll(released->others);
+  return grpc::Status::OK;
+}
+
+grpc::Status MemoryManagerService::NodeStatus(
+    grpc::ServerContext* /*context*/, const v1::NodeStatusRequest* /*request*/,
+    v1::NodeStatusResponse* response) {
+  *response = node_.Status();
+  return grpc::Status::OK;
+}
+
+void MemoryManagerService::Drain() {
+  v1::Orders draining;
+  draining.set_draining(true);
+  mailboxes_.Broadcast(draining);
+}
+
+}  // namespace deltad::daemon

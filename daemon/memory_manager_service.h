@@ -1,0 +1,84 @@
+#ifndef DELTAD_DAEMON_MEMORY_MANAGER_SERVICE_H_
+#define DELTAD_DAEMON_MEMORY_MANAGER_SERVICE_H_
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "absl/status/status.h"
+#include "daemon/node.h"
+#include "deltad/v1/memory_manager.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace deltad::daemon {
+
+// Orders waiting to go out on each session's stream. A session's orders may
+// come from any thread (another session's release, a rebalance); one writer
+// per stream takes them out, since gRPC allows a single writer at a time.
+// Thread safe.
+class Mailboxes {
+ public:
+  // False when the session already has an open box (a second stream).
+  bool Open(SessionId session);
+  // Wakes the writer, which then finds the box closed.
+  void Close(SessionId session);
+  // Dropped when the session has no open box (its stream is gone).
+  void Post(SessionId session, v1::Orders orders);
+  void PostAll(const OrdersBySession& orders);
+  // Every open box gets the same orders (draining).
+  void Broadcast(const v1::Orders& orders);
+  // Waits for orders; false once the box is closed and empty.
+  bool Take(SessionId session, v1::Orders* out);
+
+ private:
+  struct Box {
+    std::deque<v1::Orders> queue;
+    bool closed = false;
+  };
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<SessionId, Box> boxes_;
+};
+
+// grpc::StatusCode for an absl::Status, with its message: the two share
+// their numbering.
+grpc::Status ToGrpc(const absl::Status& status);
+
+// The MemoryManager service: translates between the wire and the Node and
+// holds no policy of its own. A session's Session stream is its lifeline:
+// when it ends, the session is reclaimed. Thread safe.
+class MemoryManagerService final : public v1::MemoryManager::Service {
+ public:
+  explicit MemoryManagerService(Node& node) : node_(node) {}
+
+  grpc::Status OpenSession(grpc::ServerContext* context,
+                           const v1::OpenSessionRequest* request,
+                           v1::OpenSessionResponse* response) override;
+  grpc::Status CloseSession(grpc::ServerContext* context,
+                            const v1::CloseSessionRequest* request,
+                            v1::CloseSessionResponse* response) override;
+  grpc::Status Session(grpc::ServerContext* context,
+                       grpc::ServerReaderWriter<v1::Orders, v1::SessionMessage>*
+                           stream) override;
+  grpc::Status Release(grpc::ServerContext* context,
+                       const v1::ReleaseRequest* request,
+                       v1::ReleaseResponse* response) override;
+  grpc::Status NodeStatus(grpc::ServerContext* context,
+                          const v1::NodeStatusRequest* request,
+                          v1::NodeStatusResponse* response) override;
+
+  // Tells every open stream the daemon is going away; clients carry on with
+  // their in-process policy.
+  void Drain();
+  Mailboxes& mailboxes() { return mailboxes_; }
+
+ private:
+  Node& node_;
+  Mailboxes mailboxes_;
+};
+
+}  // namespace deltad::daemon
+
+#endif  // DELTAD_DAEMON_MEMORY_MANAGER_SERVICE_H_

@@ -1,0 +1,223 @@
+#include "daemon/memory_manager_service.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "daemon/backend/sim_backend.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+
+namespace deltad::daemon {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+// A real gRPC server on a Unix socket, in-process, in front of a Node with
+// two simulated 10 GiB GPUs.
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SimBackendOptions sim;
+    sim.gpus = 2;
+    sim.memory_bytes = 10 * kGiB;
+    backend_ = std::move(*SimBackend::Create(sim));
+    pool_ = std::move(*HostPool::Create(512 * kMiB, 64 * kMiB));
+    NodeOptions options;
+    options.default_host_quota_bytes = 128 * kMiB;
+    auto node = Node::Create(*backend_, *pool_, nullptr, options);
+    ASSERT_TRUE(node.ok()) << node.status();
+    node_ = std::move(*node);
+    service_ = std::make_unique<MemoryManagerService>(*node_);
+    socket_ = ::testing::TempDir() + "/deltad_service_test." +
+              std::to_string(getpid()) + ".sock";
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("unix:" + socket_,
+                             grpc::InsecureServerCredentials());
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    stub_ = v1::MemoryManager::NewStub(grpc::CreateChannel(
+        "unix:" + socket_, grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown();
+    unlink(socket_.c_str());
+  }
+
+  std::string PeerToken(pid_t pid) {
+    PeerIdentity p;
+    p.pid = pid;
+    return *node_->registry().RegisterPeer(p);
+  }
+
+  v1::OpenSessionResponse Open(pid_t pid, int gpu) {
+    grpc::ClientContext ctx;
+    v1::OpenSessionRequest req;
+    req.set_gpu(gpu);
+    req.set_peer_token(PeerToken(pid));
+    v1::OpenSessionResponse resp;
+    const grpc::Status s = stub_->OpenSession(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
+  }
+
+  v1::NodeStatusResponse Status() {
+    grpc::ClientContext ctx;
+    v1::NodeStatusResponse resp;
+    EXPECT_TRUE(stub_->NodeStatus(&ctx, v1::NodeStatusRequest(), &resp).ok());
+    return resp;
+  }
+
+  // Waits (bounded) until the node reports this many sessions.
+  bool WaitForSessions(int n) {
+    for (int i = 0; i < 200; ++i) {
+      if (Status().sessions_size() == n) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+
+  // A stream's batches are applied only once its mailbox is open, so seeing
+  // a batch's bytes in the status proves the stream is registered.
+  bool WaitForUsed(int gpu, int64_t bytes) {
+    for (int i = 0; i < 500; ++i) {
+      if (Status().gpus(gpu).used_bytes() == bytes) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+
+  static v1::SessionMessage Batch(const std::string& token, uint64_t id,
+                                  int64_t bytes) {
+    v1::SessionMessage m;
+    m.set_session_token(token);
+    v1::TensorCreated* c = m.mutable_batch()->add_created();
+    c->set_tensor_id(id);
+    c->set_bytes(bytes);
+    c->set_compute_cost_ns(1000);
+    return m;
+  }
+
+  std::unique_ptr<SimBackend> backend_;
+  std::unique_ptr<HostPool> pool_;
+  std::unique_ptr<Node> node_;
+  std::unique_ptr<MemoryManagerService> service_;
+  std::string socket_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::MemoryManager::Stub> stub_;
+};
+
+TEST_F(ServiceTest, OpeningWithoutAPeerTokenIsUnauthenticated) {
+  grpc::ClientContext ctx;
+  v1::OpenSessionRequest req;
+  req.set_peer_token("forged");
+  v1::OpenSessionResponse resp;
+  const grpc::Status s = stub_->OpenSession(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(s.error_message(), HasSubstr("side socket"));
+}
+
+TEST_F(ServiceTest, AStreamCarriesBatchesInAndOrdersOut) {
+  const v1::OpenSessionResponse a = Open(100, 0);
+  grpc::ClientContext ctx;
+  auto stream = stub_->Session(&ctx);
+  ASSERT_TRUE(stream->Write(Batch(a.session_token(), 1, 256 * kMiB)));
+  ASSERT_TRUE(WaitForUsed(0, 256 * kMiB));
+  // A second process on the same GPU: the first is told its new budget on
+  // its stream.
+  const v1::OpenSessionResponse b = Open(101, 0);
+  v1::Orders orders;
+  ASSERT_TRUE(stream->Read(&orders));
+  EXPECT_EQ(orders.new_budget_bytes(), b.granted_budget_bytes());
+  // A bad batch is refused with the reason; the stream carries on.
+  v1::SessionMessage bad = Batch(a.session_token(), 2, -5);
+  ASSERT_TRUE(stream->Write(bad));
+  ASSERT_TRUE(stream->Read(&orders));
+  EXPECT_THAT(orders.rejected_batch(), HasSubstr("positive"));
+  ASSERT_TRUE(stream->Write(Batch(a.session_token(), 3, kMiB)));
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(ServiceTest, TheEndOfAStreamReclaimsItsSession) {
+  const v1::OpenSessionResponse a = Open(100, 1);
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub_->Session(&ctx);
+    ASSERT_TRUE(stream->Write(Batch(a.session_token(), 1, kGiB)));
+    ASSERT_TRUE(WaitForUsed(1, kGiB));
+    stream->WritesDone();
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+  ASSERT_TRUE(WaitForSessions(0));
+  EXPECT_EQ(Status().gpus(1).used_bytes(), 0);
+  EXPECT_EQ(pool_->Stats().granted_bytes, 0);
+}
+
+TEST_F(ServiceTest, ASessionHasOneStreamAndATokenOpensNoOther) {
+  const v1::OpenSessionResponse a = Open(100, 0);
+  grpc::ClientContext first_ctx;
+  auto first = stub_->Session(&first_ctx);
+  ASSERT_TRUE(first->Write(Batch(a.session_token(), 1, kMiB)));
+  ASSERT_TRUE(WaitForUsed(0, kMiB));
+  v1::SessionMessage hello;
+  hello.set_session_token(a.session_token());
+  grpc::ClientContext second_ctx;
+  auto second = stub_->Session(&second_ctx);
+  ASSERT_TRUE(second->Write(hello));
+  second->WritesDone();
+  EXPECT_EQ(second->Finish().error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  grpc::ClientContext forged_ctx;
+  auto forged = stub_->Session(&forged_ctx);
+  v1::SessionMessage bad;
+  bad.set_session_token("forged");
+  ASSERT_TRUE(forged->Write(bad));
+  forged->WritesDone();
+  EXPECT_EQ(forged->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  first->WritesDone();
+  EXPECT_TRUE(first->Finish().ok());
+}
+
+TEST_F(ServiceTest, ReleaseAnswersOverTheWireAndDrainReachesStreams) {
+  const v1::OpenSessionResponse a = Open(100, 0);
+  grpc::ClientContext stream_ctx;
+  auto stream = stub_->Session(&stream_ctx);
+  ASSERT_TRUE(stream->Write(Batch(a.session_token(), 1, kMiB)));
+  ASSERT_TRUE(WaitForUsed(0, kMiB));
+  {
+    grpc::ClientContext ctx;
+    v1::ReleaseRequest req;
+    req.set_session_token(a.session_token());
+    req.set_bytes(kMiB);
+    v1::ReleaseResponse resp;
+    ASSERT_TRUE(stub_->Release(&ctx, req, &resp).ok());
+    EXPECT_TRUE(resp.room_available());
+    EXPECT_EQ(resp.release_size(), 0);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::ReleaseRequest req;
+    req.set_session_token("forged");
+    req.set_bytes(kMiB);
+    v1::ReleaseResponse resp;
+    EXPECT_EQ(stub_->Release(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  service_->Drain();
+  v1::Orders orders;
+  ASSERT_TRUE(stream->Read(&orders));
+  EXPECT_TRUE(orders.draining());
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+}  // namespace
+}  // namespace deltad::daemon
