@@ -7,10 +7,10 @@
 #include <string>
 #include <thread>
 
-#include "daemon/backend/sim_backend.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/unit/daemon/sim_node.h"
 
 namespace deltad::daemon {
 namespace {
@@ -25,16 +25,14 @@ constexpr int64_t kGiB = int64_t{1} << 30;
 class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    SimBackendOptions sim;
-    sim.gpus = 2;
-    sim.memory_bytes = 10 * kGiB;
-    backend_ = std::move(*SimBackend::Create(sim));
-    pool_ = std::move(*HostPool::Create(512 * kMiB, 64 * kMiB));
     NodeOptions options;
     options.default_host_quota_bytes = 128 * kMiB;
-    auto node = Node::Create(*backend_, *pool_, nullptr, options);
-    ASSERT_TRUE(node.ok()) << node.status();
-    node_ = std::move(*node);
+    auto sim = testing_util::MakeSimNode(512 * kMiB, options);
+    ASSERT_TRUE(sim.ok()) << sim.status();
+    backend_ = std::move(sim->backend);
+    pool_ = std::move(sim->pool);
+    metrics_ = std::move(sim->metrics);
+    node_ = std::move(sim->node);
     service_ = std::make_unique<MemoryManagerService>(*node_);
     socket_ = ::testing::TempDir() + "/deltad_service_test." +
               std::to_string(getpid()) + ".sock";
@@ -108,6 +106,7 @@ class ServiceTest : public ::testing::Test {
 
   std::unique_ptr<SimBackend> backend_;
   std::unique_ptr<HostPool> pool_;
+  std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Node> node_;
   std::unique_ptr<MemoryManagerService> service_;
   std::string socket_;

@@ -3,9 +3,9 @@
 #include <memory>
 #include <string>
 
-#include "daemon/backend/sim_backend.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/unit/daemon/sim_node.h"
 
 namespace deltad::daemon {
 namespace {
@@ -20,29 +20,16 @@ constexpr int64_t kGiB = int64_t{1} << 30;
 class NodeTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    SimBackendOptions sim;
-    sim.gpus = 2;
-    sim.memory_bytes = 10 * kGiB;
-    auto backend = SimBackend::Create(sim);
-    ASSERT_TRUE(backend.ok()) << backend.status();
-    backend_ = std::move(*backend);
-    auto pool = HostPool::Create(kGiB, 64 * kMiB);
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    pool_ = std::move(*pool);
-    std::vector<GpuLabel> labels;
-    for (const GpuInfo& g : backend_->gpus()) {
-      labels.push_back({g.index, g.uuid, g.memory_bytes});
-    }
-    auto metrics = Metrics::Create(labels, "test", "sim");
-    ASSERT_TRUE(metrics.ok()) << metrics.status();
-    metrics_ = std::move(*metrics);
     NodeOptions options;
     options.min_session_bytes = kGiB;
     options.default_host_quota_bytes = 256 * kMiB;
     options.side_socket_path = "/run/deltad/deltad.sock.fds";
-    auto node = Node::Create(*backend_, *pool_, metrics_.get(), options);
-    ASSERT_TRUE(node.ok()) << node.status();
-    node_ = std::move(*node);
+    auto sim = testing_util::MakeSimNode(kGiB, options);
+    ASSERT_TRUE(sim.ok()) << sim.status();
+    backend_ = std::move(sim->backend);
+    pool_ = std::move(sim->pool);
+    metrics_ = std::move(sim->metrics);
+    node_ = std::move(sim->node);
   }
 
   std::string Peer(pid_t pid) {
