@@ -12,6 +12,10 @@
 
 namespace deltad::daemon {
 
+namespace {
+constexpr int64_t kMaxComputeCostNs = 1'000'000'000'000;
+}  // namespace
+
 using policy::Tensor;
 using policy::TensorId;
 using policy::TensorState;
@@ -77,10 +81,15 @@ absl::StatusOr<std::unique_ptr<GpuPolicy>> GpuPolicy::Create(
         absl::StrCat("max_prefetch_in_flight must be at least 1, got ",
                      options.max_prefetch_in_flight));
   }
-  if (options.max_tensors_per_session < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_tensors_per_session must be at least 1, got ",
-                     options.max_tensors_per_session));
+  // The compute-cost bound keeps cost sums from overflowing only up to this
+  // many tensors in a session (see kMaxComputeCostNs).
+  constexpr int64_t kMaxTensorsPerSession =
+      std::numeric_limits<int64_t>::max() / 2 / kMaxComputeCostNs;
+  if (options.max_tensors_per_session < 1 ||
+      options.max_tensors_per_session > kMaxTensorsPerSession) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_tensors_per_session must be within 1..", kMaxTensorsPerSession,
+        ", got ", options.max_tensors_per_session));
   }
   if (options.max_batch_events < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -204,17 +213,19 @@ absl::Status GpuPolicy::PlanCreations(SessionId session, const Session& s,
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor ", own, ": size must be positive, got ", c.bytes()));
     }
-    // No tensor can be larger than the memory it lives in; the bound also
-    // keeps every byte sum far from overflow.
+    // No tensor can be larger than the memory it lives in.
     if (c.bytes() > gpu_budget_bytes_) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor ", own, ": ", c.bytes(), " bytes is more than GPU ", gpu_,
           "'s whole budget of ", gpu_budget_bytes_, " bytes"));
     }
-    if (c.compute_cost_ns() < 0) {
+    // Costs are summed over evicted components (a session's tensors, at most
+    // max_tensors_per_session of them): bounded per tensor, those sums stay
+    // far from int64 overflow. 1e12 ns is a quarter of an hour for one op.
+    if (c.compute_cost_ns() < 0 || c.compute_cost_ns() > kMaxComputeCostNs) {
       return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", own, ": negative compute cost ",
-                       c.compute_cost_ns(), " ns"));
+          absl::StrCat("tensor ", own, ": compute cost must be within 0..",
+                       kMaxComputeCostNs, " ns, got ", c.compute_cost_ns()));
     }
     if (!plan.created.emplace(own, plan.specs.size()).second) {
       return absl::AlreadyExistsError(
@@ -556,20 +567,22 @@ int64_t GpuPolicy::HostLeft(SessionId session, const Session& s) const {
       0, s.host_quota_bytes - table_.SessionStats(session).host_bytes);
 }
 
-absl::flat_hash_map<SessionId, int64_t> GpuPolicy::Victims(SessionId requester,
-                                                           int64_t incoming,
-                                                           Tier tier) const {
-  absl::flat_hash_map<SessionId, int64_t> out;
+absl::flat_hash_map<SessionId, GpuPolicy::Victim> GpuPolicy::Victims(
+    SessionId requester, int64_t incoming, Tier tier) const {
+  absl::flat_hash_map<SessionId, Victim> out;
   for (const auto& [id, s] : sessions_) {
-    bool may_lose = false;
     if (tier == Tier::kRequester) {
-      may_lose = id == requester;
-    } else {
-      const int64_t held = table_.SessionStats(id).committed_bytes() +
-                           (id == requester ? incoming : 0);
-      may_lose = held > s.budget_bytes;
+      if (id == requester) {
+        out.emplace(
+            id, Victim{HostLeft(id, s), std::numeric_limits<int64_t>::max()});
+      }
+      continue;
     }
-    if (may_lose) out.emplace(id, HostLeft(id, s));
+    const int64_t held = table_.SessionStats(id).committed_bytes() +
+                         (id == requester ? incoming : 0);
+    if (held > s.budget_bytes) {
+      out.emplace(id, Victim{HostLeft(id, s), held - s.budget_bytes});
+    }
   }
   return out;
 }
@@ -580,13 +593,15 @@ absl::StatusOr<policy::ReleaseOrder> GpuPolicy::ReleaseOne(SessionId requester,
                                                            int64_t now_ns) {
   // Victims and host are read afresh for each tensor: the last release may
   // have brought its session down to its share or used its host quota.
-  const absl::flat_hash_map<SessionId, int64_t> victims =
+  const absl::flat_hash_map<SessionId, Victim> victims =
       Victims(requester, incoming, tier);
   if (victims.empty()) {
     return absl::NotFoundError("no session may lose tensors");
   }
   int64_t most_host = 0;
-  for (const auto& [id, host] : victims) most_host = std::max(most_host, host);
+  for (const auto& [id, v] : victims) {
+    most_host = std::max(most_host, v.host_left);
+  }
   // An offload is priced behind the copies already queued on the link.
   costs_.SetOffloadBacklog(gpu_, table_.GpuStats(gpu_).releasing_bytes);
   policy::ReleasePlanner planner(table_, filter_, director_);
@@ -598,7 +613,8 @@ absl::StatusOr<policy::ReleaseOrder> GpuPolicy::ReleaseOne(SessionId requester,
       policy::Scope{gpu_, std::nullopt}, 1, now_ns, most_host,
       [&](const Tensor& t) {
         auto v = victims.find(t.session);
-        return v != victims.end() && director_.CanRelease(t, v->second);
+        return v != victims.end() && t.bytes <= v->second.max_bytes &&
+               director_.CanRelease(t, v->second.host_left);
       });
   if (!orders.ok()) return orders.status();
   policy::ReleaseOrder order = orders->front();
@@ -618,21 +634,24 @@ absl::StatusOr<policy::ReleaseOrder> GpuPolicy::ReleaseOne(SessionId requester,
 
 std::optional<policy::ReleaseOrder> GpuPolicy::OffloadOneAhead(
     SessionId requester, Tier tier, int64_t now_ns) {
-  const absl::flat_hash_map<SessionId, int64_t> victims =
+  const absl::flat_hash_map<SessionId, Victim> victims =
       Victims(requester, 0, tier);
   if (victims.empty()) return std::nullopt;
   int64_t most_host = 0;
-  for (const auto& [id, host] : victims) most_host = std::max(most_host, host);
+  for (const auto& [id, v] : victims) {
+    most_host = std::max(most_host, v.host_left);
+  }
   costs_.SetOffloadBacklog(gpu_, table_.GpuStats(gpu_).releasing_bytes);
   policy::ReleasePlanner planner(table_, filter_, director_);
   // Only offloads: a tensor that fits its owner's quota gets the same
   // decision from the Director under the larger figure.
-  std::vector<policy::ReleaseOrder> orders =
-      planner.OffloadAhead(policy::Scope{gpu_, std::nullopt}, 1, now_ns,
-                           most_host, [&](const Tensor& t) {
-                             auto v = victims.find(t.session);
-                             return v != victims.end() && t.bytes <= v->second;
-                           });
+  std::vector<policy::ReleaseOrder> orders = planner.OffloadAhead(
+      policy::Scope{gpu_, std::nullopt}, 1, now_ns, most_host,
+      [&](const Tensor& t) {
+        auto v = victims.find(t.session);
+        return v != victims.end() && t.bytes <= v->second.host_left &&
+               t.bytes <= v->second.max_bytes;
+      });
   if (orders.empty()) return std::nullopt;
   return orders.front();
 }
@@ -762,15 +781,9 @@ std::map<SessionId, v1::Orders> GpuPolicy::Plan(SessionId session,
       out[session].add_prefetch_tensor_ids(s.locals.at(id));
     }
   } else if (s.prefetcher->queued() > 2 * s.locals.size() + 64) {
-    // The queue drops stale entries only when it plans, and a session that
-    // stays above its mark never plans: every offload would stay queued for
-    // the life of the daemon. Planning with one byte of room prunes it; the
-    // few 1-byte tensors that returns go back, oldest first, in place.
-    std::vector<TensorId> taken =
-        s.prefetcher->Plan(table_, 1, 0, nullptr, session);
-    for (auto id = taken.rbegin(); id != taken.rend(); ++id) {
-      s.prefetcher->OnOffloaded(*id);
-    }
+    // Without room the session does not plan, and the queue would keep every
+    // offload while it stays above its mark.
+    s.prefetcher->DropStale(table_);
   }
   return out;
 }

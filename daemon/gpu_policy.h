@@ -153,9 +153,16 @@ class GpuPolicy {
   // Sessions whose tensors `tier` allows as victims, with the host bytes
   // each has left for offloads. `incoming` counts as already held by
   // `requester`.
-  absl::flat_hash_map<SessionId, int64_t> Victims(SessionId requester,
-                                                  int64_t incoming,
-                                                  Tier tier) const;
+  struct Victim {
+    int64_t host_left = 0;  // of its host quota, for offloads
+    // The largest tensor it may lose: its excess over its share in the
+    // over-share tier (so it never ends below its share), unbounded for the
+    // requester's own tier.
+    int64_t max_bytes = 0;
+  };
+  absl::flat_hash_map<SessionId, Victim> Victims(SessionId requester,
+                                                 int64_t incoming,
+                                                 Tier tier) const;
   // One release (or offload ahead) chosen by the Filter over the whole GPU
   // among the victims of `tier`; NotFound/ResourceExhausted when none.
   absl::StatusOr<policy::ReleaseOrder> ReleaseOne(SessionId requester,

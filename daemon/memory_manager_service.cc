@@ -1,10 +1,18 @@
 #include "daemon/memory_manager_service.h"
 
+#include <chrono>
+#include <future>
 #include <string>
 #include <thread>
 #include <utility>
 
 namespace deltad::daemon {
+
+namespace {
+// How long a stream's writer may take to deliver what is queued once the
+// stream has ended, before the call is cancelled to unblock it.
+constexpr std::chrono::seconds kWriterGrace{2};
+}  // namespace
 
 bool Mailboxes::Open(SessionId session) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -63,6 +71,11 @@ bool Mailboxes::Take(SessionId session, v1::Orders* out) {
   }
 }
 
+void Mailboxes::Remove(SessionId session) {
+  std::lock_guard<std::mutex> lock(mu_);
+  boxes_.erase(session);
+}
+
 grpc::Status ToGrpc(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
@@ -91,7 +104,7 @@ grpc::Status MemoryManagerService::CloseSession(
 }
 
 grpc::Status MemoryManagerService::Session(
-    grpc::ServerContext* /*context*/,
+    grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::Orders, v1::SessionMessage>* stream) {
   v1::SessionMessage message;
   if (!stream->Read(&message)) return grpc::Status::OK;
@@ -105,11 +118,14 @@ grpc::Status MemoryManagerService::Session(
   }
   // The only writer of this stream: orders from every source go through the
   // session's mailbox.
-  std::thread writer([this, id, stream] {
+  std::promise<void> writer_done;
+  std::future<void> writer_finished = writer_done.get_future();
+  std::thread writer([this, id, stream, &writer_done] {
     v1::Orders orders;
     while (mailboxes_.Take(id, &orders)) {
       if (!stream->Write(orders)) break;
     }
+    writer_done.set_value();
   });
   do {
     if (!message.session_token().empty() && message.session_token() != token) {
@@ -129,9 +145,16 @@ grpc::Status MemoryManagerService::Session(
     }
     mailboxes_.PostAll(*orders);
   } while (stream->Read(&message));
-  // The stream ended: the process closed it or went away. Reclaim now.
+  // The stream ended: the process closed it or went away. Reclaim now. The
+  // writer gets a moment to deliver what is queued; a client that stopped
+  // reading would leave it blocked in Write for ever, and cancelling the
+  // call wakes it.
   mailboxes_.Close(id);
+  if (writer_finished.wait_for(kWriterGrace) != std::future_status::ready) {
+    context->TryCancel();
+  }
   writer.join();
+  mailboxes_.Remove(id);
   auto others = node_.CloseSession(token);
   if (others.ok()) mailboxes_.PostAll(*others);
   return grpc::Status::OK;

@@ -31,6 +31,8 @@ class Mailboxes {
   void Broadcast(const v1::Orders& orders);
   // Waits for orders; false once the box is closed and empty.
   bool Take(SessionId session, v1::Orders* out);
+  // Forgets the box and whatever is still queued in it (the stream is gone).
+  void Remove(SessionId session);
 
  private:
   struct Box {

@@ -127,6 +127,16 @@ absl::StatusOr<Node::Opened> Node::OpenSession(
       (void)registry_.Close(session->token);
       return s;
     }
+    // The process may have gone (PeerGone) between the registry admitting
+    // the session and this lock: its reclaim found nothing here to undo, so
+    // undo it now, or its share and slabs would be lost for good.
+    if (!registry_.Authorize(session->token).ok()) {
+      (void)gpu.policy->RemoveSession(session->id);
+      (void)gpu.arbiter.RemoveSession(session->id);
+      (void)pool_.ReleaseSession(session->id);
+      return absl::UnavailableError(
+          "the process went away while its session was being opened");
+    }
     AddBudgetOrders(*changes, session->id, gpu, opened.others);
     v1::OpenSessionResponse& r = opened.response;
     r.set_session_token(session->token);
@@ -155,7 +165,12 @@ OrdersBySession Node::Reclaim(const SessionInfo& session) {
     (void)gpu.policy->RemoveSession(session.id);
     auto changes = gpu.arbiter.RemoveSession(session.id);
     if (changes.ok()) AddBudgetOrders(*changes, session.id, gpu, others);
-    (void)pool_.ReleaseSession(session.id);
+  }
+  // Wiping the slabs takes system calls: not under the GPU's lock, which
+  // every session on the GPU waits for.
+  (void)pool_.ReleaseSession(session.id);
+  {
+    std::lock_guard<std::mutex> lock(gpu.mu);
     UpdateGpuMetrics(session.gpu, gpu);
   }
   return others;
@@ -208,6 +223,14 @@ absl::StatusOr<Node::Released> Node::Release(
   }
   Gpu& gpu = *gpus_[session->gpu];
   std::lock_guard<std::mutex> lock(gpu.mu);
+  // Checked before the batch is applied, so a request refused for its size
+  // leaves the batch unapplied too.
+  if (request.bytes() > gpu.policy->gpu_budget_bytes()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "an allocation of ", request.bytes(), " bytes is larger than GPU ",
+        session->gpu, "'s whole budget of ", gpu.policy->gpu_budget_bytes(),
+        " bytes"));
+  }
   const int64_t now = NowNs();
   if (request.has_batch()) {
     if (absl::Status s = gpu.policy->Apply(session->id, request.batch(), now);

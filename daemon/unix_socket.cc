@@ -176,7 +176,10 @@ absl::StatusOr<ReceivedFds> RecvFds(int socket, int max_fds) {
   // every error below closes it.
   ReceivedFds out;
   out.fds = FdsIn(&msg);
-  if (msg.msg_flags & MSG_CTRUNC) {
+  // CMSG_SPACE rounds the buffer up, so one descriptor more than asked can
+  // arrive without MSG_CTRUNC: refuse it the same way.
+  if ((msg.msg_flags & MSG_CTRUNC) ||
+      out.fds.size() > static_cast<size_t>(max_fds)) {
     CloseAll(out.fds);
     return absl::ResourceExhaustedError(
         absl::StrCat("descriptors received on fd ", socket,
@@ -288,8 +291,13 @@ absl::Status RemoveStaleSocket(absl::string_view path,
     return absl::FailedPreconditionError(absl::StrCat(
         "another process is listening on ", path, "; not replacing it"));
   }
-  // ECONNREFUSED is the stale case. Anything else (EACCES, ...) we could not
-  // decide; unlink below reports a real problem if there is one.
+  // Only ECONNREFUSED proves nobody listens. Anything else (EACCES, ...)
+  // leaves it undecided, and a live daemon's socket must never be removed.
+  if (err != ECONNREFUSED) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot tell whether a process listens on ", path, " (",
+                     std::strerror(err), "); not replacing it"));
+  }
   if (::unlink(addr.sun_path) != 0 && errno != ENOENT) {
     return absl::ErrnoToStatus(
         errno, absl::StrCat("removing stale socket file ", path));

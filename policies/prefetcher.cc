@@ -26,11 +26,12 @@ std::vector<TensorId> Prefetcher::Plan(const TensorTable& table,
                                        int64_t free_bytes, int in_flight,
                                        const AccessPlan* plan,
                                        SessionId session) {
+  // First, whatever is planned: the queue is consumed only when there is
+  // room, and would otherwise keep every offload ever seen (and in replay
+  // mode it is never consumed at all).
+  DropStale(table);
   const int slots = options_.max_in_flight - in_flight;
   if (slots <= 0 || free_bytes <= 0) return {};
-  // In both modes: while a replay plan is followed the queue is not consumed,
-  // and would otherwise keep every offload ever seen.
-  DropStale(table);
   if (plan == nullptr || !plan->has_plan() || options_.window_bytes == 0) {
     return PlanFromQueue(table, free_bytes, slots);
   }

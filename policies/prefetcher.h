@@ -40,12 +40,13 @@ class Prefetcher {
                              SessionId session);
 
   size_t queued() const { return queue_.size(); }
+  // Drops entries that stopped being offloaded and repeats of a tensor
+  // offloaded more than once (its newest entry stays). Plan does it too; a
+  // caller that rarely plans calls it to keep the queue bounded.
+  void DropStale(const TensorTable& table);
 
  private:
   explicit Prefetcher(PrefetchOptions options) : options_(options) {}
-  // Drops entries that stopped being offloaded and repeats of a tensor
-  // offloaded more than once (its newest entry stays).
-  void DropStale(const TensorTable& table);
   std::vector<TensorId> PlanFromQueue(const TensorTable& table,
                                       int64_t free_bytes, int slots);
 

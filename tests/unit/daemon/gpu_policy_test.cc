@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <random>
@@ -1136,6 +1137,48 @@ TEST(GpuPolicyRandomized, ManyBatchesKeepAccountsAndIsolation) {
   EXPECT_GT(rooms, 100);
   EXPECT_GT(releases, 100);
   EXPECT_GT(prefetches, 20);
+}
+
+// Regression: compute costs were unbounded above, and summing INT64_MAX
+// costs over an evicted chain overflowed (undefined behaviour, seen under
+// UBSan in the union-find's cost sum).
+TEST_F(GpuPolicyTest, ComputeCostsAreBoundedSoCostSumsCannotOverflow) {
+  Make(1000);
+  AddSession(1, 1000);
+  v1::EventBatch huge;
+  AddCreated(huge, 1, 10);
+  huge.mutable_created(0)->set_compute_cost_ns(
+      std::numeric_limits<int64_t>::max());
+  const absl::Status s = Apply(1, huge);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("compute cost"));
+  GpuPolicyOptions options;
+  options.max_tensors_per_session = int64_t{1} << 40;
+  EXPECT_EQ(GpuPolicy::Create(0, 1000, options).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// Regression: a session only just above its share lost a tensor far larger
+// than its excess and ended far below its share, though a small tensor of
+// its own would have covered what was needed.
+TEST_F(GpuPolicyTest, AnOverShareSessionLosesNoMoreThanItsExcess) {
+  Make(1000);
+  AddSession(1, 500);
+  AddSession(2, 500);
+  v1::EventBatch b;
+  AddCreated(b, 1, 500);
+  AddCreated(b, 2, 10);
+  ASSERT_TRUE(Apply(2, b).ok());  // B: 510 against a share of 500
+  v1::EventBatch a;
+  AddCreated(a, 1, 490);
+  ASSERT_TRUE(Apply(1, a).ok());  // the GPU is full
+  auto orders = policy_->MakeRoom(1, 10, now_);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  ASSERT_TRUE(orders->contains(2));
+  ASSERT_EQ(orders->at(2).size(), 1u);
+  EXPECT_EQ(orders->at(2)[0].tensor_id(), 2u);  // the 10-byte one
+  EXPECT_EQ(orders->at(2)[0].bytes(), 10);
+  EXPECT_FALSE(orders->contains(1));
 }
 
 }  // namespace

@@ -240,6 +240,26 @@ TEST(FdPassing, MoreDescriptorsThanAllowedIsAnErrorAndLeaksNone) {
   EXPECT_EQ(OpenFdCount(), before);
 }
 
+// Regression: CMSG_SPACE rounds up, so with an odd limit one descriptor more
+// than allowed arrived without MSG_CTRUNC and was handed to the caller.
+TEST(FdPassing, OneDescriptorOverAnOddLimitIsAnErrorAndLeaksNone) {
+  for (int limit : {1, 3}) {
+    Pair p = MakePair();
+    std::vector<UniqueFd> owned;
+    std::vector<int> fds;
+    for (int i = 0; i <= limit; ++i) {
+      owned.push_back(MemfdWith("x"));
+      fds.push_back(owned.back().get());
+    }
+    const int before = OpenFdCount();
+    ASSERT_TRUE(SendFds(p.a.get(), 1, fds).ok());
+    auto got = RecvFds(p.b.get(), limit);
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kResourceExhausted)
+        << "limit " << limit;
+    EXPECT_EQ(OpenFdCount(), before) << "limit " << limit;
+  }
+}
+
 TEST(FdPassing, ADescriptorWhenNoneAreAllowedIsAnErrorAndLeaksNone) {
   Pair p = MakePair();
   UniqueFd f1 = MemfdWith("1");

@@ -428,5 +428,20 @@ TEST(AccessPlanRepeatTest, InOrderRepeatVisitsEveryOccurrence) {
   EXPECT_EQ(plan.cursor(), 0u);
 }
 
+// Regression: Plan returned before dropping stale entries whenever no reload
+// slot was free, so a caller stuck at its in-flight limit grew the queue
+// with every offload, without bound.
+TEST_F(PrefetcherTest, QueueStaysBoundedWhenNoReloadSlotIsFree) {
+  Make(Options(1, 0));
+  Add(Spec(1, 100, 1));
+  for (int round = 0; round < 100; ++round) {
+    Offload(1);
+    EXPECT_TRUE(Plan(kLots, /*in_flight=*/1).empty());
+    ASSERT_TRUE(table_.SetState(1, TensorState::kReloading).ok());
+    ASSERT_TRUE(table_.SetState(1, TensorState::kResident).ok());
+  }
+  EXPECT_LE(prefetcher_->queued(), 1u);
+}
+
 }  // namespace
 }  // namespace deltad::policy
