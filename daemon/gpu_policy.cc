@@ -578,6 +578,8 @@ absl::flat_hash_map<SessionId, GpuPolicy::Victim> GpuPolicy::Victims(
       }
       continue;
     }
+    // An order to a session without a stream would free nothing.
+    if (id != requester && !s.reachable) continue;
     const int64_t held = table_.SessionStats(id).committed_bytes() +
                          (id == requester ? incoming : 0);
     if (held > s.budget_bytes) {
@@ -786,6 +788,37 @@ std::map<SessionId, v1::Orders> GpuPolicy::Plan(SessionId session,
     s.prefetcher->DropStale(table_);
   }
   return out;
+}
+
+absl::Status GpuPolicy::SetReachable(SessionId session, bool reachable) {
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " is not on GPU ", gpu_));
+  }
+  it->second.reachable = reachable;
+  return absl::OkStatus();
+}
+
+void GpuPolicy::Undeliverable(SessionId session, const v1::Orders& orders) {
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) return;
+  Session& s = it->second;
+  for (const v1::ReleaseOrder& o : orders.release()) {
+    auto id = s.ids.find(o.tensor_id());
+    if (id == s.ids.end()) continue;
+    // A release the table still shows in flight goes back to resident.
+    (void)table_.CancelRelease(id->second);
+  }
+  for (uint64_t own : orders.prefetch_tensor_ids()) {
+    auto id = s.ids.find(own);
+    if (id == s.ids.end()) continue;
+    const Tensor* t = table_.Find(id->second);
+    if (t != nullptr && t->state == TensorState::kReloading) {
+      (void)table_.SetState(id->second, TensorState::kOffloaded);
+      std::erase(s.reloading, id->second);
+    }
+  }
 }
 
 // --- Usage -------------------------------------------------------------------

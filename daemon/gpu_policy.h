@@ -106,6 +106,15 @@ class GpuPolicy {
   // unknown session.
   std::map<SessionId, v1::Orders> Plan(SessionId session, int64_t now_ns);
 
+  // Whether orders can reach the session (its stream is open). Other
+  // sessions' tensors are taken only from reachable sessions, since an
+  // order nobody receives frees nothing. Sessions start unreachable.
+  absl::Status SetReachable(SessionId session, bool reachable);
+  // Orders that could not reach their session (it has no stream): its
+  // releases are cancelled, since the process will never carry them out.
+  // Ids are the session's own; unknown ones are skipped.
+  void Undeliverable(SessionId session, const v1::Orders& orders);
+
   absl::StatusOr<SessionUsage> Usage(SessionId session) const;
   int64_t device_bytes() const;  // all sessions
   int64_t gpu_budget_bytes() const { return gpu_budget_bytes_; }
@@ -129,6 +138,7 @@ class GpuPolicy {
     // pruned when Plan counts them.
     std::vector<policy::TensorId> reloading;
     std::unique_ptr<policy::Prefetcher> prefetcher;
+    bool reachable = false;  // see SetReachable
   };
 
   // Whose tensors a release may take, in this order (see the class comment).

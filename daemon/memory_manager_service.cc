@@ -28,18 +28,15 @@ void Mailboxes::Close(SessionId session) {
   cv_.notify_all();
 }
 
-void Mailboxes::Post(SessionId session, v1::Orders orders) {
+bool Mailboxes::Post(SessionId session, v1::Orders orders) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = boxes_.find(session);
-    if (it == boxes_.end() || it->second.closed) return;
+    if (it == boxes_.end() || it->second.closed) return false;
     it->second.queue.push_back(std::move(orders));
   }
   cv_.notify_all();
-}
-
-void Mailboxes::PostAll(const OrdersBySession& orders) {
-  for (const auto& [session, o] : orders) Post(session, o);
+  return true;
 }
 
 void Mailboxes::Broadcast(const v1::Orders& orders) {
@@ -82,13 +79,19 @@ grpc::Status ToGrpc(const absl::Status& status) {
                       std::string(status.message()));
 }
 
+void MemoryManagerService::Deliver(const OrdersBySession& orders) {
+  for (const auto& [session, o] : orders) {
+    if (!mailboxes_.Post(session, o)) node_.Undeliverable(session, o);
+  }
+}
+
 grpc::Status MemoryManagerService::OpenSession(
     grpc::ServerContext* /*context*/, const v1::OpenSessionRequest* request,
     v1::OpenSessionResponse* response) {
   auto opened = node_.OpenSession(request->peer_token(), *request);
   if (!opened.ok()) return ToGrpc(opened.status());
   *response = std::move(opened->response);
-  mailboxes_.PostAll(opened->others);
+  Deliver(opened->others);
   return grpc::Status::OK;
 }
 
@@ -99,7 +102,7 @@ grpc::Status MemoryManagerService::CloseSession(
   auto others = node_.CloseSession(request->session_token());
   if (!others.ok()) return ToGrpc(others.status());
   if (session.ok()) mailboxes_.Close(session->id);
-  mailboxes_.PostAll(*others);
+  Deliver(*others);
   return grpc::Status::OK;
 }
 
@@ -118,6 +121,7 @@ grpc::Status MemoryManagerService::Session(
   }
   // The only writer of this stream: orders from every source go through the
   // session's mailbox.
+  node_.SetReachable(id, true);
   std::promise<void> writer_done;
   std::future<void> writer_finished = writer_done.get_future();
   std::thread writer([this, id, stream, &writer_done] {
@@ -143,12 +147,13 @@ grpc::Status MemoryManagerService::Session(
       mailboxes_.Post(id, std::move(refused));
       continue;
     }
-    mailboxes_.PostAll(*orders);
+    Deliver(*orders);
   } while (stream->Read(&message));
   // The stream ended: the process closed it or went away. Reclaim now. The
   // writer gets a moment to deliver what is queued; a client that stopped
   // reading would leave it blocked in Write for ever, and cancelling the
   // call wakes it.
+  node_.SetReachable(id, false);
   mailboxes_.Close(id);
   if (writer_finished.wait_for(kWriterGrace) != std::future_status::ready) {
     context->TryCancel();
@@ -156,7 +161,7 @@ grpc::Status MemoryManagerService::Session(
   writer.join();
   mailboxes_.Remove(id);
   auto others = node_.CloseSession(token);
-  if (others.ok()) mailboxes_.PostAll(*others);
+  if (others.ok()) Deliver(*others);
   return grpc::Status::OK;
 }
 
@@ -166,7 +171,7 @@ grpc::Status MemoryManagerService::Release(grpc::ServerContext* /*context*/,
   auto released = node_.Release(*request);
   if (!released.ok()) return ToGrpc(released.status());
   *response = std::move(released->response);
-  mailboxes_.PostAll(released->others);
+  Deliver(released->others);
   return grpc::Status::OK;
 }
 

@@ -24,9 +24,8 @@ class Mailboxes {
   bool Open(SessionId session);
   // Wakes the writer, which then finds the box closed.
   void Close(SessionId session);
-  // Dropped when the session has no open box (its stream is gone).
-  void Post(SessionId session, v1::Orders orders);
-  void PostAll(const OrdersBySession& orders);
+  // False, and dropped, when the session has no open box (no stream).
+  bool Post(SessionId session, v1::Orders orders);
   // Every open box gets the same orders (draining).
   void Broadcast(const v1::Orders& orders);
   // Waits for orders; false once the box is closed and empty.
@@ -77,6 +76,10 @@ class MemoryManagerService final : public v1::MemoryManager::Service {
   Mailboxes& mailboxes() { return mailboxes_; }
 
  private:
+  // Posts each session's orders; those that cannot be delivered are undone
+  // in the Node, so its view of the tensors stays the process's view.
+  void Deliver(const OrdersBySession& orders);
+
   Node& node_;
   Mailboxes mailboxes_;
 };

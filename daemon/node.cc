@@ -274,6 +274,26 @@ absl::StatusOr<Node::Released> Node::Release(
   return released;
 }
 
+void Node::SetReachable(SessionId session, bool reachable) {
+  for (const SessionInfo& info : registry_.List()) {
+    if (info.id != session) continue;
+    Gpu& gpu = *gpus_[info.gpu];
+    std::lock_guard<std::mutex> lock(gpu.mu);
+    (void)gpu.policy->SetReachable(session, reachable);
+    return;
+  }
+}
+
+void Node::Undeliverable(SessionId session, const v1::Orders& orders) {
+  for (const SessionInfo& info : registry_.List()) {
+    if (info.id != session) continue;
+    Gpu& gpu = *gpus_[info.gpu];
+    std::lock_guard<std::mutex> lock(gpu.mu);
+    gpu.policy->Undeliverable(session, orders);
+    return;
+  }
+}
+
 v1::NodeStatusResponse Node::Status() const {
   v1::NodeStatusResponse r;
   r.set_version(options_.version);

@@ -74,6 +74,13 @@ class Node {
 
   v1::NodeStatusResponse Status() const;
 
+  // The session's stream opened (true) or closed (false); see
+  // GpuPolicy::SetReachable.
+  void SetReachable(SessionId session, bool reachable);
+  // Orders the service could not deliver (the session has no stream): the
+  // releases and prefetches in them are undone.
+  void Undeliverable(SessionId session, const v1::Orders& orders);
+
  private:
   struct Gpu {
     std::mutex mu;

@@ -129,6 +129,8 @@ class GpuPolicyTest : public ::testing::Test {
   void AddSession(SessionId s, int64_t budget, int64_t host = kPlentyHost) {
     const absl::Status status = policy_->AddSession(s, budget, host);
     ASSERT_TRUE(status.ok()) << status;
+    // As if its stream were open: orders can reach it.
+    ASSERT_TRUE(policy_->SetReachable(s, true).ok());
   }
   absl::Status Apply(SessionId s, const v1::EventBatch& batch) {
     now_ += 10;
@@ -1179,6 +1181,52 @@ TEST_F(GpuPolicyTest, AnOverShareSessionLosesNoMoreThanItsExcess) {
   EXPECT_EQ(orders->at(2)[0].tensor_id(), 2u);  // the 10-byte one
   EXPECT_EQ(orders->at(2)[0].bytes(), 10);
   EXPECT_FALSE(orders->contains(1));
+}
+
+// Regression: orders for a session without a stream were dropped by the
+// service while the policy already counted their tensors as released; the
+// process never heard of them and every later event on them was refused.
+TEST_F(GpuPolicyTest, UndeliverableOrdersAreUndone) {
+  Make(1000);
+  AddSession(1, 500);
+  AddSession(2, 500);
+  v1::EventBatch b;
+  AddCreated(b, 1, 500);
+  AddCreated(b, 2, 10);
+  ASSERT_TRUE(Apply(2, b).ok());
+  v1::EventBatch a;
+  AddCreated(a, 1, 490);
+  ASSERT_TRUE(Apply(1, a).ok());
+  auto orders = policy_->MakeRoom(1, 10, now_);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  ASSERT_TRUE(orders->contains(2));
+  EXPECT_EQ(policy_->Usage(2)->device_bytes, 500);
+  v1::Orders lost;
+  for (const v1::ReleaseOrder& o : orders->at(2)) *lost.add_release() = o;
+  policy_->Undeliverable(2, lost);
+  EXPECT_EQ(policy_->Usage(2)->device_bytes, 510);
+  // The tensor is the session's again: an access is accepted.
+  v1::EventBatch touch;
+  AddEvent(touch, v1::TensorEvent::ACCESSED, 2);
+  EXPECT_TRUE(Apply(2, touch).ok());
+}
+
+TEST_F(GpuPolicyTest, ASessionWithoutAStreamIsNeverAVictimOfAnother) {
+  Make(1000);
+  AddSession(1, 500);
+  AddSession(2, 500);
+  v1::EventBatch b;
+  AddCreated(b, 1, 510);
+  ASSERT_TRUE(Apply(2, b).ok());                      // over its share, but
+  ASSERT_TRUE(policy_->SetReachable(2, false).ok());  // its stream is gone
+  v1::EventBatch a;
+  AddCreated(a, 1, 490);
+  ASSERT_TRUE(Apply(1, a).ok());
+  auto orders = policy_->MakeRoom(1, 10, now_);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_FALSE(orders->contains(2));  // the requester pays itself
+  EXPECT_TRUE(orders->contains(1));
+  EXPECT_EQ(policy_->SetReachable(9, true).code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace
