@@ -56,6 +56,9 @@ struct GpuPolicy::BatchPlan {
   std::vector<uint64_t> spec_locals;      // the session's id of each spec
   absl::flat_hash_map<uint64_t, size_t> created;  // own id -> index in specs
   std::vector<Step> steps;
+  // EVICTED events that confirm an evict order: the table already shows
+  // them, so they make no step, but the device memory was freed now.
+  int64_t confirmed_evictions = 0;
 };
 
 GpuPolicy::GpuPolicy(int gpu, int64_t gpu_budget_bytes,
@@ -169,7 +172,7 @@ absl::Status GpuPolicy::SetBudget(SessionId session, int64_t budget_bytes) {
 // --- Apply -----------------------------------------------------------------
 
 absl::Status GpuPolicy::Apply(SessionId session, const v1::EventBatch& batch,
-                              int64_t now_ns) {
+                              int64_t now_ns, AppliedCounts* counts) {
   auto it = sessions_.find(session);
   if (it == sessions_.end()) {
     return absl::NotFoundError(
@@ -187,7 +190,7 @@ absl::Status GpuPolicy::Apply(SessionId session, const v1::EventBatch& batch,
   BatchPlan plan;
   DELTAD_RETURN_IF_ERROR(PlanCreations(session, s, batch, plan));
   DELTAD_RETURN_IF_ERROR(PlanEvents(session, s, batch, plan));
-  return ApplyPlan(s, plan, now_ns);
+  return ApplyPlan(s, plan, now_ns, counts);
 }
 
 absl::Status GpuPolicy::PlanCreations(SessionId session, const Session& s,
@@ -427,7 +430,10 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
         set(TensorState::kResident);
         break;
       case v1::TensorEvent::EVICTED:
-        if (from == TensorState::kEvicted) break;  // confirms an evict order
+        if (from == TensorState::kEvicted) {  // confirms an evict order
+          ++plan.confirmed_evictions;
+          break;
+        }
         if (from != TensorState::kResident && from != TensorState::kOffloaded) {
           return illegal("resident or offloaded");
         }
@@ -473,7 +479,10 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
 }
 
 absl::Status GpuPolicy::ApplyPlan(Session& s, const BatchPlan& plan,
-                                  int64_t now_ns) {
+                                  int64_t now_ns, AppliedCounts* counts) {
+  AppliedCounts unused;
+  AppliedCounts& c = counts != nullptr ? *counts : unused;
+  c.evictions += plan.confirmed_evictions;
   using Op = BatchPlan::Op;
   // Atomic in the table; nothing else has changed if it refuses.
   if (!plan.specs.empty()) {
@@ -497,17 +506,35 @@ absl::Status GpuPolicy::ApplyPlan(Session& s, const BatchPlan& plan,
       case Op::kFree:
         applied = FreeAndForget(s, step.id);
         break;
-      case Op::kSetState:
+      case Op::kSetState: {
+        const Tensor* t = table_.Find(step.id);
+        const TensorState from = t->state;
+        const int64_t bytes = t->bytes;
         applied = table_.SetState(step.id, step.to);
-        if (applied.ok() && step.to == TensorState::kOffloaded) {
+        if (!applied.ok()) break;
+        if (step.to == TensorState::kOffloaded) {
           s.prefetcher->OnOffloaded(step.id);
+          if (from == TensorState::kOffloading) c.offloaded_bytes += bytes;
+        } else if (step.to == TensorState::kResident &&
+                   (from == TensorState::kReloading ||
+                    from == TensorState::kOffloaded)) {
+          // Prefetched (reloading), or reloaded on the process's own.
+          c.reloaded_bytes += bytes;
+        } else if (step.to == TensorState::kEvicted &&
+                   from == TensorState::kResident) {
+          ++c.evictions;
         }
         break;
+      }
       case Op::kCancel:
         applied = table_.CancelRelease(step.id);
         break;
       case Op::kRecompute:
         applied = table_.MarkRecomputed(step.id, now_ns);
+        if (applied.ok()) {
+          ++c.recomputes;
+          c.recompute_ns += table_.Find(step.id)->compute_cost_ns;
+        }
         break;
     }
     if (!applied.ok()) {

@@ -33,6 +33,15 @@ struct GpuPolicyOptions {
   int32_t max_batch_events = 65536;
 };
 
+// What a batch reported having done, for the metrics.
+struct AppliedCounts {
+  int64_t offloaded_bytes = 0;  // copies to the host that completed
+  int64_t reloaded_bytes = 0;   // copies back that completed
+  int64_t evictions = 0;        // device copies freed without a copy
+  int64_t recomputes = 0;
+  int64_t recompute_ns = 0;  // the recomputed tensors' compute costs
+};
+
 struct SessionUsage {
   int64_t budget_bytes = 0;
   int64_t host_quota_bytes = 0;
@@ -76,8 +85,9 @@ class GpuPolicy {
   // event kinds, cycles), NOT_FOUND for unknown ids, FAILED_PRECONDITION for
   // an event the tensor's state does not allow, RESOURCE_EXHAUSTED past the
   // batch or tensor limits.
+  // `counts`, when given, receives what the batch reported having done.
   absl::Status Apply(SessionId session, const v1::EventBatch& batch,
-                     int64_t now_ns);
+                     int64_t now_ns, AppliedCounts* counts = nullptr);
 
   // Orders that make room for `bytes` more in `session`: the synchronous
   // path. Keyed by the session that must carry each order out (ids are that
@@ -153,7 +163,8 @@ class GpuPolicy {
                              BatchPlan& plan) const;
   absl::Status PlanEvents(SessionId session, const Session& s,
                           const v1::EventBatch& batch, BatchPlan& plan) const;
-  absl::Status ApplyPlan(Session& s, const BatchPlan& plan, int64_t now_ns);
+  absl::Status ApplyPlan(Session& s, const BatchPlan& plan, int64_t now_ns,
+                         AppliedCounts* counts);
   // Frees a tensor and forgets the ids of every record the table retires.
   absl::Status FreeAndForget(Session& s, policy::TensorId id);
   // The tensors Free(id) retires: id itself and its freed ancestors whose

@@ -15,6 +15,19 @@ int64_t NowNs() {
       .count();
 }
 
+void CountApplied(Metrics* metrics, int gpu, const AppliedCounts& c) {
+  if (metrics == nullptr) return;
+  metrics->AddTransferred(gpu, Direction::kDeviceToHost, c.offloaded_bytes);
+  metrics->AddTransferred(gpu, Direction::kHostToDevice, c.reloaded_bytes);
+  for (int64_t i = 0; i < c.evictions; ++i) metrics->AddEviction(gpu);
+  for (int64_t i = 0; i < c.recomputes; ++i) {
+    // The costs arrive summed; each recompute is counted once and the time
+    // goes with the first.
+    metrics->AddRecompute(
+        gpu, i == 0 ? static_cast<double>(c.recompute_ns) / 1e9 : 0.0);
+  }
+}
+
 void CountOrders(Metrics* metrics, int gpu, const v1::Orders& orders) {
   if (metrics == nullptr) return;
   int64_t offloads = 0;
@@ -197,9 +210,12 @@ absl::StatusOr<OrdersBySession> Node::Apply(absl::string_view token,
   Gpu& gpu = *gpus_[session->gpu];
   std::lock_guard<std::mutex> lock(gpu.mu);
   const int64_t now = NowNs();
-  if (absl::Status s = gpu.policy->Apply(session->id, batch, now); !s.ok()) {
+  AppliedCounts applied;
+  if (absl::Status s = gpu.policy->Apply(session->id, batch, now, &applied);
+      !s.ok()) {
     return s;
   }
+  CountApplied(metrics_, session->gpu, applied);
   const auto start = std::chrono::steady_clock::now();
   std::map<SessionId, v1::Orders> orders = gpu.policy->Plan(session->id, now);
   if (metrics_ != nullptr) {
@@ -233,10 +249,13 @@ absl::StatusOr<Node::Released> Node::Release(
   }
   const int64_t now = NowNs();
   if (request.has_batch()) {
-    if (absl::Status s = gpu.policy->Apply(session->id, request.batch(), now);
+    AppliedCounts applied;
+    if (absl::Status s =
+            gpu.policy->Apply(session->id, request.batch(), now, &applied);
         !s.ok()) {
       return s;
     }
+    CountApplied(metrics_, session->gpu, applied);
   }
   const auto start = std::chrono::steady_clock::now();
   auto orders = gpu.policy->MakeRoom(session->id, request.bytes(), now);

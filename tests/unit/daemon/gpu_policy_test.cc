@@ -1229,5 +1229,44 @@ TEST_F(GpuPolicyTest, ASessionWithoutAStreamIsNeverAVictimOfAnother) {
   EXPECT_EQ(policy_->SetReachable(9, true).code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(GpuPolicyTest, ABatchReportsWhatItDidForTheMetrics) {
+  Make(1000);
+  AddSession(1, 1000);
+  v1::EventBatch create;
+  AddCreated(create, 1, 100, Cost::kCostly);
+  AddCreated(create, 2, 200, Cost::kCostly);
+  ASSERT_TRUE(Apply(1, create).ok());
+  v1::EventBatch events;
+  AddEvent(events, v1::TensorEvent::OFFLOADED, 1);  // on its own initiative
+  AddEvent(events, v1::TensorEvent::RELOADED, 1);
+  AddEvent(events, v1::TensorEvent::EVICTED, 2);
+  AddEvent(events, v1::TensorEvent::RECOMPUTED, 2);
+  AppliedCounts c;
+  ASSERT_TRUE(policy_->Apply(1, events, now_ += 10, &c).ok());
+  EXPECT_EQ(c.offloaded_bytes, 100);
+  EXPECT_EQ(c.reloaded_bytes, 100);
+  EXPECT_EQ(c.evictions, 1);
+  EXPECT_EQ(c.recomputes, 1);
+  EXPECT_EQ(c.recompute_ns, 100 * 200);  // Cost::kCostly is 100 ns a byte
+}
+
+TEST_F(GpuPolicyTest, ConfirmingAnEvictOrderCountsAsAnEviction) {
+  Make(1000);
+  AddSession(1, 1000);
+  v1::EventBatch create;
+  AddCreated(create, 1, 600);
+  AddCreated(create, 2, 400);
+  ASSERT_TRUE(Apply(1, create).ok());
+  auto orders = policy_->MakeRoom(1, 100, now_ += 10);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  ASSERT_EQ(orders->at(1).size(), 1u);
+  ASSERT_EQ(orders->at(1)[0].action(), v1::ReleaseOrder::EVICT);
+  v1::EventBatch confirm;
+  AddEvent(confirm, v1::TensorEvent::EVICTED, orders->at(1)[0].tensor_id());
+  AppliedCounts c;
+  ASSERT_TRUE(policy_->Apply(1, confirm, now_ += 10, &c).ok());
+  EXPECT_EQ(c.evictions, 1);
+}
+
 }  // namespace
 }  // namespace deltad::daemon

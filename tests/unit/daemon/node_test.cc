@@ -3,6 +3,9 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/unit/daemon/sim_node.h"
@@ -189,6 +192,31 @@ TEST_F(NodeTest, MetricsFollowSessionsAndUse) {
   ASSERT_TRUE(node_->CloseSession(a.response.session_token()).ok());
   EXPECT_EQ(node_->CloseSession(a.response.session_token()).status().code(),
             absl::StatusCode::kUnauthenticated);
+}
+
+TEST_F(NodeTest, ReportedTransfersReachTheMetrics) {
+  const Node::Opened a = Open(Peer(100), 1);
+  ASSERT_TRUE(node_->Apply(a.response.session_token(), Create(1, kMiB)).ok());
+  v1::EventBatch offloaded;
+  v1::TensorEvent* e = offloaded.add_events();
+  e->set_kind(v1::TensorEvent::OFFLOADED);
+  e->set_tensor_id(1);
+  ASSERT_TRUE(node_->Apply(a.response.session_token(), offloaded).ok());
+  // The d2h series of GPU 1 holds the tensor's bytes.
+  const std::string scrape = metrics_->Scrape();
+  bool found = false;
+  for (absl::string_view line : absl::StrSplit(scrape, '\n')) {
+    if (absl::StartsWith(line, "deltad_transferred_bytes_total{") &&
+        absl::StrContains(line, "direction=\"d2h\"") &&
+        absl::StrContains(line, "gpu=\"1\"")) {
+      double value = 0;
+      ASSERT_TRUE(absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &value))
+          << line;
+      EXPECT_EQ(value, static_cast<double>(kMiB));
+      found = true;
+    }
+  }
+  EXPECT_TRUE(found) << scrape;
 }
 
 }  // namespace
