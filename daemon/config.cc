@@ -37,12 +37,13 @@ class Collector : public google::protobuf::io::ErrorCollector {
   std::vector<std::string> errors_;
 };
 
-// host:port with a port in 1..65535; the host may be a bracketed IPv6.
+// host:port with a port in 0..65535 (0: any free port, for tests); the host
+// may be a bracketed IPv6.
 bool IsHostPort(absl::string_view address) {
   const auto colon = address.rfind(':');
   if (colon == absl::string_view::npos || colon == 0) return false;
   int port;
-  return absl::SimpleAtoi(address.substr(colon + 1), &port) && port > 0 &&
+  return absl::SimpleAtoi(address.substr(colon + 1), &port) && port >= 0 &&
          port <= 65535;
 }
 

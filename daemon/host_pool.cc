@@ -51,7 +51,7 @@ absl::StatusOr<std::unique_ptr<HostPool>> HostPool::Create(int64_t total_bytes,
 
   std::vector<Entry> slabs(count);
   for (int64_t i = 0; i < count; ++i) {
-    absl::StatusOr<UniqueFd> fd = NewSegment(i, slab_bytes);
+    absl::StatusOr<common::UniqueFd> fd = NewSegment(i, slab_bytes);
     if (!fd.ok()) {
       return absl::Status(fd.status().code(),
                           absl::StrCat("creating host slab ", i + 1, " of ",
@@ -71,11 +71,14 @@ absl::StatusOr<std::unique_ptr<HostPool>> HostPool::Create(int64_t total_bytes,
   return pool;
 }
 
-HostPool::~HostPool() = default;  // each Entry's UniqueFd closes its memfd
+HostPool::~HostPool() =
+    default;  // each Entry's common::UniqueFd closes its memfd
 
-absl::StatusOr<UniqueFd> HostPool::NewSegment(uint64_t id, int64_t bytes) {
+absl::StatusOr<common::UniqueFd> HostPool::NewSegment(uint64_t id,
+                                                      int64_t bytes) {
   const std::string name = absl::StrCat("deltad-slab-", id);
-  UniqueFd fd(::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  common::UniqueFd fd(
+      ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd.valid()) {
     const int err = errno;
     return absl::ErrnoToStatus(
@@ -144,7 +147,7 @@ absl::StatusOr<std::vector<Slab>> HostPool::Grant(uint64_t session,
 absl::Status HostPool::ReleaseSession(uint64_t session) {
   // Slabs move to kWiping under the lock; the system calls run outside it so
   // that grants to other sessions do not wait on them.
-  std::vector<std::pair<uint64_t, UniqueFd>> wiping;
+  std::vector<std::pair<uint64_t, common::UniqueFd>> wiping;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = by_session_.find(session);
@@ -156,7 +159,7 @@ absl::Status HostPool::ReleaseSession(uint64_t session) {
     by_session_.erase(it);
   }
 
-  std::vector<std::pair<uint64_t, absl::StatusOr<UniqueFd>>> fresh;
+  std::vector<std::pair<uint64_t, absl::StatusOr<common::UniqueFd>>> fresh;
   fresh.reserve(wiping.size());
   for (auto& [id, old_fd] : wiping) {
     // Punching the old file frees its pages now, even while the previous
@@ -228,6 +231,28 @@ std::vector<Slab> HostPool::SlabsOf(uint64_t session) const {
   for (uint64_t id : it->second) out.push_back(SlabAt(id));
   std::sort(out.begin(), out.end(),
             [](const Slab& a, const Slab& b) { return a.id < b.id; });
+  return out;
+}
+
+absl::StatusOr<std::vector<OwnedSlab>> HostPool::DuplicateSlabsOf(
+    uint64_t session) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<OwnedSlab> out;
+  auto it = by_session_.find(session);
+  if (it == by_session_.end()) return out;
+  std::vector<uint64_t> ids = it->second;
+  std::sort(ids.begin(), ids.end());
+  for (uint64_t id : ids) {
+    OwnedSlab slab;
+    slab.id = id;
+    slab.bytes = slab_bytes_;
+    slab.fd.reset(::fcntl(slabs_[id].fd.get(), F_DUPFD_CLOEXEC, 0));
+    if (!slab.fd.valid()) {
+      return absl::ErrnoToStatus(
+          errno, absl::StrCat("duplicating the descriptor of slab ", id));
+    }
+    out.push_back(std::move(slab));
+  }
   return out;
 }
 

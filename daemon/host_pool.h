@@ -10,7 +10,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "daemon/unix_socket.h"
+#include "common/unix_socket.h"
 
 namespace deltad::daemon {
 
@@ -21,6 +21,15 @@ struct Slab {
   // until the session holding the slab is released or the pool destroyed.
   int fd = -1;
   int64_t bytes = 0;
+};
+
+// A slab with a descriptor of its own, for sending: unlike Slab::fd it stays
+// valid (and names the same file) even if the session releases the slab
+// meanwhile, so it can never become another file's descriptor number.
+struct OwnedSlab {
+  uint64_t id = 0;
+  int64_t bytes = 0;
+  common::UniqueFd fd;
 };
 
 struct HostPoolStats {
@@ -89,19 +98,25 @@ class HostPool {
   // The slabs `session` holds, by id; empty for an unknown session.
   std::vector<Slab> SlabsOf(uint64_t session) const;
 
+  // As SlabsOf, each with a duplicate descriptor made under the pool's lock.
+  // INTERNAL when a descriptor cannot be duplicated (out of descriptors).
+  absl::StatusOr<std::vector<OwnedSlab>> DuplicateSlabsOf(
+      uint64_t session) const;
+
   int64_t slab_bytes() const { return slab_bytes_; }
 
  private:
   enum class SlabState { kFree, kGranted, kWiping, kRetired };
   struct Entry {
-    UniqueFd fd;
+    common::UniqueFd fd;
     SlabState state = SlabState::kFree;
     uint64_t session = 0;  // meaningful while kGranted
   };
 
   explicit HostPool(int64_t slab_bytes) : slab_bytes_(slab_bytes) {}
   // A sealed memfd of slab_bytes_ for slab `id`.
-  static absl::StatusOr<UniqueFd> NewSegment(uint64_t id, int64_t bytes);
+  static absl::StatusOr<common::UniqueFd> NewSegment(uint64_t id,
+                                                     int64_t bytes);
   Slab SlabAt(uint64_t id) const;  // mu_ held
 
   const int64_t slab_bytes_;

@@ -88,6 +88,10 @@ void MemoryManagerService::Deliver(const OrdersBySession& orders) {
 grpc::Status MemoryManagerService::OpenSession(
     grpc::ServerContext* /*context*/, const v1::OpenSessionRequest* request,
     v1::OpenSessionResponse* response) {
+  if (draining_.load()) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "deltad is shutting down and opens no new sessions");
+  }
   auto opened = node_.OpenSession(request->peer_token(), *request);
   if (!opened.ok()) return ToGrpc(opened.status());
   *response = std::move(opened->response);
@@ -183,6 +187,7 @@ grpc::Status MemoryManagerService::NodeStatus(
 }
 
 void MemoryManagerService::Drain() {
+  draining_.store(true);
   v1::Orders draining;
   draining.set_draining(true);
   mailboxes_.Broadcast(draining);

@@ -1,6 +1,7 @@
 #ifndef DELTAD_DAEMON_MEMORY_MANAGER_SERVICE_H_
 #define DELTAD_DAEMON_MEMORY_MANAGER_SERVICE_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -70,18 +71,20 @@ class MemoryManagerService final : public v1::MemoryManager::Service {
                           const v1::NodeStatusRequest* request,
                           v1::NodeStatusResponse* response) override;
 
-  // Tells every open stream the daemon is going away; clients carry on with
-  // their in-process policy.
+  // Tells every open stream the daemon is going away, and refuses new
+  // sessions (UNAVAILABLE) from now on; clients carry on with their
+  // in-process policy.
   void Drain();
   Mailboxes& mailboxes() { return mailboxes_; }
 
- private:
   // Posts each session's orders; those that cannot be delivered are undone
   // in the Node, so its view of the tensors stays the process's view.
   void Deliver(const OrdersBySession& orders);
 
+ private:
   Node& node_;
   Mailboxes mailboxes_;
+  std::atomic<bool> draining_{false};
 };
 
 }  // namespace deltad::daemon

@@ -195,6 +195,13 @@ absl::StatusOr<OrdersBySession> Node::CloseSession(absl::string_view token) {
   return Reclaim(*session);
 }
 
+absl::StatusOr<std::vector<OwnedSlab>> Node::HostSlabs(
+    absl::string_view session_token, absl::string_view peer_token) const {
+  auto session = registry_.AuthorizeForPeer(session_token, peer_token);
+  if (!session.ok()) return session.status();
+  return pool_.DuplicateSlabsOf(session->id);
+}
+
 OrdersBySession Node::PeerGone(absl::string_view peer_token) {
   OrdersBySession others;
   for (const SessionInfo& s : registry_.ForgetPeer(peer_token)) {

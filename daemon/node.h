@@ -72,6 +72,11 @@ class Node {
   };
   absl::StatusOr<Released> Release(const v1::ReleaseRequest& request);
 
+  // The host slabs of a session, for the process that holds `peer_token`
+  // only (see SessionRegistry::AuthorizeForPeer).
+  absl::StatusOr<std::vector<OwnedSlab>> HostSlabs(
+      absl::string_view session_token, absl::string_view peer_token) const;
+
   v1::NodeStatusResponse Status() const;
 
   // The session's stream opened (true) or closed (false); see

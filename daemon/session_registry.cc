@@ -110,6 +110,23 @@ absl::StatusOr<SessionInfo> SessionRegistry::Authorize(
   return it->second;
 }
 
+absl::StatusOr<SessionInfo> SessionRegistry::AuthorizeForPeer(
+    absl::string_view session_token, absl::string_view peer_token) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = FindToken(sessions_, session_token);
+  if (it == sessions_.end()) {
+    return absl::UnauthenticatedError("unknown or closed session token");
+  }
+  auto peer = FindToken(peer_sessions_, peer_token);
+  if (peer == peer_sessions_.end() ||
+      std::find(peer->second.begin(), peer->second.end(), it->first) ==
+          peer->second.end()) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("session ", it->second.id, " belongs to another process"));
+  }
+  return it->second;
+}
+
 absl::StatusOr<SessionInfo> SessionRegistry::Close(
     absl::string_view session_token) {
   std::lock_guard<std::mutex> lock(mu_);

@@ -58,6 +58,10 @@ class SessionRegistry {
                                    uint32_t priority, std::string label);
   // The session a token authorises; UNAUTHENTICATED when none.
   absl::StatusOr<SessionInfo> Authorize(absl::string_view session_token) const;
+  // As Authorize, and the session must belong to the process holding
+  // `peer_token`: PERMISSION_DENIED when it belongs to another.
+  absl::StatusOr<SessionInfo> AuthorizeForPeer(
+      absl::string_view session_token, absl::string_view peer_token) const;
   // Closes the session a token authorises and returns it.
   absl::StatusOr<SessionInfo> Close(absl::string_view session_token);
   // The process behind a peer token is gone: forgets the token and returns

@@ -19,7 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "daemon/unix_socket.h"
+#include "common/unix_socket.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -266,7 +266,7 @@ TEST(HostPoolRelease, PreviousHolderCannotSeeTheNextSessionsData) {
   ASSERT_NE(pool, nullptr);
   auto first = pool->Grant(1, kSlab);
   ASSERT_TRUE(first.ok()) << first.status();
-  UniqueFd kept(::dup((*first)[0].fd));
+  common::UniqueFd kept(::dup((*first)[0].fd));
   ASSERT_TRUE(kept.valid());
   Mapping old_view(kept.get(), kSlab);
   ASSERT_NE(old_view.data(), nullptr);

@@ -1,5 +1,5 @@
-#ifndef DELTAD_DAEMON_UNIX_SOCKET_H_
-#define DELTAD_DAEMON_UNIX_SOCKET_H_
+#ifndef DELTAD_COMMON_UNIX_SOCKET_H_
+#define DELTAD_COMMON_UNIX_SOCKET_H_
 
 #include <sys/types.h>
 
@@ -16,7 +16,7 @@
 // credentials, passing descriptors (SCM_RIGHTS), listening and connecting.
 // Linux only.
 
-namespace deltad::daemon {
+namespace deltad::common {
 
 // Owns one file descriptor and closes it on destruction, so that no error
 // path leaks one. -1 means empty.
@@ -59,24 +59,37 @@ absl::StatusOr<PeerCred> PeerCredentials(int fd);
 // The most descriptors one message may carry (the kernel's SCM_MAX_FD).
 inline constexpr int kMaxFdsPerMessage = 253;
 
-// One message of SendFds: an application tag and the descriptors it carried.
+// The largest payload one message may carry. Messages on the side socket
+// are small (tokens, slab tables); the bound keeps a peer from making the
+// other end allocate without limit.
+inline constexpr size_t kMaxPayloadBytes = size_t{64} << 10;
+// Bytes before the payload: the tag and the payload's length.
+inline constexpr size_t kHeaderBytes = sizeof(uint64_t) + sizeof(uint32_t);
+
+// One message of SendFds: an application tag, its payload and the
+// descriptors it carried.
 struct ReceivedFds {
   uint64_t tag = 0;
+  std::string payload;
   // New descriptors, owned by the caller, each with FD_CLOEXEC set.
   std::vector<int> fds;
 };
 
-// Sends `tag` (8 bytes, host byte order: both ends are on one machine) with
-// `fds` attached (SCM_RIGHTS) over a connected Unix socket. The descriptors
-// stay owned by the caller; the receiver gets duplicates. At most
-// kMaxFdsPerMessage. A closed peer is an error, never SIGPIPE.
-absl::Status SendFds(int socket, uint64_t tag, absl::Span<const int> fds);
+// Sends one message over a connected Unix socket: `tag` and the length of
+// `payload` (host byte order: both ends are on one machine), then
+// `payload` (at most kMaxPayloadBytes), with `fds` attached (SCM_RIGHTS).
+// The descriptors stay owned by the caller; the receiver gets duplicates.
+// At most kMaxFdsPerMessage. A closed peer is an error, never SIGPIPE.
+absl::Status SendFds(int socket, uint64_t tag, absl::Span<const int> fds,
+                     absl::string_view payload = {});
 
 // Receives one message of SendFds, accepting at most `max_fds` descriptors
-// (0..kMaxFdsPerMessage). More than `max_fds` sent is an error
-// (RESOURCE_EXHAUSTED), and the ones that did arrive are closed so that a
-// peer cannot fill the descriptor table. UNAVAILABLE when the peer closed.
-absl::StatusOr<ReceivedFds> RecvFds(int socket, int max_fds);
+// (0..kMaxFdsPerMessage) and `max_payload` payload bytes. More than
+// `max_fds` sent is an error (RESOURCE_EXHAUSTED), and the ones that did
+// arrive are closed so that a peer cannot fill the descriptor table; so is
+// a longer payload. UNAVAILABLE when the peer closed.
+absl::StatusOr<ReceivedFds> RecvFds(int socket, int max_fds,
+                                    size_t max_payload = kMaxPayloadBytes);
 
 // A listening SOCK_STREAM socket at `path` whose file has mode `mode` (for
 // example 0660: connecting needs write permission on the file). A stale
@@ -89,6 +102,6 @@ absl::StatusOr<UniqueFd> ListenUnix(absl::string_view path, mode_t mode);
 // there (no file, or a stale one).
 absl::StatusOr<UniqueFd> ConnectUnix(absl::string_view path);
 
-}  // namespace deltad::daemon
+}  // namespace deltad::common
 
-#endif  // DELTAD_DAEMON_UNIX_SOCKET_H_
+#endif  // DELTAD_COMMON_UNIX_SOCKET_H_

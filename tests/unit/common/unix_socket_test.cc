@@ -1,4 +1,4 @@
-#include "daemon/unix_socket.h"
+#include "common/unix_socket.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -17,11 +17,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "daemon/host_pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
-namespace deltad::daemon {
+namespace deltad::common {
 namespace {
 
 using ::testing::HasSubstr;
@@ -227,6 +226,35 @@ TEST(FdPassing, ATagWithoutDescriptorsArrivesAlone) {
   EXPECT_EQ(second->tag, 43u);
 }
 
+TEST(FdPassing, CarriesAPayloadBesideTheDescriptors) {
+  Pair p = MakePair();
+  UniqueFd file = MemfdWith("x");
+  const std::string big(kMaxPayloadBytes, 'z');
+  ASSERT_TRUE(SendFds(p.a.get(), 5, {file.get()}, "token-123").ok());
+  ASSERT_TRUE(SendFds(p.a.get(), 6, {}, big).ok());
+  auto first = RecvFds(p.b.get(), 1);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->tag, 5u);
+  EXPECT_EQ(first->payload, "token-123");
+  ASSERT_EQ(first->fds.size(), 1u);
+  ::close(first->fds[0]);
+  auto second = RecvFds(p.b.get(), 0);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->tag, 6u);
+  EXPECT_EQ(second->payload, big);
+}
+
+TEST(FdPassing, APayloadOverTheLimitIsRefusedOnBothEnds) {
+  Pair p = MakePair();
+  EXPECT_EQ(
+      SendFds(p.a.get(), 1, {}, std::string(kMaxPayloadBytes + 1, 'a')).code(),
+      absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(SendFds(p.a.get(), 1, {}, std::string(100, 'a')).ok());
+  auto got = RecvFds(p.b.get(), 0, /*max_payload=*/99);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(got.status().message(), HasSubstr("100 bytes"));
+}
+
 TEST(FdPassing, MoreDescriptorsThanAllowedIsAnErrorAndLeaksNone) {
   Pair p = MakePair();
   UniqueFd f1 = MemfdWith("1");
@@ -300,13 +328,16 @@ TEST(FdPassing, RejectsBadArguments) {
             absl::StatusCode::kInvalidArgument);
 }
 
-TEST(FdPassing, ChildReceivesAHostSlabAndReadsWhatTheParentWrote) {
-  const int64_t slab = ::sysconf(_SC_PAGESIZE);
-  auto pool = HostPool::Create(slab, slab);
-  ASSERT_TRUE(pool.ok()) << pool.status();
-  auto slabs = (*pool)->Grant(1, slab);
-  ASSERT_TRUE(slabs.ok()) << slabs.status();
-  const Slab s = (*slabs)[0];
+TEST(FdPassing, ChildMapsAMemfdAndReadsWhatTheParentWrote) {
+  struct {
+    UniqueFd owned;
+    int fd;
+    int64_t bytes;
+  } s{UniqueFd(::memfd_create("fd-passing", MFD_CLOEXEC)), -1,
+      ::sysconf(_SC_PAGESIZE)};
+  ASSERT_TRUE(s.owned.valid());
+  s.fd = s.owned.get();
+  ASSERT_EQ(::ftruncate(s.fd, s.bytes), 0);
   void* p =
       ::mmap(nullptr, s.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s.fd, 0);
   ASSERT_NE(p, MAP_FAILED);
@@ -436,4 +467,4 @@ TEST(ConnectUnix, NothingListeningIsUnavailable) {
 }
 
 }  // namespace
-}  // namespace deltad::daemon
+}  // namespace deltad::common

@@ -1,4 +1,4 @@
-#include "daemon/unix_socket.h"
+#include "common/unix_socket.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -7,6 +7,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -15,7 +16,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 
-namespace deltad::daemon {
+namespace deltad::common {
 
 UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
   if (this != &other) reset(other.release());
@@ -54,7 +55,8 @@ absl::StatusOr<PeerCred> PeerCredentials(int fd) {
   return out;
 }
 
-absl::Status SendFds(int socket, uint64_t tag, absl::Span<const int> fds) {
+absl::Status SendFds(int socket, uint64_t tag, absl::Span<const int> fds,
+                     absl::string_view payload) {
   if (fds.size() > static_cast<size_t>(kMaxFdsPerMessage)) {
     return absl::InvalidArgumentError(
         absl::StrCat("cannot send ", fds.size(), " descriptors in one message",
@@ -66,11 +68,21 @@ absl::Status SendFds(int socket, uint64_t tag, absl::Span<const int> fds) {
           absl::StrCat("cannot send invalid descriptor ", fd));
     }
   }
-  char payload[sizeof(tag)];
-  std::memcpy(payload, &tag, sizeof(tag));
+  if (payload.size() > kMaxPayloadBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot send a payload of ", payload.size(),
+                     " bytes, the most is ", kMaxPayloadBytes));
+  }
+  // Header (tag, payload length) and payload go as one buffer, so a short
+  // write is finished by the same loop.
+  std::string wire(kHeaderBytes + payload.size(), '\0');
+  const uint32_t length = static_cast<uint32_t>(payload.size());
+  std::memcpy(wire.data(), &tag, sizeof(tag));
+  std::memcpy(wire.data() + sizeof(tag), &length, sizeof(length));
+  std::memcpy(wire.data() + kHeaderBytes, payload.data(), payload.size());
   struct iovec iov;
-  iov.iov_base = payload;
-  iov.iov_len = sizeof(payload);
+  iov.iov_base = wire.data();
+  iov.iov_len = wire.size();
 
   // Aligned storage for the largest control message we may send.
   alignas(
@@ -102,16 +114,16 @@ absl::Status SendFds(int socket, uint64_t tag, absl::Span<const int> fds) {
         errno,
         absl::StrCat("sendmsg of ", fds.size(), " descriptors on fd ", socket));
   }
-  // The descriptors travel with the first byte; a short write (possible in
-  // principle on a stream socket) only leaves tag bytes to finish.
+  // The descriptors travel with the first byte; a short write (possible on
+  // a stream socket) only leaves message bytes to finish.
   size_t done = static_cast<size_t>(sent);
-  while (done < sizeof(payload)) {
+  while (done < wire.size()) {
     ssize_t n =
-        ::send(socket, payload + done, sizeof(payload) - done, MSG_NOSIGNAL);
+        ::send(socket, wire.data() + done, wire.size() - done, MSG_NOSIGNAL);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       return absl::ErrnoToStatus(
-          errno, absl::StrCat("send of the message tag on fd ", socket));
+          errno, absl::StrCat("send of a message on fd ", socket));
     }
     done += static_cast<size_t>(n);
   }
@@ -143,14 +155,36 @@ void CloseAll(const std::vector<int>& fds) {
   for (int fd : fds) ::close(fd);
 }
 
+// Reads into buffer[done..size), the rest of a message `part` that a
+// stream socket may deliver in pieces.
+absl::Status RecvRest(int socket, char* buffer, size_t done, size_t size,
+                      absl::string_view part) {
+  while (done < size) {
+    ssize_t n = ::recv(socket, buffer + done, size - done, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n == 0) {
+      return absl::UnavailableError(
+          absl::StrCat("peer closed the socket on fd ", socket, " after ", done,
+                       " of ", size, " ", part, " bytes"));
+    }
+    if (n < 0) {
+      return absl::ErrnoToStatus(
+          errno, absl::StrCat("recv of a message ", part, " on fd ", socket));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
-absl::StatusOr<ReceivedFds> RecvFds(int socket, int max_fds) {
+absl::StatusOr<ReceivedFds> RecvFds(int socket, int max_fds,
+                                    size_t max_payload) {
   if (max_fds < 0 || max_fds > kMaxFdsPerMessage) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_fds ", max_fds, " is outside 0..", kMaxFdsPerMessage));
   }
-  char payload[sizeof(uint64_t)];
+  char payload[kHeaderBytes];
   struct iovec iov;
   iov.iov_base = payload;
   iov.iov_len = sizeof(payload);
@@ -192,24 +226,29 @@ absl::StatusOr<ReceivedFds> RecvFds(int socket, int max_fds) {
     return absl::UnavailableError(
         absl::StrCat("peer closed the socket on fd ", socket));
   }
-  size_t done = static_cast<size_t>(got);
-  while (done < sizeof(payload)) {
-    ssize_t n = ::recv(socket, payload + done, sizeof(payload) - done, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = errno;
-      CloseAll(out.fds);
-      if (n == 0) {
-        return absl::UnavailableError(
-            absl::StrCat("peer closed the socket on fd ", socket, " after ",
-                         done, " of ", sizeof(payload), " tag bytes"));
-      }
-      return absl::ErrnoToStatus(
-          err, absl::StrCat("recv of the message tag on fd ", socket));
-    }
-    done += static_cast<size_t>(n);
+  if (absl::Status s = RecvRest(socket, payload, static_cast<size_t>(got),
+                                sizeof(payload), "header");
+      !s.ok()) {
+    CloseAll(out.fds);
+    return s;
   }
   std::memcpy(&out.tag, payload, sizeof(out.tag));
+  uint32_t length;
+  std::memcpy(&length, payload + sizeof(out.tag), sizeof(length));
+  if (length > std::min(max_payload, kMaxPayloadBytes)) {
+    CloseAll(out.fds);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("message on fd ", socket, " announces a payload of ",
+                     length, " bytes, the most accepted is ",
+                     std::min(max_payload, kMaxPayloadBytes)));
+  }
+  out.payload.resize(length);
+  if (absl::Status s =
+          RecvRest(socket, out.payload.data(), 0, length, "payload");
+      !s.ok()) {
+    CloseAll(out.fds);
+    return s;
+  }
   return out;
 }
 
@@ -370,4 +409,4 @@ absl::StatusOr<UniqueFd> ConnectUnix(absl::string_view path) {
   return fd;
 }
 
-}  // namespace deltad::daemon
+}  // namespace deltad::common

@@ -1,0 +1,196 @@
+#include "daemon/server.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/side_protocol.h"
+#include "common/unix_socket.h"
+#include "daemon/backend/sim_backend.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "policies/heuristic.h"
+
+#ifndef DELTAD_VERSION
+#define DELTAD_VERSION "0.0.0"
+#endif
+
+namespace deltad::daemon {
+
+absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeBackend(
+    const v1::DaemonConfig& config) {
+  const std::string& kind = config.backend();
+  if (kind == "cuda") {
+    return absl::FailedPreconditionError(
+        "backend \"cuda\": this build of deltad has no CUDA backend yet; run "
+        "with --backend=sim (or auto)");
+  }
+  if (kind != "sim" && kind != "auto") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("backend must be auto, cuda or sim, got \"", kind, "\""));
+  }
+  SimBackendOptions sim;
+  sim.gpus = config.sim().gpus();
+  sim.memory_bytes = config.sim().memory_bytes();
+  sim.chunk_bytes = config.sim().chunk_bytes();
+  sim.d2h_bytes_per_s = config.sim().d2h_bytes_per_second();
+  sim.h2d_bytes_per_s = config.sim().h2d_bytes_per_second();
+  auto backend = SimBackend::Create(sim);
+  if (!backend.ok()) return backend.status();
+  return std::unique_ptr<DeviceBackend>(std::move(*backend));
+}
+
+absl::StatusOr<NodeOptions> NodeOptionsFrom(const v1::DaemonConfig& config) {
+  NodeOptions o;
+  o.gpu_share = config.gpu_share();
+  o.min_session_bytes = config.min_session_bytes();
+  o.default_host_quota_bytes = config.default_host_quota_bytes();
+  o.max_sessions_per_gpu = config.limits().max_sessions_per_gpu();
+  auto heuristic = policy::ParseHeuristic(config.heuristic());
+  if (!heuristic.ok()) return heuristic.status();
+  o.policy.filter.heuristic = *heuristic;
+  o.policy.filter.sampled = config.sampled_search();
+  o.policy.filter.skip_small = config.sampled_search();
+  o.policy.high_watermark = config.high_watermark();
+  o.policy.low_watermark = config.low_watermark();
+  o.policy.max_tensors_per_session = config.limits().max_tensors_per_session();
+  o.policy.max_batch_events = config.limits().max_batch_events();
+  o.side_socket_path = common::side::SideSocketPath(config.socket_path());
+  o.version = DELTAD_VERSION;
+  return o;
+}
+
+namespace {
+
+// A socket file nobody serves is left over from a daemon that died: remove
+// it. A live one means another deltad is running there.
+absl::Status ClaimSocketPath(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return absl::OkStatus();
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, " exists and is not a socket; not replacing it"));
+  }
+  if (common::ConnectUnix(path).ok()) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("another deltad is serving ", path, "; stop it first"));
+  }
+  if (::unlink(path.c_str()) != 0) {
+    return absl::ErrnoToStatus(errno,
+                               absl::StrCat("removing stale socket ", path));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(
+    const v1::DaemonConfig& config) {
+  std::unique_ptr<Server> s(new Server());
+  s->socket_path_ = config.socket_path();
+  s->side_path_ = common::side::SideSocketPath(config.socket_path());
+
+  auto backend = MakeBackend(config);
+  if (!backend.ok()) return backend.status();
+  s->backend_ = std::move(*backend);
+  auto pool =
+      HostPool::Create(config.host_pool_bytes(), config.host_slab_bytes());
+  if (!pool.ok()) return pool.status();
+  s->pool_ = std::move(*pool);
+
+  std::vector<GpuLabel> labels;
+  for (const GpuInfo& g : s->backend_->gpus()) {
+    labels.push_back({g.index, g.uuid, g.memory_bytes});
+  }
+  auto metrics =
+      Metrics::Create(labels, DELTAD_VERSION, std::string(s->backend_->name()));
+  if (!metrics.ok()) return metrics.status();
+  s->metrics_ = std::move(*metrics);
+  if (!config.metrics_address().empty()) {
+    auto server =
+        MetricsServer::Start(config.metrics_address(), s->metrics_->registry());
+    if (!server.ok()) return server.status();
+    s->metrics_server_ = std::move(*server);
+  }
+
+  auto options = NodeOptionsFrom(config);
+  if (!options.ok()) return options.status();
+  auto node =
+      Node::Create(*s->backend_, *s->pool_, s->metrics_.get(), *options);
+  if (!node.ok()) return node.status();
+  s->node_ = std::move(*node);
+  s->service_ = std::make_unique<MemoryManagerService>(*s->node_);
+
+  if (absl::Status claim = ClaimSocketPath(s->socket_path_); !claim.ok()) {
+    return claim;
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + s->socket_path_,
+                           grpc::InsecureServerCredentials());
+  if (!config.tcp_address().empty()) {
+    builder.AddListeningPort(config.tcp_address(),
+                             grpc::InsecureServerCredentials(), &s->tcp_port_);
+  }
+  const int max_message = static_cast<int>(config.limits().max_message_bytes());
+  builder.SetMaxReceiveMessageSize(max_message);
+  builder.SetMaxSendMessageSize(max_message);
+  builder.RegisterService(s->service_.get());
+  // gRPC creates the socket file with the process umask; tighten it so
+  // that the file never exists with a wider mode than configured.
+  const mode_t old_umask = ::umask(~config.socket_mode() & 0777);
+  s->grpc_ = builder.BuildAndStart();
+  ::umask(old_umask);
+  if (s->grpc_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "gRPC could not listen on unix:", s->socket_path_,
+        config.tcp_address().empty() ? "" : " or ", config.tcp_address()));
+  }
+  if (::chmod(s->socket_path_.c_str(), config.socket_mode()) != 0) {
+    return absl::ErrnoToStatus(
+        errno, absl::StrCat("setting the mode of ", s->socket_path_));
+  }
+  MemoryManagerService* service = s->service_.get();
+  auto side = SideChannel::Start(
+      s->side_path_, config.socket_mode(), *s->node_,
+      [service](const OrdersBySession& orders) { service->Deliver(orders); });
+  if (!side.ok()) return side.status();
+  s->side_ = std::move(*side);
+  return s;
+}
+
+Server::~Server() { Shutdown(); }
+
+int Server::metrics_port() const {
+  return metrics_server_ ? metrics_server_->port() : 0;
+}
+
+void Server::Drain() {
+  if (grpc_ != nullptr) {
+    grpc_->GetHealthCheckService()->SetServingStatus(false);
+  }
+  if (service_ != nullptr) service_->Drain();
+}
+
+void Server::Shutdown(int grace_ms) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  if (grpc_ != nullptr) {
+    grpc_->Shutdown(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(grace_ms));
+    grpc_->Wait();
+    ::unlink(socket_path_.c_str());
+  }
+  if (side_ != nullptr) side_->Stop();
+  metrics_server_.reset();
+}
+
+}  // namespace deltad::daemon

@@ -1,0 +1,158 @@
+#include "daemon/side_channel.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/side_protocol.h"
+
+namespace deltad::daemon {
+
+namespace side = common::side;
+
+absl::StatusOr<std::unique_ptr<SideChannel>> SideChannel::Start(
+    const std::string& path, mode_t mode, Node& node, DeliverFn deliver,
+    size_t max_connections) {
+  auto listener = common::ListenUnix(path, mode);
+  if (!listener.ok()) return listener.status();
+  std::unique_ptr<SideChannel> channel(new SideChannel(
+      path, node, std::move(deliver), max_connections, std::move(*listener)));
+  channel->acceptor_ = std::thread([c = channel.get()] { c->AcceptLoop(); });
+  return channel;
+}
+
+SideChannel::~SideChannel() { Stop(); }
+
+void SideChannel::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    // Wakes accept() and every blocked recv(); the threads then see
+    // stopping_ or a closed socket and end.
+    ::shutdown(listener_.get(), SHUT_RDWR);
+    for (auto& [id, c] : connections_) ::shutdown(c->fd.get(), SHUT_RDWR);
+  }
+  if (acceptor_.joinable()) acceptor_.join();
+  std::map<uint64_t, std::unique_ptr<Connection>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    all.swap(connections_);
+  }
+  for (auto& [id, c] : all) {
+    if (c->thread.joinable()) c->thread.join();
+  }
+  ::unlink(path_.c_str());
+}
+
+size_t SideChannel::connections() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t live = 0;
+  for (const auto& [id, c] : connections_) live += c->done ? 0 : 1;
+  return live;
+}
+
+void SideChannel::JoinFinished() {
+  std::vector<std::unique_ptr<Connection>> finished;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = connections_.begin(); it != connections_.end();) {
+      if (it->second->done) {
+        finished.push_back(std::move(it->second));
+        it = connections_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& c : finished) c->thread.join();
+}
+
+void SideChannel::AcceptLoop() {
+  for (;;) {
+    common::UniqueFd fd(
+        ::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!fd.valid()) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      // EMFILE and the like: back off rather than spin, then go on.
+      ::usleep(10000);
+      continue;
+    }
+    JoinFinished();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    if (connections_.size() >= max_connections_) {
+      (void)common::SendFds(
+          fd.get(), side::kError, {},
+          absl::StrCat("deltad serves at most ", max_connections_,
+                       " processes at a time"));
+      continue;
+    }
+    const uint64_t id = next_id_++;
+    auto c = std::make_unique<Connection>();
+    c->fd = std::move(fd);
+    const int raw = c->fd.get();
+    c->thread = std::thread([this, id, raw] { Serve(id, raw); });
+    connections_[id] = std::move(c);
+  }
+}
+
+void SideChannel::Serve(uint64_t id, int fd) {
+  std::string peer_token;
+  if (auto cred = common::PeerCredentials(fd); cred.ok()) {
+    auto token =
+        node_.registry().RegisterPeer({cred->pid, cred->uid, cred->gid});
+    if (token.ok() && common::SendFds(fd, side::kPeerToken, {}, *token).ok()) {
+      peer_token = std::move(*token);
+    } else if (token.ok()) {
+      node_.registry().ForgetPeer(*token);
+    }
+  }
+  if (!peer_token.empty()) {
+    for (;;) {
+      auto message = common::RecvFds(fd, 0, side::kMaxMessageBytes);
+      if (!message.ok() || !Answer(fd, peer_token, *message)) break;
+    }
+    // The process is gone (or broke the protocol): its sessions go with it.
+    const OrdersBySession others = node_.PeerGone(peer_token);
+    if (deliver_) deliver_(others);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = connections_.find(id);
+  if (it != connections_.end()) {
+    // Closed here, not at join, so the process sees its lifeline end now.
+    it->second->fd.reset();
+    it->second->done = true;
+  }
+}
+
+bool SideChannel::Answer(int fd, const std::string& peer_token,
+                         const common::ReceivedFds& message) {
+  if (message.tag != side::kSlabsWanted) {
+    (void)common::SendFds(
+        fd, side::kError, {},
+        absl::StrCat("unknown side-socket message tag ", message.tag));
+    return false;
+  }
+  auto slabs = node_.HostSlabs(message.payload, peer_token);
+  if (!slabs.ok()) {
+    return common::SendFds(fd, side::kError, {}, slabs.status().ToString())
+        .ok();
+  }
+  for (const OwnedSlab& slab : *slabs) {
+    const int slab_fd = slab.fd.get();
+    if (!common::SendFds(fd, side::kSlab, {&slab_fd, 1},
+                         side::EncodeSlab({slab.id, slab.bytes}))
+             .ok()) {
+      return false;
+    }
+  }
+  return common::SendFds(fd, side::kSlabsDone, {}).ok();
+}
+
+}  // namespace deltad::daemon

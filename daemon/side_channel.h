@@ -1,0 +1,87 @@
+#ifndef DELTAD_DAEMON_SIDE_CHANNEL_H_
+#define DELTAD_DAEMON_SIDE_CHANNEL_H_
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "common/unix_socket.h"
+#include "daemon/node.h"
+
+namespace deltad::daemon {
+
+// Serves the side socket (common/side_protocol.h): each connecting process
+// gets a peer token bound to its kernel credentials (SO_PEERCRED), fetches
+// its sessions' host slabs as descriptors, and keeps the connection open for
+// as long as it lives. When the connection closes (exit, crash, kill -9) the
+// Node reclaims every session of that process at once, and the budget
+// changes this causes for the others go to `deliver`.
+//
+// One thread accepts, one thread serves each connection: connections are
+// few (one per training process) and mostly idle. Does not own the Node,
+// which must outlive it. Thread safe.
+class SideChannel {
+ public:
+  using DeliverFn = std::function<void(const OrdersBySession&)>;
+
+  // Listens at `path` with file mode `mode` (see common::ListenUnix) and
+  // starts accepting. At most `max_connections` at a time; more are closed
+  // at once, with an error message.
+  static absl::StatusOr<std::unique_ptr<SideChannel>> Start(
+      const std::string& path, mode_t mode, Node& node, DeliverFn deliver,
+      size_t max_connections = 4096);
+
+  SideChannel(const SideChannel&) = delete;
+  SideChannel& operator=(const SideChannel&) = delete;
+  ~SideChannel();  // Stop()
+
+  // Stops accepting, closes every connection (reclaiming their sessions)
+  // and waits for the threads. Idempotent.
+  void Stop();
+
+  size_t connections() const;
+
+ private:
+  struct Connection {
+    common::UniqueFd fd;
+    std::thread thread;
+    bool done = false;
+  };
+
+  SideChannel(std::string path, Node& node, DeliverFn deliver,
+              size_t max_connections, common::UniqueFd listener)
+      : path_(std::move(path)),
+        node_(node),
+        deliver_(std::move(deliver)),
+        max_connections_(max_connections),
+        listener_(std::move(listener)) {}
+  void AcceptLoop();
+  void Serve(uint64_t id, int fd);
+  // Answers one request; false when the connection should close.
+  bool Answer(int fd, const std::string& peer_token,
+              const common::ReceivedFds& message);
+  void JoinFinished();  // mu_ not held
+
+  const std::string path_;
+  Node& node_;
+  const DeliverFn deliver_;
+  const size_t max_connections_;
+  common::UniqueFd listener_;
+  std::thread acceptor_;
+
+  mutable std::mutex mu_;
+  bool stopping_ = false;
+  uint64_t next_id_ = 1;
+  std::map<uint64_t, std::unique_ptr<Connection>> connections_;
+};
+
+}  // namespace deltad::daemon
+
+#endif  // DELTAD_DAEMON_SIDE_CHANNEL_H_
