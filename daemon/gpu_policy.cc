@@ -329,6 +329,8 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
     TensorState state;
     bool evicted_from_device;
     policy::TensorFlags flags;
+    // Still in the state the table had before this batch.
+    bool untouched = true;
   };
   absl::flat_hash_map<TensorId, Sim> sim;
   absl::flat_hash_set<uint64_t> freed_here;
@@ -349,6 +351,11 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
     // table keeps for recompute is as unknown to the client as a retired
     // one, so both answer NOT_FOUND.
     TensorId id = 0;
+    // A refusal can cross the order's tensor being freed, or the order
+    // being overtaken (the process reloaded the tensor itself): it is then
+    // stale and changes nothing, and refusing the batch would lose the rest.
+    const bool refusal = kind == v1::TensorEvent::RELEASE_FAILED;
+    if (refusal && freed_here.contains(own)) continue;
     if (freed_here.contains(own)) {
       return error(absl::StatusCode::kNotFound,
                    "it was freed earlier in this batch");
@@ -365,6 +372,7 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
         return error(absl::StatusCode::kNotFound,
                      absl::StrCat("session ", session, " has no such tensor"));
       }
+      if (refusal && t->state == TensorState::kFreed) continue;
       if (t->state == TensorState::kFreed) {
         return error(absl::StatusCode::kNotFound, "it was freed");
       }
@@ -379,6 +387,7 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
                                 "; allowed only when ", allowed));
     };
     auto set = [&](TensorState to) {
+      t.untouched = false;
       plan.steps.push_back({Op::kSetState, id, to});
       if (to == TensorState::kEvicted) {
         t.evicted_from_device = t.state == TensorState::kResident;
@@ -392,6 +401,15 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
 
     switch (e.kind()) {
       case v1::TensorEvent::ACCESSED:
+        if (from == TensorState::kEvicted && t.evicted_from_device &&
+            t.untouched) {
+          // An evict order the process has not seen yet: its op used the
+          // tensor meanwhile, and it will refuse the order (RELEASE_FAILED)
+          // or carry it out later. The access is real but there is nothing
+          // resident to touch; refusing the batch would lose its other
+          // events.
+          break;
+        }
         if (!policy::OccupiesDevice(from)) {
           return illegal(
               "its bytes are on the device (resident, offloading "
@@ -402,6 +420,7 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
       case v1::TensorEvent::FREED:
         plan.steps.push_back({Op::kFree, id});
         t.state = TensorState::kFreed;
+        t.untouched = false;
         freed_here.insert(own);
         break;
       case v1::TensorEvent::OFFLOADED:
@@ -456,20 +475,19 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
         }
         plan.steps.push_back({Op::kRecompute, id});
         t.state = TensorState::kResident;
+        t.untouched = false;
         break;
       case v1::TensorEvent::RELEASE_FAILED:
         if (from == TensorState::kOffloading ||
             (from == TensorState::kEvicted && t.evicted_from_device)) {
           plan.steps.push_back({Op::kCancel, id});
           t.state = TensorState::kResident;
+          t.untouched = false;
         } else if (from == TensorState::kReloading) {
           // A prefetch is an order too; failing it leaves the host copy.
           set(TensorState::kOffloaded);
-        } else {
-          return illegal(
-              "an order is outstanding (offloading, evicted from the device, "
-              "or reloading)");
         }
+        // Otherwise stale: no order of this tensor is outstanding any more.
         break;
       default:
         return error(absl::StatusCode::kInvalidArgument, "unknown event kind");
@@ -865,6 +883,44 @@ absl::StatusOr<SessionUsage> GpuPolicy::Usage(SessionId session) const {
   u.tensors = stats.tensors;
   u.releases_ordered = it->second.releases_ordered;
   return u;
+}
+
+absl::StatusOr<std::vector<v1::TensorStatus>> GpuPolicy::LargestTensors(
+    SessionId session, size_t limit, int64_t now_ns) const {
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " is not on GPU ", gpu_));
+  }
+  // `locals` holds every record of the session, so nothing of another
+  // session can show up here.
+  std::vector<std::pair<const Tensor*, uint64_t>> live;
+  live.reserve(it->second.locals.size());
+  for (const auto& [id, local] : it->second.locals) {
+    const Tensor* t = table_.Find(id);
+    if (t == nullptr || t->state == TensorState::kFreed) continue;
+    live.emplace_back(t, local);
+  }
+  const size_t n = std::min(limit, live.size());
+  // Ties broken by id so that repeated calls list the same tensors.
+  std::partial_sort(live.begin(), live.begin() + static_cast<ptrdiff_t>(n),
+                    live.end(), [](const auto& a, const auto& b) {
+                      if (a.first->bytes != b.first->bytes) {
+                        return a.first->bytes > b.first->bytes;
+                      }
+                      return a.second < b.second;
+                    });
+  std::vector<v1::TensorStatus> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    const Tensor& t = *live[i].first;
+    v1::TensorStatus& s = out[i];
+    s.set_tensor_id(live[i].second);
+    s.set_bytes(t.bytes);
+    s.set_state(std::string(policy::TensorStateName(t.state)));
+    s.set_recomputes(t.recompute_count);
+    s.set_idle_ns(std::max<int64_t>(0, now_ns - t.last_access_ns));
+  }
+  return out;
 }
 
 int64_t GpuPolicy::device_bytes() const {

@@ -126,6 +126,12 @@ class GpuPolicy {
   void Undeliverable(SessionId session, const v1::Orders& orders);
 
   absl::StatusOr<SessionUsage> Usage(SessionId session) const;
+  // The session's `limit` largest tensors, largest first (ties by the
+  // session's id), with ids as the session knows them; freed tensors kept
+  // only for recompute are left out. For operators (deltactl top): a full
+  // scan of the session's tensors. NOT_FOUND for an unknown session.
+  absl::StatusOr<std::vector<v1::TensorStatus>> LargestTensors(
+      SessionId session, size_t limit, int64_t now_ns) const;
   int64_t device_bytes() const;  // all sessions
   int64_t gpu_budget_bytes() const { return gpu_budget_bytes_; }
 

@@ -1,10 +1,13 @@
 #include "daemon/memory_manager_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <future>
 #include <string>
 #include <thread>
 #include <utility>
+
+#include "absl/strings/str_cat.h"
 
 namespace deltad::daemon {
 
@@ -71,6 +74,28 @@ bool Mailboxes::Take(SessionId session, v1::Orders* out) {
 void Mailboxes::Remove(SessionId session) {
   std::lock_guard<std::mutex> lock(mu_);
   boxes_.erase(session);
+}
+
+void BatchCounter::Applied(SessionId session) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++applied_[session];
+  }
+  cv_.notify_all();
+}
+
+bool BatchCounter::WaitFor(SessionId session, uint64_t batches,
+                           std::chrono::system_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_until(lock, deadline, [&] {
+    auto it = applied_.find(session);
+    return (it == applied_.end() ? 0 : it->second) >= batches;
+  });
+}
+
+void BatchCounter::Forget(SessionId session) {
+  std::lock_guard<std::mutex> lock(mu_);
+  applied_.erase(session);
 }
 
 grpc::Status ToGrpc(const absl::Status& status) {
@@ -144,6 +169,7 @@ grpc::Status MemoryManagerService::Session(
     }
     if (!message.has_batch()) continue;
     auto orders = node_.Apply(token, message.batch());
+    batches_.Applied(id);
     if (!orders.ok()) {
       if (orders.status().code() == absl::StatusCode::kUnauthenticated) break;
       v1::Orders refused;
@@ -164,14 +190,31 @@ grpc::Status MemoryManagerService::Session(
   }
   writer.join();
   mailboxes_.Remove(id);
+  batches_.Forget(id);
   auto others = node_.CloseSession(token);
   if (others.ok()) Deliver(*others);
   return grpc::Status::OK;
 }
 
-grpc::Status MemoryManagerService::Release(grpc::ServerContext* /*context*/,
+grpc::Status MemoryManagerService::Release(grpc::ServerContext* context,
                                            const v1::ReleaseRequest* request,
                                            v1::ReleaseResponse* response) {
+  if (request->stream_batches_sent() > 0) {
+    auto session = node_.registry().Authorize(request->session_token());
+    if (!session.ok()) return ToGrpc(session.status());
+    // Without a deadline from the caller, a bounded wait: a stream batch
+    // that never comes must not hold the call for ever.
+    const auto deadline =
+        std::min(context->deadline(),
+                 std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (!batches_.WaitFor(session->id, request->stream_batches_sent(),
+                          deadline)) {
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                          absl::StrCat("the stream has not delivered the ",
+                                       request->stream_batches_sent(),
+                                       " batches this call follows"));
+    }
+  }
   auto released = node_.Release(*request);
   if (!released.ok()) return ToGrpc(released.status());
   *response = std::move(released->response);
@@ -183,6 +226,15 @@ grpc::Status MemoryManagerService::NodeStatus(
     grpc::ServerContext* /*context*/, const v1::NodeStatusRequest* /*request*/,
     v1::NodeStatusResponse* response) {
   *response = node_.Status();
+  return grpc::Status::OK;
+}
+
+grpc::Status MemoryManagerService::ListTensors(
+    grpc::ServerContext* /*context*/, const v1::ListTensorsRequest* request,
+    v1::ListTensorsResponse* response) {
+  auto listed = node_.ListTensors(*request);
+  if (!listed.ok()) return ToGrpc(listed.status());
+  *response = std::move(*listed);
   return grpc::Status::OK;
 }
 

@@ -2,6 +2,7 @@
 #define DELTAD_DAEMON_MEMORY_MANAGER_SERVICE_H_
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -44,6 +45,24 @@ class Mailboxes {
   std::map<SessionId, Box> boxes_;
 };
 
+// How many batches each session's stream has applied, so that a Release
+// call can wait for the stream batches the process sent before it (see
+// ReleaseRequest.stream_batches_sent). Thread safe.
+class BatchCounter {
+ public:
+  void Applied(SessionId session);
+  // True once `session` has applied at least `batches`, false when the
+  // deadline passes first.
+  bool WaitFor(SessionId session, uint64_t batches,
+               std::chrono::system_clock::time_point deadline);
+  void Forget(SessionId session);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<SessionId, uint64_t> applied_;
+};
+
 // grpc::StatusCode for an absl::Status, with its message: the two share
 // their numbering.
 grpc::Status ToGrpc(const absl::Status& status);
@@ -70,6 +89,9 @@ class MemoryManagerService final : public v1::MemoryManager::Service {
   grpc::Status NodeStatus(grpc::ServerContext* context,
                           const v1::NodeStatusRequest* request,
                           v1::NodeStatusResponse* response) override;
+  grpc::Status ListTensors(grpc::ServerContext* context,
+                           const v1::ListTensorsRequest* request,
+                           v1::ListTensorsResponse* response) override;
 
   // Tells every open stream the daemon is going away, and refuses new
   // sessions (UNAVAILABLE) from now on; clients carry on with their
@@ -84,6 +106,7 @@ class MemoryManagerService final : public v1::MemoryManager::Service {
  private:
   Node& node_;
   Mailboxes mailboxes_;
+  BatchCounter batches_;
   std::atomic<bool> draining_{false};
 };
 

@@ -181,7 +181,7 @@ OrdersBySession Node::Reclaim(const SessionInfo& session) {
   }
   // Wiping the slabs takes system calls: not under the GPU's lock, which
   // every session on the GPU waits for.
-  (void)pool_.ReleaseSession(session.id);
+  if (!keep_slab_contents_.load()) (void)pool_.ReleaseSession(session.id);
   {
     std::lock_guard<std::mutex> lock(gpu.mu);
     UpdateGpuMetrics(session.gpu, gpu);
@@ -318,6 +318,31 @@ void Node::Undeliverable(SessionId session, const v1::Orders& orders) {
     gpu.policy->Undeliverable(session, orders);
     return;
   }
+}
+
+absl::StatusOr<v1::ListTensorsResponse> Node::ListTensors(
+    const v1::ListTensorsRequest& request) const {
+  if (request.limit() > kMaxListTensors) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "limit must be at most ", kMaxListTensors, ", got ", request.limit()));
+  }
+  const size_t limit =
+      request.limit() == 0 ? kDefaultListTensors : request.limit();
+  for (const SessionInfo& info : registry_.List()) {
+    if (info.id != request.session_id()) continue;
+    Gpu& gpu = *gpus_[info.gpu];
+    std::lock_guard<std::mutex> lock(gpu.mu);
+    auto tensors = gpu.policy->LargestTensors(info.id, limit, NowNs());
+    // Between the registry admitting a session and its GPU adding it, or
+    // after a concurrent close, the engine does not know it: same answer.
+    if (!tensors.ok()) break;
+    v1::ListTensorsResponse r;
+    for (v1::TensorStatus& t : *tensors) *r.add_tensors() = std::move(t);
+    return r;
+  }
+  return absl::NotFoundError(
+      absl::StrCat("no session ", request.session_id(),
+                   " on this node (deltactl sessions lists them)"));
 }
 
 v1::NodeStatusResponse Node::Status() const {

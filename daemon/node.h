@@ -1,6 +1,7 @@
 #ifndef DELTAD_DAEMON_NODE_H_
 #define DELTAD_DAEMON_NODE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -79,6 +80,19 @@ class Node {
 
   v1::NodeStatusResponse Status() const;
 
+  // The daemon is going away: sessions reclaimed from now on keep their
+  // slabs' contents. A process that lives on keeps training on its own and
+  // still maps its slabs, with its offloaded tensors in them; wiping them
+  // would lose those bytes. The pool dies with the daemon anyway.
+  void KeepSlabContents() { keep_slab_contents_.store(true); }
+  // The largest tensors of any session, for operators. NOT_FOUND for an
+  // unknown session id, INVALID_ARGUMENT for a limit above
+  // kMaxListTensors (0 means kDefaultListTensors).
+  static constexpr uint32_t kDefaultListTensors = 20;
+  static constexpr uint32_t kMaxListTensors = 1000;
+  absl::StatusOr<v1::ListTensorsResponse> ListTensors(
+      const v1::ListTensorsRequest& request) const;
+
   // The session's stream opened (true) or closed (false); see
   // GpuPolicy::SetReachable.
   void SetReachable(SessionId session, bool reachable);
@@ -114,6 +128,7 @@ class Node {
   const NodeOptions options_;
   SessionRegistry registry_;
   std::vector<std::unique_ptr<Gpu>> gpus_;
+  std::atomic<bool> keep_slab_contents_{false};
 };
 
 }  // namespace deltad::daemon

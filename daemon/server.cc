@@ -171,6 +171,7 @@ int Server::metrics_port() const {
 }
 
 void Server::Drain() {
+  if (node_ != nullptr) node_->KeepSlabContents();
   if (grpc_ != nullptr) {
     grpc_->GetHealthCheckService()->SetServingStatus(false);
   }
@@ -183,6 +184,7 @@ void Server::Shutdown(int grace_ms) {
     if (shut_down_) return;
     shut_down_ = true;
   }
+  if (node_ != nullptr) node_->KeepSlabContents();
   if (grpc_ != nullptr) {
     grpc_->Shutdown(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(grace_ms));

@@ -443,9 +443,12 @@ TEST_F(GpuPolicyTest, EventsFollowTheDaemonsOrders) {
   EXPECT_EQ(U(kA).device_bytes, 900);
   EXPECT_EQ(U(kA).host_bytes, 100);
   EXPECT_EQ(U(kA).releases_ordered, 2u);
-  // A release failure with no order outstanding is refused.
-  const absl::Status s = Apply(kA, Events({{kReleaseFailed, 2}}));
-  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  // A refusal with no order outstanding is stale (the process overtook the
+  // order, or freed the tensor): it changes nothing and the batch stands.
+  ASSERT_TRUE(Apply(kA, Events({{kReleaseFailed, 2}, {kFreed, 3}})).ok());
+  EXPECT_EQ(U(kA).device_bytes, 800);
+  ASSERT_TRUE(Apply(kA, Events({{kFreed, 4}, {kReleaseFailed, 4}})).ok());
+  EXPECT_EQ(U(kA).device_bytes, 700);
 }
 
 TEST_F(GpuPolicyTest, AnEvictOrderIsConfirmedOrCancelled) {
@@ -465,6 +468,22 @@ TEST_F(GpuPolicyTest, AnEvictOrderIsConfirmedOrCancelled) {
   const uint64_t id = (*orders)[kA][0].tensor_id();
   ASSERT_TRUE(Apply(kA, Events({{kReleaseFailed, id}})).ok());
   EXPECT_EQ(U(kA).device_bytes, 1000);
+}
+
+TEST_F(GpuPolicyTest, AnAccessRacingAnEvictOrderKeepsTheRestOfTheBatch) {
+  Make(1000);
+  AddSession(kA, 1000);
+  Fill(kA, 1, 10, 100);  // cheap: evicted
+  auto orders = MakeRoom(kA, 100);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  ASSERT_EQ((*orders)[kA].size(), 1u);
+  const uint64_t id = (*orders)[kA][0].tensor_id();
+  const uint64_t other = id == 1 ? 2 : 1;
+  // The process used the tensor before it saw the order, then refuses it.
+  ASSERT_TRUE(Apply(kA, Events({{kAccessed, id}, {kFreed, other}})).ok());
+  EXPECT_EQ(U(kA).device_bytes, 800);  // the free was applied
+  ASSERT_TRUE(Apply(kA, Events({{kReleaseFailed, id}})).ok());
+  EXPECT_EQ(U(kA).device_bytes, 900);
 }
 
 TEST_F(GpuPolicyTest, PinnedTensorsRefuseWhatTheirFlagsForbid) {

@@ -222,5 +222,34 @@ TEST_F(ServiceTest, ReleaseAnswersOverTheWireAndDrainReachesStreams) {
   EXPECT_TRUE(stream->Finish().ok());
 }
 
+TEST_F(ServiceTest, ListTensorsAnswersOverTheWire) {
+  const v1::OpenSessionResponse a = Open(100, 0);
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub_->Session(&ctx);
+    ASSERT_TRUE(stream->Write(Batch(a.session_token(), 7, 3 * kMiB)));
+    ASSERT_TRUE(WaitForUsed(0, 3 * kMiB));
+    grpc::ClientContext list_ctx;
+    v1::ListTensorsRequest req;
+    req.set_session_id(a.session_id());
+    v1::ListTensorsResponse resp;
+    const grpc::Status s = stub_->ListTensors(&list_ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(resp.tensors_size(), 1);
+    EXPECT_EQ(resp.tensors(0).tensor_id(), 7u);
+    EXPECT_EQ(resp.tensors(0).bytes(), 3 * kMiB);
+    EXPECT_EQ(resp.tensors(0).state(), "resident");
+    stream->WritesDone();
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+  grpc::ClientContext ctx;
+  v1::ListTensorsRequest req;
+  req.set_session_id(a.session_id() + 1000);
+  v1::ListTensorsResponse resp;
+  const grpc::Status s = stub_->ListTensors(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("no session"));
+}
+
 }  // namespace
 }  // namespace deltad::daemon

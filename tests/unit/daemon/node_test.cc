@@ -219,5 +219,88 @@ TEST_F(NodeTest, ReportedTransfersReachTheMetrics) {
   EXPECT_TRUE(found) << scrape;
 }
 
+TEST_F(NodeTest, ListTensorsGivesASessionsLargestFirst) {
+  const Node::Opened a = Open(Peer(100), 0);
+  const Node::Opened b = Open(Peer(101), 0);
+  v1::EventBatch batch;
+  const int64_t sizes[] = {3, 1, 4, 1, 5, 9, 2, 6};
+  for (uint64_t id = 1; id <= 8; ++id) {
+    v1::TensorCreated* c = batch.add_created();
+    c->set_tensor_id(id);
+    c->set_bytes(sizes[id - 1] * kMiB);
+    c->set_compute_cost_ns(1000);
+  }
+  ASSERT_TRUE(node_->Apply(a.response.session_token(), batch).ok());
+  // B's tensor is larger than all of A's and must not show in A's list.
+  ASSERT_TRUE(
+      node_->Apply(b.response.session_token(), Create(1, 100 * kMiB)).ok());
+  // Released tensors still count: they are the session's.
+  v1::EventBatch evict;
+  v1::TensorEvent* e = evict.add_events();
+  e->set_kind(v1::TensorEvent::EVICTED);
+  e->set_tensor_id(6);
+  ASSERT_TRUE(node_->Apply(a.response.session_token(), evict).ok());
+
+  v1::ListTensorsRequest r;
+  r.set_session_id(a.response.session_id());
+  auto all = node_->ListTensors(r);
+  ASSERT_TRUE(all.ok()) << all.status();
+  ASSERT_EQ(all->tensors_size(), 8);
+  // Ties (ids 2 and 4, 1 MiB each) in id order.
+  const uint64_t order[] = {6, 8, 5, 3, 1, 7, 2, 4};
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(all->tensors(i).tensor_id(), order[i]) << i;
+  }
+  EXPECT_EQ(all->tensors(0).bytes(), 9 * kMiB);
+  EXPECT_EQ(all->tensors(0).state(), "evicted");
+  EXPECT_EQ(all->tensors(1).state(), "resident");
+  EXPECT_EQ(all->tensors(0).recomputes(), 0u);
+  EXPECT_GE(all->tensors(0).idle_ns(), 0);
+
+  r.set_limit(3);
+  auto top = node_->ListTensors(r);
+  ASSERT_TRUE(top.ok()) << top.status();
+  ASSERT_EQ(top->tensors_size(), 3);
+  EXPECT_EQ(top->tensors(2).tensor_id(), 5u);
+  r.set_limit(Node::kMaxListTensors + 1);
+  EXPECT_EQ(node_->ListTensors(r).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(NodeTest, ListTensorsGivesTwentyWhenNoLimitIsSet) {
+  const Node::Opened a = Open(Peer(100), 1);
+  v1::EventBatch batch;
+  for (uint64_t id = 1; id <= 30; ++id) {
+    v1::TensorCreated* c = batch.add_created();
+    c->set_tensor_id(id);
+    c->set_bytes(static_cast<int64_t>(id) * kMiB);
+  }
+  ASSERT_TRUE(node_->Apply(a.response.session_token(), batch).ok());
+  v1::ListTensorsRequest r;
+  r.set_session_id(a.response.session_id());
+  auto listed = node_->ListTensors(r);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->tensors_size(),
+            static_cast<int>(Node::kDefaultListTensors));
+  EXPECT_EQ(listed->tensors(0).tensor_id(), 30u);
+  EXPECT_EQ(listed->tensors(19).tensor_id(), 11u);
+}
+
+TEST_F(NodeTest, ListTensorsOfAnUnknownSessionIsNotFound) {
+  const Node::Opened a = Open(Peer(100), 0);
+  v1::ListTensorsRequest r;
+  r.set_session_id(a.response.session_id() + 1000);
+  auto listed = node_->ListTensors(r);
+  EXPECT_EQ(listed.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(listed.status().message(), HasSubstr("no session"));
+  // A closed session is gone too; a fresh one lists nothing.
+  r.set_session_id(a.response.session_id());
+  auto empty = node_->ListTensors(r);
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_EQ(empty->tensors_size(), 0);
+  ASSERT_TRUE(node_->CloseSession(a.response.session_token()).ok());
+  EXPECT_EQ(node_->ListTensors(r).status().code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace deltad::daemon

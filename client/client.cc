@@ -1,0 +1,808 @@
+#include "client/client.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace deltad::client {
+
+namespace {
+
+using Kind = v1::TensorEvent;
+
+policy::TensorSpec SpecOf(const TensorInfo& info) {
+  policy::TensorSpec spec;
+  spec.id = info.id;
+  spec.session = LocalPolicy::kSession;
+  spec.gpu = LocalPolicy::kGpu;
+  spec.bytes = info.bytes;
+  spec.flags = {info.evict_pinned, info.offload_pinned, info.uncomputable};
+  spec.compute_cost_ns = info.compute_cost_ns;
+  spec.parents = info.parents;
+  spec.stable_key = info.stable_key;
+  return spec;
+}
+
+void AddCreated(v1::EventBatch& batch, const TensorInfo& info) {
+  v1::TensorCreated* c = batch.add_created();
+  c->set_tensor_id(info.id);
+  c->set_bytes(info.bytes);
+  c->mutable_flags()->set_evict_pinned(info.evict_pinned);
+  c->mutable_flags()->set_offload_pinned(info.offload_pinned);
+  c->mutable_flags()->set_uncomputable(info.uncomputable);
+  c->set_compute_cost_ns(info.compute_cost_ns);
+  for (uint64_t p : info.parents) c->add_parent_ids(p);
+  c->set_stable_key(info.stable_key);
+}
+
+}  // namespace
+
+int64_t Client::NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+Client::Client(ClientOptions options, std::unique_ptr<Device> device)
+    : options_(std::move(options)),
+      device_(std::move(device)),
+      local_(policy::LinkBandwidth{}, options_.local_filter) {
+  budget_bytes_ = options_.fallback_budget_bytes;
+  arena_.SetHeapAllowance(options_.fallback_host_bytes);
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
+    ClientOptions options, std::unique_ptr<Device> device) {
+  if (device == nullptr) {
+    return absl::InvalidArgumentError("a client needs a device");
+  }
+  if (options.fallback_budget_bytes <= 0 || options.batch_events <= 0 ||
+      options.flush_interval_ms <= 0 || options.reconnect_interval_ms < 0) {
+    return absl::InvalidArgumentError(
+        "client options: the fallback budget, batch size and flush interval "
+        "must be positive, the reconnect interval not negative");
+  }
+  std::unique_ptr<Client> client(
+      new Client(std::move(options), std::move(device)));
+  if (client->options_.use_daemon) {
+    // Not reaching the daemon is not an error: training goes on without it.
+    (void)client->TryConnect();
+  }
+  client->executor_ = std::thread([c = client.get()] { c->ExecutorLoop(); });
+  return client;
+}
+
+Client::~Client() { Close(); }
+
+// --- daemon connection -----------------------------------------------------
+
+absl::Status Client::TryConnect() {
+  auto link = DaemonLink::Open(
+      options_.link, [this](const v1::Orders& o) { OnOrders(o); },
+      [this](const std::string& why) { OnLost(why); });
+  // Destroyed after the locks below are released: its destructor joins its
+  // reader thread, which may be waiting for mu_.
+  std::shared_ptr<DaemonLink> old;
+  std::lock_guard<std::mutex> send_lock(send_mu_);
+  std::lock_guard<std::mutex> lock(mu_);
+  next_reconnect_ns_ =
+      NowNs() + int64_t{options_.reconnect_interval_ms} * 1000000;
+  if (!link.ok()) return link.status();
+  std::shared_ptr<DaemonLink> shared = std::move(*link);
+  for (const GrantedSlab& slab : shared->TakeSlabs()) {
+    (void)arena_.AddSlab(slab.fd, slab.bytes, shared->session().session_id());
+  }
+  const v1::OpenSessionResponse& session = shared->session();
+  budget_bytes_ = session.granted_budget_bytes();
+  stats_.session_id = session.session_id();
+  if (stats_.connected || stats_.reconnects > 0 || !records_.empty()) {
+    ++stats_.reconnects;
+  }
+  old = std::move(link_);
+  link_ = std::move(shared);
+  batches_sent_ = 0;
+  resync_ = false;
+  draining_seen_ = false;
+  stats_.connected = true;
+  ReplayTensorsLocked();
+  return absl::OkStatus();
+}
+
+void Client::ReplayTensorsLocked() {
+  // A new session knows nothing: every tensor is created again (parents
+  // first: ids only grow along edges in any framework's order, but records
+  // may be listed in any order, so creations go in one batch, which the
+  // daemon accepts in any order), then brought to its state.
+  pending_.Clear();
+  pending_freed_.clear();
+  for (const auto& [id, r] : records_) AddCreated(pending_, r->info);
+  for (const auto& [id, r] : records_) {
+    switch (r->where) {
+      case Where::kOffloaded:
+        AddEventLocked(Kind::OFFLOADED, id);
+        break;
+      case Where::kEvicted:
+        AddEventLocked(Kind::EVICTED, id);
+        break;
+      case Where::kFreed:
+        AddEventLocked(Kind::FREED, id);
+        break;
+      case Where::kReloading:
+        // Reported as where it comes from, so that the event that ends it
+        // (RELOADED, RECOMPUTED, or none for a freed one) is legal.
+        if (r->restoring_from == Where::kOffloaded) {
+          AddEventLocked(Kind::OFFLOADED, id);
+        } else {
+          AddEventLocked(
+              r->restoring_from == Where::kFreed ? Kind::FREED : Kind::EVICTED,
+              id);
+        }
+        break;
+      case Where::kOffloading:  // ends with OFFLOADED, legal from resident
+      case Where::kResident:
+        break;
+    }
+  }
+}
+
+bool Client::EvacuateSlabsOf(uint64_t session) {
+  std::unique_lock<std::mutex> lock(mu_);
+  arena_.Retire(session);
+  bool all_moved = true;
+  for (auto& [id, r] : records_) {
+    // A copy in flight reads or writes its block: wait for it to end.
+    Record* rec = r.get();
+    changed_.wait(lock, [&] {
+      return rec->where != Where::kOffloading &&
+             rec->where != Where::kReloading;
+    });
+    if (!arena_.IsRetired(rec->host)) continue;
+    auto moved = arena_.Allocate(rec->info.bytes);
+    if (!moved.ok()) {
+      // No heap left for it: the session must stay open, or its bytes go.
+      all_moved = false;
+      std::fprintf(stderr,
+                   "deltad client: no host memory to move tensor %llu out "
+                   "of session %llu's slabs: %s\n",
+                   static_cast<unsigned long long>(id),
+                   static_cast<unsigned long long>(session),
+                   std::string(moved.status().message()).c_str());
+      continue;
+    }
+    std::memcpy(moved->data, rec->host.data,
+                static_cast<size_t>(rec->info.bytes));
+    arena_.Free(rec->host);
+    rec->host = *moved;
+  }
+  return all_moved;
+}
+
+void Client::OnOrders(const v1::Orders& orders) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (orders.new_budget_bytes() > 0) budget_bytes_ = orders.new_budget_bytes();
+  if (!orders.rejected_batch().empty()) {
+    // Nothing of that batch was applied: the daemon's view and ours now
+    // differ, so the session is opened anew with the whole state.
+    ++stats_.rejected_batches;
+    resync_ = true;
+    std::fprintf(stderr,
+                 "deltad client: the daemon refused a batch (%s); reopening "
+                 "the session\n",
+                 orders.rejected_batch().c_str());
+  }
+  if (orders.draining()) draining_seen_ = true;
+  for (const v1::ReleaseOrder& o : orders.release()) {
+    ++stats_.orders_received;
+    jobs_.push_back(
+        {o.action() == v1::ReleaseOrder::EVICT ? Job::kEvict : Job::kOffload,
+         o.tensor_id()});
+  }
+  for (uint64_t id : orders.prefetch_tensor_ids()) {
+    ++stats_.orders_received;
+    jobs_.push_back({Job::kPrefetch, id});
+  }
+  work_.notify_all();
+}
+
+void Client::OnLost(const std::string& /*why*/) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.connected = false;
+  // Orders not yet carried out are moot: the daemon's state went with it.
+  jobs_.clear();
+  next_reconnect_ns_ =
+      NowNs() + int64_t{options_.reconnect_interval_ms} * 1000000;
+  work_.notify_all();
+}
+
+bool Client::connected() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_.connected;
+}
+
+// --- events -----------------------------------------------------------------
+
+void Client::AddEventLocked(v1::TensorEvent::Kind kind, uint64_t id) {
+  v1::TensorEvent* e = pending_.add_events();
+  e->set_kind(kind);
+  e->set_tensor_id(id);
+  e->set_at_ns(NowNs());
+  if (kind == Kind::FREED) pending_freed_.insert(id);
+}
+
+v1::EventBatch Client::TakeBatchLocked() {
+  v1::EventBatch batch;
+  batch.Swap(&pending_);
+  batch.set_device_bytes_in_use(device_bytes_);
+  pending_freed_.clear();
+  return batch;
+}
+
+void Client::FlushIfDue(bool force) {
+  std::lock_guard<std::mutex> send_lock(send_mu_);
+  std::shared_ptr<DaemonLink> link;
+  v1::EventBatch batch;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int waiting = pending_.created_size() + pending_.events_size();
+    if (waiting == 0 || (!force && waiting < options_.batch_events)) return;
+    if (link_ == nullptr || !stats_.connected) {
+      // Nobody to tell; a new session gets the whole state replayed.
+      pending_.Clear();
+      pending_freed_.clear();
+      return;
+    }
+    link = link_;
+    batch = TakeBatchLocked();
+  }
+  if (link->Send(batch).ok()) ++batches_sent_;
+}
+
+void Client::Flush() { FlushIfDue(/*force=*/true); }
+
+// --- public API --------------------------------------------------------------
+
+absl::StatusOr<void*> Client::Track(const TensorInfo& info,
+                                    RecomputeFn recompute) {
+  if (info.bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor ", info.id, ": size must be positive, got ", info.bytes));
+  }
+  bool flush_first = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (records_.contains(info.id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor id ", info.id, " is already tracked"));
+    }
+    for (uint64_t p : info.parents) {
+      if (!records_.contains(p)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor ", info.id, ": parent ", p, " is not tracked"));
+      }
+    }
+    // The daemon applies a batch's creations before its events, so an id
+    // freed in the waiting batch must reach it before being created again.
+    flush_first = pending_freed_.contains(info.id);
+  }
+  if (flush_first) Flush();
+  auto device = AllocateDevice(info.bytes);
+  if (!device.ok()) return device.status();
+  bool flush = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (absl::Status s = local_.table().Add(SpecOf(info), NowNs()); !s.ok()) {
+      device_->Free(*device, info.bytes);
+      device_bytes_ -= info.bytes;
+      return s;
+    }
+    (void)local_.table().Lock(info.id);
+    auto r = std::make_unique<Record>();
+    r->info = info;
+    r->recompute = std::move(recompute);
+    r->device = *device;
+    r->pins = 1;
+    for (uint64_t p : info.parents) ++records_.at(p)->live_children;
+    records_[info.id] = std::move(r);
+    AddCreated(pending_, info);
+    flush = pending_.created_size() + pending_.events_size() >=
+            options_.batch_events;
+  }
+  if (flush) FlushIfDue(false);
+  return *device;
+}
+
+absl::StatusOr<void*> Client::Pin(uint64_t id, bool* restored) {
+  const int64_t start = NowNs();
+  if (restored != nullptr) *restored = false;
+  for (;;) {
+    Record* r;
+    Where where;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      auto it = records_.find(id);
+      if (it == records_.end()) {
+        return absl::NotFoundError(absl::StrCat("tensor ", id, " is unknown"));
+      }
+      r = it->second.get();
+      // A copy in flight finishes first; the executor wakes us.
+      changed_.wait(lock, [&] {
+        return r->where != Where::kOffloading && r->where != Where::kReloading;
+      });
+      where = r->where;
+      if (where == Where::kResident) {
+        ++r->pins;
+        // A freed tensor rebuilt for a child is freed to the daemon and the
+        // local table alike: its use is not theirs to see.
+        if (!r->rebuilt_freed) {
+          (void)local_.table().Touch(id, NowNs());
+          (void)local_.table().Lock(id);
+          AddEventLocked(Kind::ACCESSED, id);
+        }
+        stats_.stall_ns += NowNs() - start;
+        return r->device;
+      }
+    }
+    absl::Status s =
+        where == Where::kOffloaded ? Reload(id, false) : Recompute(id);
+    if (!s.ok()) return s;
+    if (restored != nullptr) *restored = true;
+  }
+}
+
+void Client::Unpin(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = records_.find(id);
+  if (it == records_.end() || it->second->pins == 0) return;
+  Record& r = *it->second;
+  --r.pins;
+  if (r.rebuilt_freed) {
+    if (r.pins == 0) {
+      // Rebuilt only for a child's recompute: the framework had dropped it.
+      device_->Free(r.device, r.info.bytes);
+      device_bytes_ -= r.info.bytes;
+      r.device = nullptr;
+      r.where = Where::kFreed;
+      r.rebuilt_freed = false;
+      changed_.notify_all();
+    }
+    return;
+  }
+  (void)local_.table().Unlock(id);
+}
+
+absl::Status Client::Free(uint64_t id) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = records_.find(id);
+  if (it == records_.end()) {
+    return absl::NotFoundError(absl::StrCat("tensor ", id, " is unknown"));
+  }
+  Record* r = it->second.get();
+  if (r->where == Where::kFreed) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor ", id, " was already freed"));
+  }
+  changed_.wait(lock, [&] {
+    return r->where != Where::kOffloading && r->where != Where::kReloading;
+  });
+  if (r->device != nullptr) {
+    device_->Free(r->device, r->info.bytes);
+    device_bytes_ -= r->info.bytes;
+    r->device = nullptr;
+  }
+  if (r->host.data != nullptr) {
+    arena_.Free(r->host);
+    r->host = {};
+  }
+  r->pins = 0;
+  r->where = Where::kFreed;
+  (void)local_.table().Free(id);
+  AddEventLocked(Kind::FREED, id);
+  if (r->live_children == 0) DropLocked(id);
+  return absl::OkStatus();
+}
+
+void Client::DropLocked(uint64_t id) {
+  std::vector<uint64_t> work{id};
+  while (!work.empty()) {
+    const uint64_t d = work.back();
+    work.pop_back();
+    auto it = records_.find(d);
+    if (it == records_.end()) continue;
+    for (uint64_t p : it->second->info.parents) {
+      auto parent = records_.find(p);
+      if (parent == records_.end()) continue;
+      if (--parent->second->live_children == 0 &&
+          parent->second->where == Where::kFreed) {
+        work.push_back(p);
+      }
+    }
+    records_.erase(it);
+  }
+}
+
+ClientStats Client::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ClientStats s = stats_;
+  s.device_bytes = device_bytes_;
+  s.budget_bytes = budget_bytes_;
+  s.host_bytes = arena_.used_bytes();
+  return s;
+}
+
+void Client::Close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    work_.notify_all();
+  }
+  if (executor_.joinable()) executor_.join();
+  std::shared_ptr<DaemonLink> link;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    link = std::move(link_);
+    stats_.connected = false;
+  }
+  if (link != nullptr) link->Close();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, r] : records_) {
+    if (r->device != nullptr) device_->Free(r->device, r->info.bytes);
+    if (r->host.data != nullptr) arena_.Free(r->host);
+  }
+  records_.clear();
+  device_bytes_ = 0;
+}
+
+// --- byte work ---------------------------------------------------------------
+
+void Client::RefuseLocked(uint64_t id, Origin origin) {
+  if (origin == Origin::kDaemonOrder || origin == Origin::kSyncOrder) {
+    ++stats_.orders_refused;
+    AddEventLocked(Kind::RELEASE_FAILED, id);
+  } else if (origin == Origin::kLocalPlan) {
+    (void)local_.table().CancelRelease(id);
+  }
+}
+
+absl::Status Client::Offload(uint64_t id, Origin origin) {
+  Record* r;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = records_.find(id);
+    if (it == records_.end()) return absl::OkStatus();  // gone meanwhile
+    r = it->second.get();
+    if (r->where != Where::kResident || r->pins > 0 || r->info.offload_pinned) {
+      RefuseLocked(id, origin);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tensor ", id, " cannot be offloaded now (in use or pinned)"));
+    }
+    auto host = arena_.Allocate(r->info.bytes);
+    if (!host.ok()) {
+      RefuseLocked(id, origin);
+      return host.status();
+    }
+    r->host = *host;
+    r->where = Where::kOffloading;
+    if (origin != Origin::kLocalPlan) {
+      (void)local_.table().SetState(id, policy::TensorState::kOffloading);
+    }
+  }
+  // The copy runs unlocked: the compute thread goes on, and one that needs
+  // this tensor waits on changed_.
+  device_->CopyToHost(r->host.data, r->device, r->info.bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  device_->Free(r->device, r->info.bytes);
+  device_bytes_ -= r->info.bytes;
+  r->device = nullptr;
+  r->where = Where::kOffloaded;
+  (void)local_.table().SetState(id, policy::TensorState::kOffloaded);
+  AddEventLocked(Kind::OFFLOADED, id);
+  ++stats_.offloads;
+  stats_.offloaded_bytes += r->info.bytes;
+  changed_.notify_all();
+  return absl::OkStatus();
+}
+
+absl::Status Client::Evict(uint64_t id, Origin origin) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = records_.find(id);
+  if (it == records_.end()) return absl::OkStatus();
+  Record* r = it->second.get();
+  if (r->where != Where::kResident || r->pins > 0 || r->info.evict_pinned ||
+      r->info.uncomputable || !r->recompute) {
+    RefuseLocked(id, origin);
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor ", id,
+                     " cannot be evicted now (in use, pinned, or no "
+                     "recompute function)"));
+  }
+  device_->Free(r->device, r->info.bytes);
+  device_bytes_ -= r->info.bytes;
+  r->device = nullptr;
+  r->where = Where::kEvicted;
+  if (origin != Origin::kLocalPlan) {
+    (void)local_.table().SetState(id, policy::TensorState::kEvicted);
+  }
+  AddEventLocked(Kind::EVICTED, id);
+  ++stats_.evictions;
+  return absl::OkStatus();
+}
+
+absl::Status Client::Reload(uint64_t id, bool prefetch) {
+  Record* r;
+  int64_t bytes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = records_.find(id);
+    if (it == records_.end()) return absl::OkStatus();
+    r = it->second.get();
+    bytes = r->info.bytes;
+    if (r->where != Where::kOffloaded) {
+      // Someone else brought it back (its RELOADED answers a prefetch
+      // order too), or it is on its way.
+      return absl::OkStatus();
+    }
+    if (prefetch && device_bytes_ + bytes > budget_bytes_) {
+      // A prefetch must not push others out: it is only a head start.
+      RefuseLocked(id, Origin::kDaemonOrder);
+      return absl::OkStatus();
+    }
+    // Claimed before the allocation, so a second Pin waits on this one.
+    r->where = Where::kReloading;
+    r->restoring_from = Where::kOffloaded;
+    (void)local_.table().SetState(id, policy::TensorState::kReloading);
+  }
+  auto device = prefetch ? device_->Allocate(bytes) : AllocateDevice(bytes);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!device.ok()) {
+    r->where = Where::kOffloaded;
+    (void)local_.table().SetState(id, policy::TensorState::kOffloaded);
+    if (prefetch) RefuseLocked(id, Origin::kDaemonOrder);
+    changed_.notify_all();
+    return prefetch ? absl::OkStatus() : device.status();
+  }
+  if (prefetch) device_bytes_ += bytes;
+  lock.unlock();
+  device_->CopyToDevice(*device, r->host.data, bytes);
+  lock.lock();
+  arena_.Free(r->host);
+  r->host = {};
+  r->device = *device;
+  r->where = Where::kResident;
+  (void)local_.table().SetState(id, policy::TensorState::kResident);
+  AddEventLocked(Kind::RELOADED, id);
+  ++stats_.reloads;
+  if (prefetch) ++stats_.prefetches;
+  stats_.reloaded_bytes += bytes;
+  stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, device_bytes_);
+  changed_.notify_all();
+  return absl::OkStatus();
+}
+
+absl::Status Client::Recompute(uint64_t id) {
+  RecomputeFn fn;
+  int64_t bytes;
+  bool was_freed;
+  Record* r;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = records_.find(id);
+    if (it == records_.end()) return absl::OkStatus();  // Pin looks again
+    r = it->second.get();
+    if (r->where != Where::kEvicted && r->where != Where::kFreed) {
+      return absl::OkStatus();  // rebuilt meanwhile; Pin looks again
+    }
+    if (!r->recompute) {
+      return absl::DataLossError(absl::StrCat(
+          "tensor ", id, " is gone and has no recompute function"));
+    }
+    fn = r->recompute;
+    bytes = r->info.bytes;
+    was_freed = r->where == Where::kFreed;
+    // Claimed, like a reload, so that concurrent Pins and Free wait for
+    // this one (which also keeps the record alive).
+    r->restoring_from = r->where;
+    r->where = Where::kReloading;
+  }
+  auto device = AllocateDevice(bytes);
+  absl::Status status = device.status();
+  const int64_t start = NowNs();
+  if (device.ok()) status = fn(id, *device);
+  const int64_t took = NowNs() - start;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!status.ok()) {
+    if (device.ok()) {
+      device_->Free(*device, bytes);
+      device_bytes_ -= bytes;
+    }
+    r->where = was_freed ? Where::kFreed : Where::kEvicted;
+    changed_.notify_all();
+    return absl::Status(status.code(), absl::StrCat("recomputing tensor ", id,
+                                                    ": ", status.message()));
+  }
+  r->device = *device;
+  r->where = Where::kResident;
+  ++stats_.recomputes;
+  stats_.recompute_ns += took;
+  if (was_freed) {
+    // The framework dropped it; it lives only while a child's recompute
+    // pins it (see Unpin). The daemon keeps it as freed.
+    r->rebuilt_freed = true;
+  } else {
+    (void)local_.table().MarkRecomputed(id, NowNs());
+    AddEventLocked(Kind::RECOMPUTED, id);
+  }
+  changed_.notify_all();
+  return absl::OkStatus();
+}
+
+void Client::CarryOut(const std::vector<v1::ReleaseOrder>& orders,
+                      Origin origin) {
+  for (const v1::ReleaseOrder& o : orders) {
+    (void)(o.action() == v1::ReleaseOrder::EVICT
+               ? Evict(o.tensor_id(), origin)
+               : Offload(o.tensor_id(), origin));
+  }
+}
+
+absl::Status Client::MakeRoom(int64_t bytes) {
+  const int64_t start = NowNs();
+  std::shared_ptr<DaemonLink> link;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stats_.connected && !draining_seen_) link = link_;
+  }
+  if (link != nullptr) {
+    absl::StatusOr<v1::ReleaseResponse> response;
+    {
+      // Every batch sent so far is named, so the daemon applies them first.
+      std::lock_guard<std::mutex> send_lock(send_mu_);
+      v1::EventBatch batch;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        batch = TakeBatchLocked();
+      }
+      response = link->Release(bytes, batch, batches_sent_);
+    }
+    if (response.ok()) {
+      std::vector<v1::ReleaseOrder> orders(response->release().begin(),
+                                           response->release().end());
+      CarryOut(orders, Origin::kSyncOrder);
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.sync_releases;
+      stats_.sync_release_ns += NowNs() - start;
+      if (!response->room_available()) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "GPU ", options_.link.gpu, " has no room for ", bytes,
+            " bytes: every session's releasable tensors are not enough"));
+      }
+      // The daemon found room on the GPU, perhaps beyond this session's
+      // share (others released for it): the caller may allocate.
+      budget_bytes_ = std::max(budget_bytes_, device_bytes_ + bytes);
+      return absl::OkStatus();
+    }
+    if (response.status().code() != absl::StatusCode::kResourceExhausted) {
+      OnLost(std::string(response.status().message()));
+    }
+  }
+  // In-process: the same policy over this process's tensors.
+  std::vector<v1::ReleaseOrder> orders;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t need = device_bytes_ + bytes - budget_bytes_;
+    if (need <= 0) return absl::OkStatus();
+    const int64_t host_free = options_.fallback_host_bytes +
+                              arena_.capacity_bytes() - arena_.used_bytes();
+    auto plan = local_.Plan(need, NowNs(), host_free);
+    if (!plan.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("no room for ", bytes, " bytes within the budget of ",
+                       budget_bytes_, ": ", plan.status().message()));
+    }
+    for (const policy::ReleaseOrder& o : *plan) {
+      v1::ReleaseOrder order;
+      order.set_tensor_id(o.id);
+      order.set_bytes(o.bytes);
+      order.set_action(o.action == policy::ReleaseAction::kEvict
+                           ? v1::ReleaseOrder::EVICT
+                           : v1::ReleaseOrder::OFFLOAD);
+      orders.push_back(order);
+    }
+    stats_.local_decisions += static_cast<int64_t>(orders.size());
+  }
+  CarryOut(orders, Origin::kLocalPlan);
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.sync_releases;
+  stats_.sync_release_ns += NowNs() - start;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
+  // A few rounds: a release can be undone by a concurrent allocation, and
+  // an order can be refused (its tensor just got pinned).
+  for (int round = 0; round < 8; ++round) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (device_bytes_ + bytes <= budget_bytes_) {
+        device_bytes_ += bytes;
+        stats_.peak_device_bytes =
+            std::max(stats_.peak_device_bytes, device_bytes_);
+        break;
+      }
+    }
+    if (round == 7) {
+      std::lock_guard<std::mutex> lock(mu_);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "no room for ", bytes, " bytes: ", device_bytes_, " of ",
+          budget_bytes_, " budget bytes held after releasing what could be"));
+    }
+    if (absl::Status s = MakeRoom(bytes); !s.ok()) return s;
+  }
+  auto device = device_->Allocate(bytes);
+  if (!device.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    device_bytes_ -= bytes;
+  }
+  return device;
+}
+
+// --- executor ----------------------------------------------------------------
+
+void Client::ExecutorLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    work_.wait_for(lock, std::chrono::milliseconds(options_.flush_interval_ms),
+                   [&] { return stopping_ || !jobs_.empty(); });
+    if (stopping_) break;
+    while (!jobs_.empty() && !stopping_) {
+      const Job job = jobs_.front();
+      jobs_.pop_front();
+      lock.unlock();
+      switch (job.kind) {
+        case Job::kOffload:
+          (void)Offload(job.id, Origin::kDaemonOrder);
+          break;
+        case Job::kEvict:
+          (void)Evict(job.id, Origin::kDaemonOrder);
+          break;
+        case Job::kPrefetch:
+          (void)Reload(job.id, /*prefetch=*/true);
+          break;
+      }
+      lock.lock();
+    }
+    bool reconnect = options_.use_daemon &&
+                     options_.reconnect_interval_ms > 0 && !stats_.connected &&
+                     NowNs() >= next_reconnect_ns_;
+    std::shared_ptr<DaemonLink> stale;
+    if (resync_ && stats_.connected) {
+      stale = link_;
+      reconnect = true;
+    }
+    lock.unlock();
+    if (stale != nullptr) {
+      if (EvacuateSlabsOf(stale->session().session_id())) {
+        stale->Close();
+        arena_.UnmapRetired();
+        std::lock_guard<std::mutex> relock(mu_);
+        stats_.connected = false;
+        jobs_.clear();
+      } else {
+        // Keep the diverged session rather than lose bytes; the daemon's
+        // view heals as the tensors are freed.
+        reconnect = false;
+        std::lock_guard<std::mutex> relock(mu_);
+        resync_ = false;
+      }
+    }
+    FlushIfDue(/*force=*/true);
+    if (reconnect) (void)TryConnect();
+    lock.lock();
+  }
+}
+
+}  // namespace deltad::client

@@ -1,0 +1,237 @@
+#ifndef DELTAD_CLIENT_CLIENT_H_
+#define DELTAD_CLIENT_CLIENT_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/daemon_link.h"
+#include "client/device.h"
+#include "client/host_arena.h"
+#include "client/local_policy.h"
+#include "deltad/v1/memory_manager.pb.h"
+
+namespace deltad::client {
+
+// What the framework reports when an op produces a tensor.
+struct TensorInfo {
+  uint64_t id = 0;  // unique among this process's live tensors
+  int64_t bytes = 0;
+  std::vector<uint64_t> parents;  // the tensors the op read
+  int64_t compute_cost_ns = 0;    // measured time of the op
+  bool evict_pinned = false;      // may not be evicted
+  bool offload_pinned = false;    // may not be offloaded
+  bool uncomputable = false;      // inputs, parameters: no recompute path
+  uint64_t stable_key = 0;        // same across iterations; 0 if unknown
+};
+
+// Rebuilds tensor `id` into `out` (device memory of its size): pins its
+// parents through the client, reruns the op, unpins them. Runs on the thread
+// that needed the tensor, with no client lock held.
+using RecomputeFn = std::function<absl::Status(uint64_t id, void* out)>;
+
+struct ClientOptions {
+  LinkOptions link;
+  // False: never contact a daemon; the in-process policy decides alone.
+  bool use_daemon = true;
+  // The budget while no daemon has granted one (never connected, or gone
+  // before it granted any); a daemon's last grant is kept when it goes.
+  int64_t fallback_budget_bytes = int64_t{1} << 30;
+  // Heap the client may use for offloads while the daemon is out of reach,
+  // beside the slabs it already holds.
+  int64_t fallback_host_bytes = int64_t{4} << 30;
+  // Events are sent when this many are waiting, or after flush_interval_ms.
+  int batch_events = 256;
+  int flush_interval_ms = 2;
+  // How often to try the daemon again after it was lost; 0: never.
+  int reconnect_interval_ms = 1000;
+  // The in-process policy: the daemon's defaults (delta_cost, sampled).
+  policy::FilterOptions local_filter = DefaultLocalFilter();
+
+  static policy::FilterOptions DefaultLocalFilter() {
+    policy::FilterOptions f;
+    f.heuristic = policy::Heuristic::kDeltaCost;
+    f.sampled = true;
+    f.skip_small = true;
+    return f;
+  }
+};
+
+// What the client did, for the caller's summary and tests.
+struct ClientStats {
+  int64_t device_bytes = 0;       // held on the device now
+  int64_t peak_device_bytes = 0;  // most held at once
+  int64_t budget_bytes = 0;
+  int64_t host_bytes = 0;  // offloaded bytes held now
+  int64_t offloaded_bytes = 0;
+  int64_t reloaded_bytes = 0;
+  int64_t offloads = 0;
+  int64_t reloads = 0;
+  int64_t prefetches = 0;  // reloads done ahead of use
+  int64_t evictions = 0;
+  int64_t recomputes = 0;
+  int64_t recompute_ns = 0;
+  int64_t orders_received = 0;
+  int64_t orders_refused = 0;  // pinned or gone: RELEASE_FAILED
+  int64_t sync_releases = 0;   // allocations that waited for releases
+  int64_t sync_release_ns = 0;
+  int64_t stall_ns = 0;         // compute waiting for reloads and offloads
+  int64_t local_decisions = 0;  // releases chosen in-process
+  int64_t reconnects = 0;
+  int64_t rejected_batches = 0;
+  bool connected = false;
+  uint64_t session_id = 0;
+};
+
+// The client library: tracks this process's tensors on one GPU, reports
+// them to deltad, and carries out its orders with real copies, so that the
+// training runs within a budget. Tensors live in device memory the client
+// allocates (Track); an op pins the tensors it uses (Pin / Unpin) so they
+// stay resident while it runs; the framework frees them (Free).
+//
+// Orders from the daemon run on the client's executor thread, apart from the
+// compute thread, which waits only for a tensor it needs that is not
+// resident. When the daemon is out of reach (never started, crashed,
+// draining) the client goes on with the same policies in-process and tries
+// the daemon again every reconnect_interval_ms, reporting its tensors anew.
+//
+// Thread safe; Pin and Track may be called from several threads.
+class Client {
+ public:
+  // Connects to the daemon when options.use_daemon (falling back to the
+  // local policy if it cannot), then starts the executor. The client owns
+  // `device`.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(
+      ClientOptions options, std::unique_ptr<Device> device);
+
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+  ~Client();  // Close()
+
+  // A new tensor: device memory for it, releasing others first if needed.
+  // Returned pinned, for the producing op to write; Unpin it after. Its
+  // parents must be tracked. INVALID_ARGUMENT for a bad size or a known id;
+  // RESOURCE_EXHAUSTED when no release can make room.
+  absl::StatusOr<void*> Track(const TensorInfo& info, RecomputeFn recompute);
+  // Makes the tensor resident (waiting for a reload, or recomputing it),
+  // records the access and pins it. NOT_FOUND for an unknown id.
+  // `restored`, when given, says whether it had to be reloaded or
+  // recomputed (so a caller can verify the bytes).
+  absl::StatusOr<void*> Pin(uint64_t id, bool* restored = nullptr);
+  void Unpin(uint64_t id);
+  // The framework is done with the tensor: its memory is freed. A tensor
+  // that an evicted descendant may need to be recomputed keeps its record
+  // (no bytes) until then.
+  absl::Status Free(uint64_t id);
+
+  // Ends the session with the daemon and stops the executor; tensors still
+  // tracked are freed. Idempotent.
+  void Close();
+
+  ClientStats Stats() const;
+  bool connected() const;
+  // Sends the waiting events now.
+  void Flush();
+
+ private:
+  enum class Where {
+    kResident,
+    kOffloading,
+    kOffloaded,
+    kReloading,
+    kEvicted,
+    kFreed,  // dropped by the framework, kept for a descendant's recompute
+  };
+  struct Record {
+    TensorInfo info;
+    RecomputeFn recompute;
+    Where where = Where::kResident;
+    void* device = nullptr;
+    HostArena::Block host;
+    int pins = 0;
+    int live_children = 0;
+    bool rebuilt_freed = false;  // a kFreed tensor rebuilt for a child
+    // While kReloading: what it is being restored from (kOffloaded for a
+    // reload; kEvicted or kFreed for a recompute).
+    Where restoring_from = Where::kOffloaded;
+  };
+  struct Job {
+    enum Kind { kOffload, kEvict, kPrefetch } kind;
+    uint64_t id;
+  };
+  // Who asked for a release: decides which events report it.
+  enum class Origin { kDaemonOrder, kLocalPlan, kSyncOrder };
+
+  Client(ClientOptions options, std::unique_ptr<Device> device);
+
+  // --- daemon connection
+  absl::Status TryConnect();  // mu_ not held
+  void OnOrders(const v1::Orders& orders);
+  void OnLost(const std::string& why);
+  void ReplayTensorsLocked();  // reports every tracked tensor to a new session
+  // Moves offloaded bytes out of a session's slabs before it is closed.
+  // False when some could not be moved (no heap left).
+  bool EvacuateSlabsOf(uint64_t session);
+
+  // --- events
+  void AddEventLocked(v1::TensorEvent::Kind kind, uint64_t id);
+  v1::EventBatch TakeBatchLocked();
+  void FlushIfDue(bool force);  // mu_ not held
+
+  // --- byte work; mu_ not held on entry
+  absl::Status Offload(uint64_t id, Origin origin);
+  absl::Status Evict(uint64_t id, Origin origin);
+  absl::Status Reload(uint64_t id, bool prefetch);
+  absl::Status Recompute(uint64_t id);
+  absl::StatusOr<void*> AllocateDevice(int64_t bytes);
+  absl::Status MakeRoom(int64_t bytes);
+  void CarryOut(const std::vector<v1::ReleaseOrder>& orders, Origin origin);
+  void RefuseLocked(uint64_t id, Origin origin);
+
+  void DropLocked(uint64_t id);  // forgets a record, then its freed parents
+  void ExecutorLoop();
+  static int64_t NowNs();
+
+  const ClientOptions options_;
+  const std::unique_ptr<Device> device_;
+  HostArena arena_;
+
+  mutable std::mutex mu_;
+  std::condition_variable changed_;  // a record left a transient state
+  std::unordered_map<uint64_t, std::unique_ptr<Record>> records_;
+  LocalPolicy local_;
+  int64_t device_bytes_ = 0;  // reserved or held on the device
+  int64_t budget_bytes_ = 0;
+  ClientStats stats_;
+  v1::EventBatch pending_;
+  std::unordered_set<uint64_t> pending_freed_;  // ids FREED in pending_
+
+  // The link is replaced on reconnect; guarded by mu_, used outside it
+  // through a shared_ptr copy.
+  std::shared_ptr<DaemonLink> link_;
+  bool draining_seen_ = false;
+  bool resync_ = false;  // a batch was rejected: reopen the session
+  int64_t next_reconnect_ns_ = 0;
+  // Serialises taking a batch with sending it, so batches reach the daemon
+  // in the order they were taken; also counts the stream's batches.
+  std::mutex send_mu_;
+  uint64_t batches_sent_ = 0;  // on the current link; guarded by send_mu_
+
+  std::deque<Job> jobs_;  // guarded by mu_
+  std::condition_variable work_;
+  bool stopping_ = false;
+  std::thread executor_;
+};
+
+}  // namespace deltad::client
+
+#endif  // DELTAD_CLIENT_CLIENT_H_

@@ -1,0 +1,189 @@
+#include "client/daemon_link.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/side_protocol.h"
+
+namespace deltad::client {
+
+namespace side = common::side;
+
+namespace {
+
+std::chrono::system_clock::time_point Deadline(int ms) {
+  return std::chrono::system_clock::now() + std::chrono::milliseconds(ms);
+}
+
+absl::Status FromGrpc(const grpc::Status& s, absl::string_view what) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(what, ": ", s.error_message()));
+}
+
+// Bounds every blocking read on the side socket, so that a daemon that
+// accepted but hangs cannot hang the training process.
+void SetReceiveTimeout(int fd, int ms) {
+  struct timeval tv;
+  tv.tv_sec = ms / 1000;
+  tv.tv_usec = (ms % 1000) * 1000;
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
+    const LinkOptions& options, OrdersFn on_orders, LostFn on_lost) {
+  std::unique_ptr<DaemonLink> link(new DaemonLink());
+  link->options_ = options;
+  link->on_orders_ = std::move(on_orders);
+  link->on_lost_ = std::move(on_lost);
+
+  auto side_fd = common::ConnectUnix(side::SideSocketPath(options.socket_path));
+  if (!side_fd.ok()) return side_fd.status();
+  link->side_ = std::move(*side_fd);
+  SetReceiveTimeout(link->side_.get(), options.rpc_timeout_ms);
+  auto hello = common::RecvFds(link->side_.get(), 0, side::kMaxMessageBytes);
+  if (!hello.ok()) return hello.status();
+  if (hello->tag != side::kPeerToken) {
+    return absl::UnavailableError(
+        absl::StrCat("deltad refused the connection: ", hello->payload));
+  }
+
+  grpc::ChannelArguments args;
+  // The stream lives as long as the training; keepalives notice a daemon
+  // that vanished without closing the socket.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  link->channel_ = grpc::CreateCustomChannel(
+      "unix:" + options.socket_path, grpc::InsecureChannelCredentials(), args);
+  link->stub_ = v1::MemoryManager::NewStub(link->channel_);
+
+  v1::OpenSessionRequest request;
+  request.set_gpu(options.gpu);
+  request.set_requested_budget_bytes(options.requested_budget_bytes);
+  request.set_requested_host_bytes(options.requested_host_bytes);
+  request.set_priority(options.priority);
+  request.set_label(options.label);
+  request.set_peer_token(hello->payload);
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(options.rpc_timeout_ms));
+  if (grpc::Status s =
+          link->stub_->OpenSession(&context, request, &link->session_);
+      !s.ok()) {
+    return FromGrpc(s, "OpenSession");
+  }
+
+  // The slabs' descriptors come over the side socket.
+  if (absl::Status s = common::SendFds(link->side_.get(), side::kSlabsWanted,
+                                       {}, link->session_.session_token());
+      !s.ok()) {
+    return s;
+  }
+  for (;;) {
+    auto message =
+        common::RecvFds(link->side_.get(), 1, side::kMaxMessageBytes);
+    if (!message.ok()) return message.status();
+    if (message->tag == side::kSlabsDone) break;
+    auto record = side::DecodeSlab(message->payload);
+    if (message->tag != side::kSlab || !record || message->fds.size() != 1) {
+      for (int fd : message->fds) ::close(fd);
+      return absl::InternalError(absl::StrCat(
+          "deltad sent no slab where one was expected: ",
+          message->tag == side::kError ? message->payload : "bad message"));
+    }
+    link->slabs_.push_back({record->slab_id, record->bytes, message->fds[0]});
+  }
+  // From here on the side socket only has to stay open.
+  SetReceiveTimeout(link->side_.get(), 0);
+
+  link->stream_ = link->stub_->Session(&link->stream_context_);
+  v1::SessionMessage first;
+  first.set_session_token(link->session_.session_token());
+  if (!link->stream_->Write(first)) {
+    return absl::UnavailableError("the session stream closed at once");
+  }
+  link->alive_.store(true);
+  link->reader_ = std::thread([l = link.get()] { l->ReadOrders(); });
+  return link;
+}
+
+DaemonLink::~DaemonLink() {
+  Close();
+  for (const GrantedSlab& s : slabs_) ::close(s.fd);
+}
+
+std::vector<GrantedSlab> DaemonLink::TakeSlabs() {
+  std::vector<GrantedSlab> out;
+  out.swap(slabs_);
+  return out;
+}
+
+void DaemonLink::ReadOrders() {
+  v1::Orders orders;
+  while (stream_->Read(&orders)) on_orders_(orders);
+  const grpc::Status status = stream_->Finish();
+  alive_.store(false);
+  if (closing_.load()) return;
+  on_lost_(status.ok() ? std::string("the session stream ended")
+                       : absl::StrCat("the session stream ended: ",
+                                      status.error_message()));
+}
+
+absl::Status DaemonLink::Send(const v1::EventBatch& batch) {
+  if (!alive_.load()) return absl::UnavailableError("no daemon connection");
+  v1::SessionMessage message;
+  *message.mutable_batch() = batch;
+  std::lock_guard<std::mutex> lock(write_mu_);
+  if (!stream_->Write(message)) {
+    return absl::UnavailableError("the session stream is closed");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ReleaseResponse> DaemonLink::Release(
+    int64_t bytes, const v1::EventBatch& batch, uint64_t stream_batches_sent) {
+  if (!alive_.load()) return absl::UnavailableError("no daemon connection");
+  v1::ReleaseRequest request;
+  request.set_session_token(session_.session_token());
+  request.set_bytes(bytes);
+  *request.mutable_batch() = batch;
+  request.set_stream_batches_sent(stream_batches_sent);
+  v1::ReleaseResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(options_.rpc_timeout_ms));
+  if (grpc::Status s = stub_->Release(&context, request, &response); !s.ok()) {
+    return FromGrpc(s, "Release");
+  }
+  return response;
+}
+
+void DaemonLink::Close() {
+  std::lock_guard<std::mutex> close_lock(close_mu_);
+  if (closed_) return;
+  closed_ = true;
+  closing_.store(true);
+  if (stub_ != nullptr && alive_.load()) {
+    grpc::ClientContext context;
+    context.set_deadline(Deadline(options_.rpc_timeout_ms));
+    v1::CloseSessionRequest request;
+    request.set_session_token(session_.session_token());
+    v1::CloseSessionResponse response;
+    (void)stub_->CloseSession(&context, request, &response);
+  }
+  if (stream_ != nullptr) {
+    {
+      std::lock_guard<std::mutex> lock(write_mu_);
+      stream_->WritesDone();
+    }
+    stream_context_.TryCancel();
+  }
+  if (reader_.joinable()) reader_.join();
+  side_.reset();
+  alive_.store(false);
+}
+
+}  // namespace deltad::client

@@ -1,0 +1,101 @@
+#ifndef DELTAD_CLIENT_DAEMON_LINK_H_
+#define DELTAD_CLIENT_DAEMON_LINK_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/unix_socket.h"
+#include "deltad/v1/memory_manager.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace deltad::client {
+
+struct LinkOptions {
+  std::string socket_path = "/run/deltad/deltad.sock";
+  int gpu = 0;
+  int64_t requested_budget_bytes = 0;  // 0: a fair share
+  int64_t requested_host_bytes = 0;    // 0: the daemon's default
+  uint32_t priority = 1;
+  std::string label;
+  // How long a connect or a synchronous call may take before the daemon
+  // counts as unreachable (the client then decides by itself).
+  int rpc_timeout_ms = 2000;
+};
+
+// A host slab the daemon granted: its descriptor, owned by the receiver.
+struct GrantedSlab {
+  uint64_t slab_id = 0;
+  int64_t bytes = 0;
+  int fd = -1;
+};
+
+// One session with the daemon: the side-socket connection that proves who
+// this process is (and whose end tells the daemon the process is gone), the
+// gRPC channel, and the session's stream. Orders arrive on a reader thread
+// and go to `on_orders`; when the stream ends for any reason, `on_lost`
+// runs once on that thread. Thread safe.
+class DaemonLink {
+ public:
+  using OrdersFn = std::function<void(const v1::Orders&)>;
+  using LostFn = std::function<void(const std::string& why)>;
+
+  // Connects, opens the session, fetches the host slabs and opens the
+  // stream. UNAVAILABLE when no daemon answers.
+  static absl::StatusOr<std::unique_ptr<DaemonLink>> Open(
+      const LinkOptions& options, OrdersFn on_orders, LostFn on_lost);
+
+  DaemonLink(const DaemonLink&) = delete;
+  DaemonLink& operator=(const DaemonLink&) = delete;
+  ~DaemonLink();  // Close()
+
+  const v1::OpenSessionResponse& session() const { return session_; }
+  // The slabs received at Open; the caller owns their descriptors.
+  std::vector<GrantedSlab> TakeSlabs();
+
+  // Sends a batch on the stream. UNAVAILABLE once the stream is gone.
+  absl::Status Send(const v1::EventBatch& batch);
+  // The synchronous release (ReleaseRequest), with the events not yet sent
+  // and the number of batches sent on the stream before it.
+  absl::StatusOr<v1::ReleaseResponse> Release(int64_t bytes,
+                                              const v1::EventBatch& batch,
+                                              uint64_t stream_batches_sent);
+  // Ends the session: CloseSession, the stream, the side connection. Waits
+  // for the reader thread; `on_lost` does not run for a Close.
+  void Close();
+
+  bool alive() const { return alive_.load(); }
+
+ private:
+  DaemonLink() = default;
+  void ReadOrders();
+
+  LinkOptions options_;
+  OrdersFn on_orders_;
+  LostFn on_lost_;
+  common::UniqueFd side_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::MemoryManager::Stub> stub_;
+  v1::OpenSessionResponse session_;
+  std::vector<GrantedSlab> slabs_;
+
+  grpc::ClientContext stream_context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionMessage, v1::Orders>>
+      stream_;
+  std::mutex write_mu_;  // one writer at a time on the stream
+  std::thread reader_;
+  std::atomic<bool> alive_{false};
+  std::atomic<bool> closing_{false};
+  std::mutex close_mu_;
+  bool closed_ = false;
+};
+
+}  // namespace deltad::client
+
+#endif  // DELTAD_CLIENT_DAEMON_LINK_H_

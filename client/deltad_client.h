@@ -1,0 +1,89 @@
+/* The deltad client library's C API, for languages other than C++ (the
+ * Python package uses it through ctypes). Every call returns 0 on success
+ * or an absl/gRPC status code (3 INVALID_ARGUMENT, 5 NOT_FOUND,
+ * 8 RESOURCE_EXHAUSTED, 14 UNAVAILABLE, ...); deltad_last_error() then
+ * says what went wrong, for the calling thread. Thread safe. */
+#ifndef DELTAD_CLIENT_DELTAD_CLIENT_H_
+#define DELTAD_CLIENT_DELTAD_CLIENT_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct deltad_client deltad_client;
+
+typedef struct {
+  const char* socket_path;        /* default "/run/deltad/deltad.sock" */
+  int32_t gpu;                    /* default 0 */
+  int64_t requested_budget_bytes; /* 0: a fair share */
+  int64_t requested_host_bytes;   /* 0: the daemon's default */
+  uint32_t priority;              /* default 1 */
+  const char* label;              /* shown by deltactl; may be NULL */
+  int32_t use_daemon;             /* default 1; 0: in-process policy only */
+  int64_t fallback_budget_bytes;  /* budget without a daemon; default 1 GiB */
+  int64_t fallback_host_bytes;    /* heap for offloads without a daemon */
+  /* The device. Only "sim" exists in this build: device memory from the
+   * heap, up to sim_memory_bytes, copies throttled to the bandwidths. */
+  const char* device;              /* default "sim" */
+  int64_t sim_memory_bytes;        /* default 80 GiB */
+  double sim_d2h_bytes_per_second; /* default 25e9 */
+  double sim_h2d_bytes_per_second; /* default 25e9 */
+} deltad_client_options;
+
+typedef struct {
+  uint64_t id;
+  int64_t bytes;
+  const uint64_t* parents;
+  size_t num_parents;
+  int64_t compute_cost_ns;
+  int32_t evict_pinned;
+  int32_t offload_pinned;
+  int32_t uncomputable;
+  uint64_t stable_key;
+} deltad_tensor_info;
+
+typedef struct {
+  int64_t device_bytes;
+  int64_t peak_device_bytes;
+  int64_t budget_bytes;
+  int64_t host_bytes;
+  int64_t offloaded_bytes;
+  int64_t reloaded_bytes;
+  int64_t evictions;
+  int64_t recomputes;
+  int64_t recompute_ns;
+  int64_t stall_ns;
+  int32_t connected;
+} deltad_client_stats;
+
+/* Rebuilds tensor `id` into `out`; returns 0 on success. Runs on the thread
+ * that needed the tensor. */
+typedef int (*deltad_recompute_fn)(void* user_data, uint64_t id, void* out);
+
+/* Fills `options` with the defaults. */
+void deltad_client_options_init(deltad_client_options* options);
+int deltad_client_connect(const deltad_client_options* options,
+                          deltad_client** client);
+/* Ends the session and frees everything, `client` included. */
+void deltad_client_close(deltad_client* client);
+
+/* Device memory for a new tensor, returned pinned (see the C++ Client). A
+ * NULL `recompute` makes it unrecomputable by eviction. */
+int deltad_track(deltad_client* client, const deltad_tensor_info* info,
+                 deltad_recompute_fn recompute, void* user_data, void** out);
+int deltad_pin(deltad_client* client, uint64_t id, void** out);
+void deltad_unpin(deltad_client* client, uint64_t id);
+int deltad_free(deltad_client* client, uint64_t id);
+int deltad_stats(deltad_client* client, deltad_client_stats* stats);
+
+/* The message of the calling thread's last failed call; "" if none. */
+const char* deltad_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DELTAD_CLIENT_DELTAD_CLIENT_H_ */

@@ -1,0 +1,62 @@
+#include <cstring>
+
+#include "client/deltad_client.h"
+#include "gtest/gtest.h"
+
+namespace {
+
+int Refill(void* user, uint64_t id, void* out) {
+  ++*static_cast<int*>(user);
+  std::memset(out, static_cast<int>(id), 1 << 20);
+  return 0;
+}
+
+TEST(CApi, TracksPinsAndFreesInProcessWithoutADaemon) {
+  deltad_client_options o;
+  deltad_client_options_init(&o);
+  o.use_daemon = 0;
+  o.fallback_budget_bytes = 2 << 20;
+  o.sim_d2h_bytes_per_second = 0;
+  o.sim_h2d_bytes_per_second = 0;
+  deltad_client* c = nullptr;
+  ASSERT_EQ(deltad_client_connect(&o, &c), 0) << deltad_last_error();
+  int recomputes = 0;
+  for (uint64_t id = 1; id <= 4; ++id) {
+    deltad_tensor_info t{};
+    t.id = id;
+    t.bytes = 1 << 20;
+    t.compute_cost_ns = 1;
+    void* p = nullptr;
+    ASSERT_EQ(deltad_track(c, &t, Refill, &recomputes, &p), 0)
+        << deltad_last_error();
+    std::memset(p, static_cast<int>(id), 1 << 20);
+    deltad_unpin(c, id);
+  }
+  void* p = nullptr;
+  ASSERT_EQ(deltad_pin(c, 1, &p), 0) << deltad_last_error();
+  EXPECT_EQ(static_cast<unsigned char*>(p)[12345], 1);
+  deltad_unpin(c, 1);
+  deltad_client_stats s;
+  ASSERT_EQ(deltad_stats(c, &s), 0);
+  EXPECT_LE(s.peak_device_bytes, 2 << 20);
+  EXPECT_EQ(s.connected, 0);
+  EXPECT_EQ(deltad_free(c, 1), 0);
+  EXPECT_EQ(deltad_free(c, 1), 5);  // NOT_FOUND
+  EXPECT_NE(std::strlen(deltad_last_error()), 0u);
+  deltad_tensor_info bad{};
+  bad.id = 9;
+  EXPECT_EQ(deltad_track(c, &bad, nullptr, nullptr, &p), 3);
+  deltad_client_close(c);
+}
+
+TEST(CApi, RejectsNullArgumentsAndUnknownDevices) {
+  EXPECT_EQ(deltad_client_connect(nullptr, nullptr), 3);
+  deltad_client_options o;
+  deltad_client_options_init(&o);
+  o.device = "tpu";
+  deltad_client* c = nullptr;
+  EXPECT_EQ(deltad_client_connect(&o, &c), 12);  // UNIMPLEMENTED
+  EXPECT_EQ(deltad_pin(nullptr, 1, nullptr), 3);
+}
+
+}  // namespace

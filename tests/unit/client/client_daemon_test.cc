@@ -1,0 +1,176 @@
+// The client against a daemon in the same process, over a real Unix socket:
+// the session, the synchronous release, and what happens when the daemon
+// goes away and comes back.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "client/client.h"
+#include "client/sim_device.h"
+#include "daemon/config.h"
+#include "daemon/server.h"
+#include "gtest/gtest.h"
+
+namespace deltad::client {
+namespace {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+class ClientDaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("deltad-client-test-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir_);
+    socket_ = (dir_ / "d.sock").string();
+    StartDaemon();
+  }
+  void TearDown() override {
+    client_.reset();
+    server_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  void StartDaemon() {
+    v1::DaemonConfig c;
+    c.set_socket_path(socket_);
+    c.set_metrics_address("127.0.0.1:0");
+    c.mutable_sim()->set_gpus(2);
+    c.mutable_sim()->set_memory_bytes(64 * kMiB);
+    c.set_min_session_bytes(4 * kMiB);
+    c.set_host_pool_bytes(64 * kMiB);
+    c.set_host_slab_bytes(4 * kMiB);
+    c.set_default_host_quota_bytes(32 * kMiB);
+    c = daemon::WithDefaults(c);
+    ASSERT_TRUE(daemon::ValidateConfig(c).ok());
+    auto s = daemon::Server::Start(c);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+  }
+
+  void Connect(int64_t budget) {
+    ClientOptions o;
+    o.link.socket_path = socket_;
+    o.link.requested_budget_bytes = budget;
+    o.link.label = "test";
+    o.fallback_budget_bytes = budget;
+    o.fallback_host_bytes = 64 * kMiB;
+    o.reconnect_interval_ms = 50;
+    auto c = Client::Connect(o, std::make_unique<SimDevice>(1 << 30, 0, 0));
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = std::move(*c);
+  }
+
+  // Uncomputable tensors, so every release is an offload whose bytes
+  // must come back.
+  void TrackFilled(uint64_t first, uint64_t last) {
+    for (uint64_t id = first; id <= last; ++id) {
+      TensorInfo t;
+      t.id = id;
+      t.bytes = kMiB;
+      t.uncomputable = true;
+      auto p = client_->Track(t, nullptr);
+      ASSERT_TRUE(p.ok()) << p.status();
+      std::memset(*p, static_cast<int>(id), kMiB);
+      client_->Unpin(id);
+    }
+  }
+
+  void ExpectBytes(uint64_t first, uint64_t last) {
+    for (uint64_t id = first; id <= last; ++id) {
+      auto p = client_->Pin(id);
+      ASSERT_TRUE(p.ok()) << p.status();
+      const auto* b = static_cast<const unsigned char*>(*p);
+      EXPECT_EQ(b[0], static_cast<unsigned char>(id)) << id;
+      EXPECT_EQ(b[kMiB - 1], static_cast<unsigned char>(id)) << id;
+      client_->Unpin(id);
+    }
+  }
+
+  template <typename Pred>
+  bool Eventually(Pred pred) {
+    for (int i = 0; i < 400; ++i) {
+      if (pred()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    return pred();
+  }
+
+  std::filesystem::path dir_;
+  std::string socket_;
+  std::unique_ptr<daemon::Server> server_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(ClientDaemonTest, OpensASessionWithTheRequestedBudget) {
+  Connect(8 * kMiB);
+  const ClientStats s = client_->Stats();
+  EXPECT_TRUE(s.connected);
+  EXPECT_EQ(s.budget_bytes, 8 * kMiB);
+  const v1::NodeStatusResponse status = server_->node().Status();
+  ASSERT_EQ(status.sessions_size(), 1);
+  EXPECT_EQ(status.sessions(0).label(), "test");
+  EXPECT_EQ(status.sessions(0).pid(), ::getpid());
+  EXPECT_EQ(status.sessions(0).host_bytes(), 0);
+}
+
+TEST_F(ClientDaemonTest, TheDaemonsOrdersKeepTheBytesAndTheAccountsAgree) {
+  Connect(8 * kMiB);
+  // 57.6 MiB of GPU budget: 40 MiB fit, so the daemon lets the session go
+  // past its share; beyond the GPU's budget it must release.
+  TrackFilled(1, 70);
+  client_->Flush();
+  ExpectBytes(1, 70);
+  const ClientStats s = client_->Stats();
+  EXPECT_GT(s.sync_releases, 0);
+  EXPECT_GT(s.offloads, 0);
+  EXPECT_EQ(s.rejected_batches, 0);
+  EXPECT_EQ(s.local_decisions, 0);
+  EXPECT_TRUE(s.connected);
+  client_->Flush();
+  EXPECT_TRUE(Eventually([&] {
+    const v1::NodeStatusResponse st = server_->node().Status();
+    return st.sessions_size() == 1 &&
+           st.sessions(0).device_bytes() == client_->Stats().device_bytes;
+  }));
+}
+
+TEST_F(ClientDaemonTest, KeepsTrainingWhenTheDaemonGoesAndReportsAllToTheNext) {
+  Connect(8 * kMiB);
+  TrackFilled(1, 70);  // some offloaded into the daemon's slabs
+  ASSERT_GT(client_->Stats().offloads, 0);
+  server_->Drain();
+  server_.reset();  // the slabs' memory stays mapped in the client
+  ASSERT_TRUE(Eventually([&] { return !client_->connected(); }));
+  TrackFilled(71, 80);  // decided in-process now
+  ExpectBytes(1, 80);
+  EXPECT_GT(client_->Stats().local_decisions, 0);
+
+  StartDaemon();
+  ASSERT_TRUE(Eventually([&] { return client_->connected(); }));
+  EXPECT_EQ(client_->Stats().reconnects, 1);
+  client_->Flush();
+  EXPECT_TRUE(Eventually([&] {
+    const v1::NodeStatusResponse st = server_->node().Status();
+    return st.sessions_size() == 1 && st.sessions(0).tensors() == 80;
+  }));
+  ExpectBytes(1, 80);
+  EXPECT_EQ(client_->Stats().rejected_batches, 0);
+}
+
+TEST_F(ClientDaemonTest, WithoutADaemonTheClientStartsInProcess) {
+  server_.reset();
+  Connect(4 * kMiB);
+  EXPECT_FALSE(client_->connected());
+  TrackFilled(1, 10);
+  ExpectBytes(1, 10);
+  EXPECT_LE(client_->Stats().peak_device_bytes, 4 * kMiB);
+}
+
+}  // namespace
+}  // namespace deltad::client

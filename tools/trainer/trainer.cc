@@ -1,0 +1,378 @@
+// deltad-trainer: a demo training process. It replays one model's training
+// iteration (the simulator's model traces: every tensor with its exact size,
+// producer, parents and modelled compute time) through the client library,
+// with real bytes in (simulated) device memory, under a budget below the
+// model's peak. Every tensor's bytes carry a checksum that is verified
+// after each reload and each recompute; a mismatch fails the run.
+//
+// Sizes are scaled down by --scale so that several jobs fit this machine;
+// the host link is scaled by the same factor, so a copy takes as long as
+// the unscaled copy would, and compute runs at the modelled speed.
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_format.h"
+#include "client/client.h"
+#include "client/sim_device.h"
+#include "policies/sim/device_profile.h"
+#include "policies/sim/model_traces.h"
+#include "policies/sim/program.h"
+
+ABSL_FLAG(std::string, socket, "/run/deltad/deltad.sock", "deltad's socket");
+ABSL_FLAG(bool, daemon, true, "use deltad (false: the in-process policy)");
+ABSL_FLAG(int, gpu, 0, "GPU index");
+ABSL_FLAG(std::string, model, "resnet50",
+          "resnet50, resnet101, resnet152, densenet121, vgg16, unet, gpt");
+ABSL_FLAG(int, batch, 32, "batch size");
+ABSL_FLAG(int, gpt_layers, 12, "transformer blocks (gpt)");
+ABSL_FLAG(int, gpt_seq, 1024, "sequence length (gpt)");
+ABSL_FLAG(std::string, device, "a100-80gb",
+          "device profile for compute times and link bandwidth");
+ABSL_FLAG(double, scale, 1.0 / 16, "bytes are multiplied by this");
+ABSL_FLAG(double, budget, 0.6,
+          "budget to request, as a fraction of the unmanaged peak");
+ABSL_FLAG(int, iterations, 3, "training iterations");
+ABSL_FLAG(std::string, label, "", "job name (default: model)");
+ABSL_FLAG(int, priority, 1, "weight in the GPU's fair share");
+
+namespace {
+
+using deltad::client::Client;
+using deltad::client::ClientOptions;
+using deltad::client::TensorInfo;
+using deltad::sim::Program;
+using Clock = std::chrono::steady_clock;
+
+uint64_t Mix(uint64_t x) {  // splitmix64
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// The op's "result": bytes that depend on the tensor and the iteration, so
+// a stale, mixed-up or torn copy shows in the checksum.
+uint64_t Fill(void* out, int64_t bytes, uint64_t seed) {
+  auto* p = static_cast<unsigned char*>(out);
+  uint64_t sum = 0;
+  int64_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    const uint64_t v = Mix(seed + static_cast<uint64_t>(i));
+    std::memcpy(p + i, &v, 8);
+    sum = sum * 31 + v;
+  }
+  for (; i < bytes; ++i) {
+    p[i] = static_cast<unsigned char>(seed + static_cast<uint64_t>(i));
+    sum = sum * 31 + p[i];
+  }
+  return sum;
+}
+
+uint64_t Checksum(const void* data, int64_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint64_t sum = 0;
+  int64_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    uint64_t v;
+    std::memcpy(&v, p + i, 8);
+    sum = sum * 31 + v;
+  }
+  for (; i < bytes; ++i) sum = sum * 31 + p[i];
+  return sum;
+}
+
+std::string Human(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) {
+    bytes /= 1024;
+    ++u;
+  }
+  return absl::StrFormat("%.1f %s", bytes, units[u]);
+}
+
+int Fail(const std::string& what) {
+  std::fprintf(stderr, "deltad-trainer: %s\n", what.c_str());
+  return 1;
+}
+
+class Replay {
+ public:
+  Replay(Client& client, const Program& program, double scale, int iteration,
+         std::vector<uint64_t>& checksums, int64_t& mismatches)
+      : client_(client),
+        program_(program),
+        scale_(scale),
+        iteration_(iteration),
+        checksums_(checksums),
+        mismatches_(mismatches) {}
+
+  uint64_t Id(int32_t storage) const {
+    return static_cast<uint64_t>(iteration_) * program_.storages.size() +
+           static_cast<uint64_t>(storage) + 1;
+  }
+  int64_t Bytes(int64_t bytes) const {
+    return std::max<int64_t>(8, static_cast<int64_t>(bytes * scale_));
+  }
+  uint64_t Seed(int32_t storage) const {
+    return Mix(Id(storage) * 1315423911ULL + 7);
+  }
+
+  // Pins a tensor and verifies its bytes when they came back.
+  absl::StatusOr<void*> PinChecked(int32_t storage) {
+    bool restored = false;
+    auto p = client_.Pin(Id(storage), &restored);
+    if (!p.ok()) return p.status();
+    if (restored) {
+      ++verified_;
+      if (Checksum(*p, Bytes(program_.storages[storage].bytes)) !=
+          checksums_[storage]) {
+        ++mismatches_;
+      }
+    }
+    return p;
+  }
+
+  // The op that makes `storage`: reads its parents, writes its bytes.
+  absl::Status Produce(int32_t storage, void* out, bool recompute) {
+    const deltad::sim::Storage& s = program_.storages[storage];
+    std::vector<int32_t> pinned;
+    absl::Status status;
+    if (recompute) {
+      for (int32_t p : s.parents) {
+        auto got = PinChecked(p);
+        if (!got.ok()) {
+          status = got.status();
+          break;
+        }
+        pinned.push_back(p);
+      }
+    }
+    if (status.ok()) {
+      const uint64_t sum = Fill(out, Bytes(s.bytes), Seed(storage));
+      if (recompute) {
+        ++verified_;
+        if (sum != checksums_[storage]) ++mismatches_;
+        if (s.producer >= 0) {
+          std::this_thread::sleep_for(
+              std::chrono::nanoseconds(program_.steps[s.producer].time_ns));
+        }
+      } else {
+        checksums_[storage] = sum;
+      }
+    }
+    for (int32_t p : pinned) client_.Unpin(Id(p));
+    return status;
+  }
+
+  absl::Status Track(int32_t storage, int64_t compute_ns) {
+    const deltad::sim::Storage& s = program_.storages[storage];
+    TensorInfo info;
+    info.id = Id(storage);
+    info.bytes = Bytes(s.bytes);
+    for (int32_t p : s.parents) info.parents.push_back(Id(p));
+    info.compute_cost_ns = compute_ns;
+    info.uncomputable = !s.recomputable;
+    info.stable_key = static_cast<uint64_t>(storage) + 1;
+    deltad::client::RecomputeFn fn;
+    if (s.recomputable) {
+      fn = [this, storage](uint64_t, void* out) {
+        return Produce(storage, out, /*recompute=*/true);
+      };
+    }
+    auto out = client_.Track(info, std::move(fn));
+    if (!out.ok()) return out.status();
+    return Produce(storage, *out, /*recompute=*/false);
+  }
+
+  absl::Status Run(int64_t& work_ns) {
+    std::vector<bool> live(program_.storages.size(), false);
+    for (size_t i = 0; i < program_.storages.size(); ++i) {
+      if (!program_.storages[i].constant) continue;
+      const auto start = Clock::now();
+      if (absl::Status s = Track(static_cast<int32_t>(i), 0); !s.ok()) {
+        return s;
+      }
+      client_.Unpin(Id(static_cast<int32_t>(i)));
+      live[i] = true;
+      work_ns += (Clock::now() - start).count();
+    }
+    auto free = [&](int32_t s) -> absl::Status {
+      if (!live[s]) return absl::OkStatus();
+      live[s] = false;
+      return client_.Free(Id(s));
+    };
+    for (int32_t s : program_.initial_frees) {
+      if (absl::Status st = free(s); !st.ok()) return st;
+    }
+    uint64_t workspace_id =
+        (uint64_t{1} << 62) + static_cast<uint64_t>(iteration_) * 1000000;
+    for (const deltad::sim::Step& step : program_.steps) {
+      std::vector<uint64_t> pinned;
+      absl::Status status;
+      for (int32_t r : step.reads) {
+        auto p = PinChecked(r);
+        if (!p.ok()) return p.status();
+        pinned.push_back(Id(r));
+      }
+      const auto start = Clock::now();
+      for (int32_t c : step.creates) {
+        status = Track(c, step.time_ns);
+        if (!status.ok()) return status;
+        live[c] = true;
+        pinned.push_back(Id(c));
+      }
+      if (step.workspace_bytes > 0) {
+        TensorInfo ws;
+        ws.id = ++workspace_id;
+        ws.bytes = Bytes(step.workspace_bytes);
+        ws.evict_pinned = ws.offload_pinned = ws.uncomputable = true;
+        auto p = client_.Track(ws, nullptr);
+        if (!p.ok()) return p.status();
+        pinned.push_back(ws.id);
+        std::this_thread::sleep_for(std::chrono::nanoseconds(step.time_ns));
+        client_.Unpin(ws.id);
+        pinned.pop_back();
+        if (absl::Status s = client_.Free(ws.id); !s.ok()) return s;
+      } else {
+        std::this_thread::sleep_for(std::chrono::nanoseconds(step.time_ns));
+      }
+      work_ns += (Clock::now() - start).count();
+      for (uint64_t id : pinned) client_.Unpin(id);
+      for (int32_t f : step.frees) {
+        if (absl::Status s = free(f); !s.ok()) return s;
+      }
+    }
+    for (size_t i = 0; i < live.size(); ++i) {
+      if (absl::Status s = free(static_cast<int32_t>(i)); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+  int64_t verified() const { return verified_; }
+
+ private:
+  Client& client_;
+  const Program& program_;
+  const double scale_;
+  const int iteration_;
+  std::vector<uint64_t>& checksums_;
+  int64_t& mismatches_;
+  int64_t verified_ = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "deltad-trainer: replays a model's training iterations through the "
+      "deltad client library, with real bytes.");
+  absl::ParseCommandLine(argc, argv);
+  const std::string model = absl::GetFlag(FLAGS_model);
+  const std::string label =
+      absl::GetFlag(FLAGS_label).empty() ? model : absl::GetFlag(FLAGS_label);
+  const double scale = absl::GetFlag(FLAGS_scale);
+  if (!(scale > 0) || scale > 1) return Fail("--scale must be in (0, 1]");
+
+  auto profile = deltad::sim::FindDeviceProfile(absl::GetFlag(FLAGS_device));
+  if (!profile.ok()) return Fail(std::string(profile.status().message()));
+  deltad::sim::ModelOptions mo;
+  mo.batch = absl::GetFlag(FLAGS_batch);
+  mo.gpt_layers = absl::GetFlag(FLAGS_gpt_layers);
+  mo.gpt_seq = absl::GetFlag(FLAGS_gpt_seq);
+  auto trace = deltad::sim::BuildModelTrace(model, mo, *profile);
+  if (!trace.ok()) return Fail(std::string(trace.status().message()));
+  auto program = deltad::sim::Compile(*trace);
+  if (!program.ok()) return Fail(std::string(program.status().message()));
+
+  const auto peak = static_cast<int64_t>(program->peak_bytes * scale);
+  const auto floor_bytes =
+      static_cast<int64_t>(program->min_budget_bytes * scale);
+  const auto budget = std::max(
+      floor_bytes, static_cast<int64_t>(peak * absl::GetFlag(FLAGS_budget)));
+
+  ClientOptions options;
+  options.use_daemon = absl::GetFlag(FLAGS_daemon);
+  options.link.socket_path = absl::GetFlag(FLAGS_socket);
+  options.link.gpu = absl::GetFlag(FLAGS_gpu);
+  options.link.requested_budget_bytes = budget;
+  options.link.requested_host_bytes = peak;
+  options.link.priority = static_cast<uint32_t>(absl::GetFlag(FLAGS_priority));
+  options.link.label = label;
+  options.fallback_budget_bytes = budget;
+  options.fallback_host_bytes = peak;
+  // The device is the real one scaled: full memory, link slowed by `scale`
+  // so that scaled bytes take the time unscaled bytes would.
+  auto device = std::make_unique<deltad::client::SimDevice>(
+      static_cast<int64_t>(profile->memory_bytes * scale),
+      profile->d2h_bytes_per_s * scale, profile->h2d_bytes_per_s * scale);
+  auto client = Client::Connect(options, std::move(device));
+  if (!client.ok()) return Fail(client.status().ToString());
+  Client& c = **client;
+  const deltad::client::ClientStats first = c.Stats();
+  std::printf(
+      "[%s] %s, %s peak unmanaged (scale 1/%.0f: %s real), budget %s "
+      "(%s), GPU %d, %s\n",
+      label.c_str(), trace->name.c_str(), Human(peak).c_str(), 1 / scale,
+      Human(program->peak_bytes).c_str(), Human(first.budget_bytes).c_str(),
+      first.connected ? "granted by deltad" : "in-process policy",
+      absl::GetFlag(FLAGS_gpu),
+      first.connected ? absl::StrFormat("session %d", first.session_id).c_str()
+                      : "no daemon");
+  std::fflush(stdout);
+
+  std::vector<uint64_t> checksums(program->storages.size());
+  int64_t mismatches = 0;
+  int64_t verified = 0;
+  int64_t work_ns = 0;
+  const int iterations = absl::GetFlag(FLAGS_iterations);
+  const auto start = Clock::now();
+  for (int it = 0; it < iterations; ++it) {
+    const auto iter_start = Clock::now();
+    Replay replay(c, *program, scale, it, checksums, mismatches);
+    if (absl::Status s = replay.Run(work_ns); !s.ok()) {
+      return Fail(absl::StrFormat("[%s] iteration %d: %s", label, it + 1,
+                                  s.ToString()));
+    }
+    verified += replay.verified();
+    const deltad::client::ClientStats st = c.Stats();
+    std::printf(
+        "[%s] iteration %d/%d  %.2f s  peak %s / budget %s  offloaded %s  "
+        "reloaded %s  recomputed %" PRId64 "  %s\n",
+        label.c_str(), it + 1, iterations,
+        std::chrono::duration<double>(Clock::now() - iter_start).count(),
+        Human(st.peak_device_bytes).c_str(), Human(st.budget_bytes).c_str(),
+        Human(st.offloaded_bytes).c_str(), Human(st.reloaded_bytes).c_str(),
+        st.recomputes, st.connected ? "deltad" : "in-process");
+    std::fflush(stdout);
+  }
+  const double wall =
+      std::chrono::duration<double>(Clock::now() - start).count();
+  c.Flush();
+  const deltad::client::ClientStats st = c.Stats();
+  c.Close();
+  std::printf(
+      "SUMMARY %-14s unmanaged peak %10s  managed peak %10s  offloaded %10s "
+      " reloaded %10s  recomputes %6" PRId64
+      " (%.2f s)  slowdown %.2fx  "
+      "checksums %" PRId64 " verified, %" PRId64 " bad  %s\n",
+      label.c_str(), Human(peak).c_str(), Human(st.peak_device_bytes).c_str(),
+      Human(st.offloaded_bytes).c_str(), Human(st.reloaded_bytes).c_str(),
+      st.recomputes, st.recompute_ns / 1e9, wall / (work_ns / 1e9), verified,
+      mismatches,
+      st.reconnects > 0
+          ? "(reconnected)"
+          : (st.local_decisions > 0 ? "(in-process decisions)" : ""));
+  if (mismatches > 0) return Fail("checksum mismatches: bytes were lost");
+  return 0;
+}
