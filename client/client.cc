@@ -197,6 +197,7 @@ void Client::OnOrders(const v1::Orders& orders) {
   if (orders.draining()) draining_seen_ = true;
   for (const v1::ReleaseOrder& o : orders.release()) {
     ++stats_.orders_received;
+    ++queued_releases_;
     jobs_.push_back(
         {o.action() == v1::ReleaseOrder::EVICT ? Job::kEvict : Job::kOffload,
          o.tensor_id()});
@@ -213,6 +214,8 @@ void Client::OnLost(const std::string& /*why*/) {
   stats_.connected = false;
   // Orders not yet carried out are moot: the daemon's state went with it.
   jobs_.clear();
+  queued_releases_ = 0;
+  changed_.notify_all();
   next_reconnect_ns_ =
       NowNs() + int64_t{options_.reconnect_interval_ms} * 1000000;
   work_.notify_all();
@@ -364,6 +367,7 @@ void Client::Unpin(uint64_t id) {
       // Rebuilt only for a child's recompute: the framework had dropped it.
       device_->Free(r.device, r.info.bytes);
       device_bytes_ -= r.info.bytes;
+      unreported_bytes_ -= r.info.bytes;
       r.device = nullptr;
       r.where = Where::kFreed;
       r.rebuilt_freed = false;
@@ -475,6 +479,11 @@ absl::Status Client::Offload(uint64_t id, Origin origin) {
     auto it = records_.find(id);
     if (it == records_.end()) return absl::OkStatus();  // gone meanwhile
     r = it->second.get();
+    if (origin != Origin::kLocalPlan &&
+        (r->where == Where::kOffloading || r->where == Where::kOffloaded ||
+         r->where == Where::kFreed)) {
+      return absl::OkStatus();  // done already: the order came twice
+    }
     if (r->where != Where::kResident || r->pins > 0 || r->info.offload_pinned) {
       RefuseLocked(id, origin);
       return absl::FailedPreconditionError(absl::StrCat(
@@ -487,6 +496,7 @@ absl::Status Client::Offload(uint64_t id, Origin origin) {
     }
     r->host = *host;
     r->where = Where::kOffloading;
+    offloading_bytes_ += r->info.bytes;
     if (origin != Origin::kLocalPlan) {
       (void)local_.table().SetState(id, policy::TensorState::kOffloading);
     }
@@ -497,6 +507,7 @@ absl::Status Client::Offload(uint64_t id, Origin origin) {
   std::lock_guard<std::mutex> lock(mu_);
   device_->Free(r->device, r->info.bytes);
   device_bytes_ -= r->info.bytes;
+  offloading_bytes_ -= r->info.bytes;
   r->device = nullptr;
   r->where = Where::kOffloaded;
   (void)local_.table().SetState(id, policy::TensorState::kOffloaded);
@@ -512,6 +523,10 @@ absl::Status Client::Evict(uint64_t id, Origin origin) {
   auto it = records_.find(id);
   if (it == records_.end()) return absl::OkStatus();
   Record* r = it->second.get();
+  if (origin != Origin::kLocalPlan &&
+      (r->where == Where::kEvicted || r->where == Where::kFreed)) {
+    return absl::OkStatus();  // done already: the order came twice
+  }
   if (r->where != Where::kResident || r->pins > 0 || r->info.evict_pinned ||
       r->info.uncomputable || !r->recompute) {
     RefuseLocked(id, origin);
@@ -610,14 +625,20 @@ absl::Status Client::Recompute(uint64_t id) {
   }
   auto device = AllocateDevice(bytes);
   absl::Status status = device.status();
+  if (device.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    unreported_bytes_ += bytes;
+  }
   const int64_t start = NowNs();
   if (device.ok()) status = fn(id, *device);
   const int64_t took = NowNs() - start;
   std::lock_guard<std::mutex> lock(mu_);
+  if (device.ok() && !was_freed) unreported_bytes_ -= bytes;
   if (!status.ok()) {
     if (device.ok()) {
       device_->Free(*device, bytes);
       device_bytes_ -= bytes;
+      if (was_freed) unreported_bytes_ -= bytes;
     }
     r->where = was_freed ? Where::kFreed : Where::kEvicted;
     changed_.notify_all();
@@ -640,16 +661,19 @@ absl::Status Client::Recompute(uint64_t id) {
   return absl::OkStatus();
 }
 
-void Client::CarryOut(const std::vector<v1::ReleaseOrder>& orders,
+bool Client::CarryOut(const std::vector<v1::ReleaseOrder>& orders,
                       Origin origin) {
+  bool all = true;
   for (const v1::ReleaseOrder& o : orders) {
-    (void)(o.action() == v1::ReleaseOrder::EVICT
-               ? Evict(o.tensor_id(), origin)
-               : Offload(o.tensor_id(), origin));
+    const absl::Status s = o.action() == v1::ReleaseOrder::EVICT
+                               ? Evict(o.tensor_id(), origin)
+                               : Offload(o.tensor_id(), origin);
+    all = all && s.ok();
   }
+  return all;
 }
 
-absl::Status Client::MakeRoom(int64_t bytes) {
+absl::StatusOr<bool> Client::MakeRoom(int64_t bytes) {
   const int64_t start = NowNs();
   std::shared_ptr<DaemonLink> link;
   {
@@ -666,13 +690,20 @@ absl::Status Client::MakeRoom(int64_t bytes) {
         std::lock_guard<std::mutex> lock(mu_);
         batch = TakeBatchLocked();
       }
-      response = link->Release(bytes, batch, batches_sent_);
+      // Memory held for rebuilds the daemon has not been told of yet is
+      // asked for too, or its view of the GPU would be short by that much.
+      int64_t unreported;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        unreported = unreported_bytes_;
+      }
+      response = link->Release(bytes + unreported, batch, batches_sent_);
     }
     if (response.ok()) {
       std::vector<v1::ReleaseOrder> orders(response->release().begin(),
                                            response->release().end());
-      CarryOut(orders, Origin::kSyncOrder);
-      std::lock_guard<std::mutex> lock(mu_);
+      const bool done = CarryOut(orders, Origin::kSyncOrder);
+      std::unique_lock<std::mutex> lock(mu_);
       ++stats_.sync_releases;
       stats_.sync_release_ns += NowNs() - start;
       if (!response->room_available()) {
@@ -680,10 +711,16 @@ absl::Status Client::MakeRoom(int64_t bytes) {
             "GPU ", options_.link.gpu, " has no room for ", bytes,
             " bytes: every session's releasable tensors are not enough"));
       }
+      // A refused order (its tensor got pinned) leaves the room short: the
+      // caller asks again, and the refusal steers the next choice.
+      if (!done) return false;
       // The daemon found room on the GPU, perhaps beyond this session's
-      // share (others released for it): the caller may allocate.
-      budget_bytes_ = std::max(budget_bytes_, device_bytes_ + bytes);
-      return absl::OkStatus();
+      // share (others released for it), counting this session's orders
+      // not yet carried out as done: allocate once they are.
+      changed_.wait(lock, [&] {
+        return offloading_bytes_ == 0 && queued_releases_ == 0;
+      });
+      return true;
     }
     if (response.status().code() != absl::StatusCode::kResourceExhausted) {
       OnLost(std::string(response.status().message()));
@@ -694,7 +731,7 @@ absl::Status Client::MakeRoom(int64_t bytes) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     const int64_t need = device_bytes_ + bytes - budget_bytes_;
-    if (need <= 0) return absl::OkStatus();
+    if (need <= 0) return false;
     const int64_t host_free = options_.fallback_host_bytes +
                               arena_.capacity_bytes() - arena_.used_bytes();
     auto plan = local_.Plan(need, NowNs(), host_free);
@@ -718,29 +755,31 @@ absl::Status Client::MakeRoom(int64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.sync_releases;
   stats_.sync_release_ns += NowNs() - start;
-  return absl::OkStatus();
+  return false;  // within the budget now, unless an order was refused
 }
 
 absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
   // A few rounds: a release can be undone by a concurrent allocation, and
   // an order can be refused (its tensor just got pinned).
-  for (int round = 0; round < 8; ++round) {
+  bool granted = false;  // the daemon made room beyond the budget
+  for (int round = 0;; ++round) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (device_bytes_ + bytes <= budget_bytes_) {
+      if (granted || device_bytes_ + bytes <= budget_bytes_) {
         device_bytes_ += bytes;
         stats_.peak_device_bytes =
             std::max(stats_.peak_device_bytes, device_bytes_);
         break;
       }
+      if (round == 8) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "no room for ", bytes, " bytes: ", device_bytes_, " of ",
+            budget_bytes_, " budget bytes held after releasing what could be"));
+      }
     }
-    if (round == 7) {
-      std::lock_guard<std::mutex> lock(mu_);
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "no room for ", bytes, " bytes: ", device_bytes_, " of ",
-          budget_bytes_, " budget bytes held after releasing what could be"));
-    }
-    if (absl::Status s = MakeRoom(bytes); !s.ok()) return s;
+    auto made = MakeRoom(bytes);
+    if (!made.ok()) return made.status();
+    granted = *made;
   }
   auto device = device_->Allocate(bytes);
   if (!device.ok()) {
@@ -774,6 +813,10 @@ void Client::ExecutorLoop() {
           break;
       }
       lock.lock();
+      if (job.kind != Job::kPrefetch && queued_releases_ > 0) {
+        --queued_releases_;
+        changed_.notify_all();
+      }
     }
     bool reconnect = options_.use_daemon &&
                      options_.reconnect_interval_ms > 0 && !stats_.connected &&
@@ -791,6 +834,7 @@ void Client::ExecutorLoop() {
         std::lock_guard<std::mutex> relock(mu_);
         stats_.connected = false;
         jobs_.clear();
+        queued_releases_ = 0;
       } else {
         // Keep the diverged session rather than lose bytes; the daemon's
         // view heals as the tensors are freed.

@@ -193,8 +193,12 @@ class Client {
   absl::Status Reload(uint64_t id, bool prefetch);
   absl::Status Recompute(uint64_t id);
   absl::StatusOr<void*> AllocateDevice(int64_t bytes);
-  absl::Status MakeRoom(int64_t bytes);
-  void CarryOut(const std::vector<v1::ReleaseOrder>& orders, Origin origin);
+  // Releases so that `bytes` more fit: true when the daemon made room on
+  // the GPU for it (possibly beyond this session's budget), false when the
+  // caller should check its budget again.
+  absl::StatusOr<bool> MakeRoom(int64_t bytes);
+  // False when an order could not be carried out.
+  bool CarryOut(const std::vector<v1::ReleaseOrder>& orders, Origin origin);
   void RefuseLocked(uint64_t id, Origin origin);
 
   void DropLocked(uint64_t id);  // forgets a record, then its freed parents
@@ -209,7 +213,12 @@ class Client {
   std::condition_variable changed_;  // a record left a transient state
   std::unordered_map<uint64_t, std::unique_ptr<Record>> records_;
   LocalPolicy local_;
-  int64_t device_bytes_ = 0;  // reserved or held on the device
+  int64_t device_bytes_ = 0;      // reserved or held on the device
+  int64_t offloading_bytes_ = 0;  // of tensors whose copy out is in flight
+  int64_t queued_releases_ = 0;   // the daemon's release orders not yet run
+  // Device bytes the daemon does not know are held: tensors being
+  // recomputed (reported once rebuilt) and freed ones rebuilt for a child.
+  int64_t unreported_bytes_ = 0;
   int64_t budget_bytes_ = 0;
   ClientStats stats_;
   v1::EventBatch pending_;

@@ -79,7 +79,10 @@ absl::Status SendFds(int socket, uint64_t tag, absl::Span<const int> fds,
   const uint32_t length = static_cast<uint32_t>(payload.size());
   std::memcpy(wire.data(), &tag, sizeof(tag));
   std::memcpy(wire.data() + sizeof(tag), &length, sizeof(length));
-  std::memcpy(wire.data() + kHeaderBytes, payload.data(), payload.size());
+  // memcpy from an empty view's null data() is undefined, even for 0 bytes.
+  if (!payload.empty()) {
+    std::memcpy(wire.data() + kHeaderBytes, payload.data(), payload.size());
+  }
   struct iovec iov;
   iov.iov_base = wire.data();
   iov.iov_len = wire.size();

@@ -773,7 +773,31 @@ GpuPolicy::MakeRoom(SessionId session, int64_t bytes, int64_t now_ns) {
   for (const policy::ReleaseOrder& o : chosen) {
     auto [owner, wire] = ToWire(o);
     out[owner].push_back(std::move(wire));
-    ++sessions_.at(owner).releases_ordered;
+    Session& victim = sessions_.at(owner);
+    ++victim.releases_ordered;
+    if (owner != session) victim.stream_releases.push_back(o.id);
+  }
+  return out;
+}
+
+std::vector<v1::ReleaseOrder> GpuPolicy::TakeStreamReleases(SessionId session) {
+  std::vector<v1::ReleaseOrder> out;
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) return out;
+  std::vector<policy::TensorId> ids;
+  ids.swap(it->second.stream_releases);
+  for (policy::TensorId id : ids) {
+    const Tensor* t = table_.Find(id);
+    if (t == nullptr || t->session != session) continue;
+    const bool offloading = t->state == TensorState::kOffloading;
+    const bool evicting =
+        t->state == TensorState::kEvicted && t->evicted_from_device;
+    if (!offloading && !evicting) continue;
+    out.push_back(ToWire({id,
+                          offloading ? policy::ReleaseAction::kOffload
+                                     : policy::ReleaseAction::kEvict,
+                          t->bytes})
+                      .second);
   }
   return out;
 }
@@ -802,6 +826,7 @@ std::map<SessionId, v1::Orders> GpuPolicy::Plan(SessionId session,
         auto [owner, wire] = ToWire(*order);
         *out[owner].add_release() = std::move(wire);
         ++sessions_.at(owner).releases_ordered;
+        sessions_.at(owner).stream_releases.push_back(order->id);
       }
     }
   }

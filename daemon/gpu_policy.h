@@ -124,6 +124,12 @@ class GpuPolicy {
   // releases are cancelled, since the process will never carry them out.
   // Ids are the session's own; unknown ones are skipped.
   void Undeliverable(SessionId session, const v1::Orders& orders);
+  // The session's releases ordered on its stream (since the last call) and
+  // still outstanding, as orders to repeat in a synchronous answer: room
+  // counted on them is room only once they are carried out, and the stream
+  // may not have delivered them yet. The process carries out each order
+  // once and ignores the repeat.
+  std::vector<v1::ReleaseOrder> TakeStreamReleases(SessionId session);
 
   absl::StatusOr<SessionUsage> Usage(SessionId session) const;
   // The session's `limit` largest tensors, largest first (ties by the
@@ -153,6 +159,9 @@ class GpuPolicy {
     // Prefetches ordered (kReloading) and maybe not reported back yet;
     // pruned when Plan counts them.
     std::vector<policy::TensorId> reloading;
+    // Releases ordered on the session's stream since its last synchronous
+    // release (see TakeStreamReleases).
+    std::vector<policy::TensorId> stream_releases;
     std::unique_ptr<policy::Prefetcher> prefetcher;
     bool reachable = false;  // see SetReachable
   };

@@ -160,6 +160,7 @@ grpc::Status MemoryManagerService::Session(
     }
     writer_done.set_value();
   });
+  absl::Status end;  // what the stream ends with
   do {
     if (!message.session_token().empty() && message.session_token() != token) {
       v1::Orders refused;
@@ -171,7 +172,10 @@ grpc::Status MemoryManagerService::Session(
     auto orders = node_.Apply(token, message.batch());
     batches_.Applied(id);
     if (!orders.ok()) {
-      if (orders.status().code() == absl::StatusCode::kUnauthenticated) break;
+      if (orders.status().code() == absl::StatusCode::kUnauthenticated) {
+        end = orders.status();  // closed meanwhile: the stream ends
+        break;
+      }
       v1::Orders refused;
       refused.set_rejected_batch(std::string(orders.status().message()));
       mailboxes_.Post(id, std::move(refused));
@@ -193,7 +197,7 @@ grpc::Status MemoryManagerService::Session(
   batches_.Forget(id);
   auto others = node_.CloseSession(token);
   if (others.ok()) Deliver(*others);
-  return grpc::Status::OK;
+  return ToGrpc(end);
 }
 
 grpc::Status MemoryManagerService::Release(grpc::ServerContext* context,

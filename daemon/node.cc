@@ -276,6 +276,13 @@ absl::StatusOr<Node::Released> Node::Release(
   Released released;
   // MakeRoom succeeded: once its orders are carried out, the GPU has room.
   released.response.set_room_available(true);
+  // Orders already sent on the stream count as done in MakeRoom's sums but
+  // may still be on their way: repeated here, so that the process carries
+  // them out before it allocates.
+  for (v1::ReleaseOrder& o : gpu.policy->TakeStreamReleases(session->id)) {
+    released.response.set_bytes(released.response.bytes() + o.bytes());
+    *released.response.add_release() = std::move(o);
+  }
   for (auto& [id, list] : *orders) {
     if (id == session->id) {
       for (v1::ReleaseOrder& o : list) {

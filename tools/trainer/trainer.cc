@@ -321,10 +321,11 @@ int main(int argc, char** argv) {
   Client& c = **client;
   const deltad::client::ClientStats first = c.Stats();
   std::printf(
-      "[%s] %s, %s peak unmanaged (scale 1/%.0f: %s real), budget %s "
-      "(%s), GPU %d, %s\n",
+      "[%s] %s, %s peak unmanaged (scale 1/%.0f: %s real), largest step "
+      "%s, budget %s (%s), GPU %d, %s\n",
       label.c_str(), trace->name.c_str(), Human(peak).c_str(), 1 / scale,
-      Human(program->peak_bytes).c_str(), Human(first.budget_bytes).c_str(),
+      Human(program->peak_bytes).c_str(), Human(floor_bytes).c_str(),
+      Human(first.budget_bytes).c_str(),
       first.connected ? "granted by deltad" : "in-process policy",
       absl::GetFlag(FLAGS_gpu),
       first.connected ? absl::StrFormat("session %d", first.session_id).c_str()

@@ -774,6 +774,24 @@ TEST_F(GpuPolicyTest, PlanOffloadsAheadAboveTheHighWatermark) {
   EXPECT_THAT(Plan(kA), IsEmpty());
 }
 
+TEST_F(GpuPolicyTest, StreamOrdersStillOutstandingAreRepeatedOnceOnRequest) {
+  Make(1000);
+  AddSession(kA, 1000);
+  Fill(kA, 1, 8, 100, Cost::kCostly);  // 800: above the high watermark
+  std::map<SessionId, v1::Orders> orders = Plan(kA);
+  ASSERT_THAT(Ids(orders[kA]), ElementsAre(1, 2));
+  // Tensor 1's copy is done; tensor 2's order is still on its way.
+  ASSERT_TRUE(Apply(kA, Events({{kOffloaded, 1}})).ok());
+  std::vector<v1::ReleaseOrder> repeat = policy_->TakeStreamReleases(kA);
+  ASSERT_EQ(repeat.size(), 1u);
+  EXPECT_EQ(repeat[0].tensor_id(), 2u);
+  EXPECT_EQ(repeat[0].action(), v1::ReleaseOrder::OFFLOAD);
+  EXPECT_EQ(repeat[0].bytes(), 100);
+  // Once only, and never another session's.
+  EXPECT_THAT(policy_->TakeStreamReleases(kA), IsEmpty());
+  EXPECT_THAT(policy_->TakeStreamReleases(kB), IsEmpty());
+}
+
 TEST_F(GpuPolicyTest, PlanOffloadsAheadFromOverShareSessionsKeyedByOwner) {
   Make(1000);
   AddSession(kA, 500);

@@ -1,0 +1,1202 @@
+// Bad input against the real deltad process: every malformed, forged,
+// oversized or out-of-order request gets a specific status code and a
+// message that says what was wrong, never touches another session, and
+// leaves the daemon serving. Each test starts its own daemon (two
+// simulated 8 GiB GPUs, a 1 GiB host pool of 64 MiB slabs, and low limits
+// from a config file) and ends by checking that it is still up and that
+// SIGTERM stops it cleanly (exit 0: no crash, and under ASan no leak).
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <iterator>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/side_protocol.h"
+#include "common/unix_socket.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_process.h"
+
+namespace deltad::testing_util {
+namespace {
+
+namespace side = common::side;
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+constexpr int64_t kGiB = int64_t{1} << 30;
+constexpr int kMaxBatchEvents = 8;
+constexpr int kMaxMessageBytes = 64 * 1024;
+// Generous: the machine is slow and shared, and ASan slows the daemon.
+constexpr absl::Duration kTimeout = absl::Seconds(30);
+
+std::chrono::system_clock::time_point Deadline(
+    absl::Duration d = absl::Seconds(60)) {
+  return std::chrono::system_clock::now() + absl::ToChronoSeconds(d);
+}
+
+// One Session stream as a training process holds it: the first message
+// names the session; orders are read on a thread of their own into a queue,
+// so that a test can wait for one with a timeout and a stream never blocks
+// the daemon's writer. The call has a deadline, so nothing hangs for ever.
+class SessionStream {
+ public:
+  SessionStream(v1::MemoryManager::Stub& stub, const std::string& token) {
+    context_.set_deadline(Deadline(absl::Seconds(300)));
+    stream_ = stub.Session(&context_);
+    reader_ = std::thread([this] {
+      v1::Orders orders;
+      while (stream_->Read(&orders)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        queue_.push_back(orders);
+        cv_.notify_all();
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      ended_ = true;
+      cv_.notify_all();
+    });
+    v1::SessionMessage hello;
+    hello.set_session_token(token);
+    // A failed write shows later, as the stream's end and its status.
+    (void)stream_->Write(hello);
+  }
+  SessionStream(const SessionStream&) = delete;
+  SessionStream& operator=(const SessionStream&) = delete;
+  ~SessionStream() {
+    if (!finished_) {
+      context_.TryCancel();
+      reader_.join();
+      (void)stream_->Finish();
+    }
+  }
+
+  // Sends a batch (no token: the stream's first message named it).
+  bool Send(const v1::EventBatch& batch) {
+    v1::SessionMessage m;
+    *m.mutable_batch() = batch;
+    return stream_->Write(m);
+  }
+  bool SendMessage(const v1::SessionMessage& m) { return stream_->Write(m); }
+
+  // The next orders that satisfy `match`, skipping others (budget changes
+  // as sessions come and go); empty on timeout or when the stream ended.
+  std::optional<v1::Orders> NextMatching(
+      const std::function<bool(const v1::Orders&)>& match,
+      absl::Duration timeout = kTimeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    const auto deadline =
+        std::chrono::steady_clock::now() + absl::ToChronoMilliseconds(timeout);
+    for (;;) {
+      while (!queue_.empty()) {
+        v1::Orders o = std::move(queue_.front());
+        queue_.pop_front();
+        if (match(o)) return o;
+      }
+      if (ended_) return std::nullopt;
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout &&
+          queue_.empty()) {
+        return std::nullopt;
+      }
+    }
+  }
+
+  // The text of the next refused batch; "<none>" when none came.
+  std::string NextRejection(absl::Duration timeout = kTimeout) {
+    auto o = NextMatching(
+        [](const v1::Orders& x) { return !x.rejected_batch().empty(); },
+        timeout);
+    return o ? o->rejected_batch() : "<none>";
+  }
+
+  // Whether the daemon ended the stream within `timeout`.
+  bool WaitEnded(absl::Duration timeout = kTimeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, absl::ToChronoMilliseconds(timeout),
+                        [&] { return ended_; });
+  }
+
+  // Half-closes (WritesDone), waits for the daemon to end the stream, and
+  // returns its status. DEADLINE_EXCEEDED-like statuses mean it hung.
+  grpc::Status Finish() {
+    stream_->WritesDone();
+    return FinishWithoutWritesDone();
+  }
+  // The status of a stream the daemon ended by itself.
+  grpc::Status FinishWithoutWritesDone() {
+    if (!WaitEnded(absl::Seconds(60))) context_.TryCancel();
+    reader_.join();
+    finished_ = true;
+    return stream_->Finish();
+  }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionMessage, v1::Orders>>
+      stream_;
+  std::thread reader_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<v1::Orders> queue_;
+  bool ended_ = false;
+  bool finished_ = false;
+};
+
+v1::EventBatch Created(std::initializer_list<uint64_t> ids,
+                       int64_t bytes = kMiB) {
+  v1::EventBatch b;
+  for (uint64_t id : ids) {
+    v1::TensorCreated* c = b.add_created();
+    c->set_tensor_id(id);
+    c->set_bytes(bytes);
+    c->set_compute_cost_ns(1000);
+  }
+  return b;
+}
+
+v1::EventBatch Event(v1::TensorEvent::Kind kind, uint64_t id) {
+  v1::EventBatch b;
+  v1::TensorEvent* e = b.add_events();
+  e->set_kind(kind);
+  e->set_tensor_id(id);
+  e->set_at_ns(1);
+  return b;
+}
+
+std::string Describe(const grpc::Status& s) {
+  return absl::StrCat("code ", s.error_code(), ": ", s.error_message());
+}
+
+class BadInputTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    DaemonOptions options;
+    options.config_text =
+        absl::StrCat("limits { max_batch_events: ", kMaxBatchEvents,
+                     " max_message_bytes: ", kMaxMessageBytes, " }\n");
+    // Bounds the drain at the end of each test: what is left open by then
+    // (a test that keeps a stream on purpose) must not slow the suite.
+    options.flags = {"--drain_seconds=5"};
+    StartDaemon(std::move(options));
+  }
+
+  void StartDaemon(DaemonOptions options) {
+    auto daemon = DaemonProcess::Start(std::move(options));
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = std::move(*daemon);
+    stub_ = daemon_->NewStub();
+    auto peer = Peer::Connect(daemon_->side_socket_path());
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    peer_ = std::make_unique<Peer>(std::move(*peer));
+  }
+
+  void TearDown() override {
+    if (daemon_ == nullptr || stopped_) return;
+    EXPECT_TRUE(daemon_->Running()) << "deltad died during the test\n"
+                                    << daemon_->Output();
+    if (peer_ != nullptr) peer_->Close();
+    // An idle but connected channel makes gRPC's shutdown wait out its
+    // whole grace period (2 s): the test's own goes first.
+    stub_.reset();
+    const ExitStatus e = daemon_->Stop();
+    EXPECT_TRUE(e.ok()) << "deltad did not stop cleanly on SIGTERM: "
+                        << e.ToString() << "\n"
+                        << daemon_->Output();
+  }
+
+  grpc::Status Open(const std::string& peer_token, int gpu,
+                    v1::OpenSessionResponse* response = nullptr,
+                    int64_t host_bytes = 0) {
+    v1::OpenSessionRequest request;
+    request.set_gpu(gpu);
+    request.set_peer_token(peer_token);
+    request.set_requested_host_bytes(host_bytes);
+    request.set_label("integration test");
+    return Open(request, response);
+  }
+  grpc::Status Open(const v1::OpenSessionRequest& request,
+                    v1::OpenSessionResponse* response = nullptr) {
+    grpc::ClientContext context;
+    context.set_deadline(Deadline());
+    v1::OpenSessionResponse ignored;
+    return stub_->OpenSession(&context, request,
+                              response != nullptr ? response : &ignored);
+  }
+  // Opens a session that must open.
+  v1::OpenSessionResponse MustOpen(const std::string& peer_token, int gpu,
+                                   int64_t host_bytes = 0) {
+    v1::OpenSessionResponse response;
+    const grpc::Status s = Open(peer_token, gpu, &response, host_bytes);
+    EXPECT_TRUE(s.ok()) << Describe(s);
+    return response;
+  }
+
+  grpc::Status Close(const std::string& session_token) {
+    grpc::ClientContext context;
+    context.set_deadline(Deadline());
+    v1::CloseSessionRequest request;
+    request.set_session_token(session_token);
+    v1::CloseSessionResponse response;
+    return stub_->CloseSession(&context, request, &response);
+  }
+
+  grpc::Status Release(const v1::ReleaseRequest& request,
+                       v1::ReleaseResponse* response = nullptr) {
+    grpc::ClientContext context;
+    context.set_deadline(Deadline());
+    v1::ReleaseResponse ignored;
+    return stub_->Release(&context, request,
+                          response != nullptr ? response : &ignored);
+  }
+
+  v1::NodeStatusResponse Status() {
+    grpc::ClientContext context;
+    context.set_deadline(Deadline());
+    v1::NodeStatusResponse response;
+    const grpc::Status s =
+        stub_->NodeStatus(&context, v1::NodeStatusRequest(), &response);
+    EXPECT_TRUE(s.ok()) << "NodeStatus: " << Describe(s);
+    return response;
+  }
+
+  // The daemon process is alive and answers NodeStatus: checked after every
+  // piece of bad input.
+  void ExpectServing(const std::string& after) {
+    ASSERT_TRUE(daemon_->Running()) << "deltad died after " << after << "\n"
+                                    << daemon_->Output();
+    grpc::ClientContext context;
+    context.set_deadline(Deadline());
+    v1::NodeStatusResponse response;
+    const grpc::Status s =
+        stub_->NodeStatus(&context, v1::NodeStatusRequest(), &response);
+    ASSERT_TRUE(s.ok()) << "NodeStatus after " << after << ": " << Describe(s)
+                        << "\n"
+                        << daemon_->Output();
+  }
+
+  // Polls NodeStatus until `done` holds or `timeout` passes.
+  bool WaitForStatus(
+      const std::function<bool(const v1::NodeStatusResponse&)>& done,
+      absl::Duration timeout = kTimeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    for (;;) {
+      if (done(Status())) return true;
+      if (absl::Now() >= deadline) return false;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
+
+  // The NodeStatus record of a session; a default one when it is not open.
+  v1::SessionStatus SessionOf(uint64_t session_id) {
+    const v1::NodeStatusResponse status = Status();
+    for (const v1::SessionStatus& s : status.sessions()) {
+      if (s.session_id() == session_id) return s;
+    }
+    return v1::SessionStatus();
+  }
+  bool WaitForTensors(uint64_t session_id, uint64_t tensors) {
+    return WaitForStatus([&](const v1::NodeStatusResponse& r) {
+      for (const v1::SessionStatus& s : r.sessions()) {
+        if (s.session_id() == session_id) return s.tensors() == tensors;
+      }
+      return false;
+    });
+  }
+  bool WaitForSessions(int n) {
+    return WaitForStatus([n](const v1::NodeStatusResponse& r) {
+      return r.sessions_size() == n;
+    });
+  }
+
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::unique_ptr<v1::MemoryManager::Stub> stub_;
+  std::unique_ptr<Peer> peer_;
+  bool stopped_ = false;  // the test stopped the daemon itself
+};
+
+// --- Unary calls ------------------------------------------------------------
+
+TEST_F(BadInputTest, UnknownSessionTokenIsUnauthenticatedEverywhere) {
+  for (const std::string& token :
+       {std::string(), std::string("not-a-token"), std::string(32, '0'),
+        std::string(4000, 'x')}) {
+    SCOPED_TRACE(absl::StrCat("token of ", token.size(), " bytes"));
+    grpc::Status s = Close(token);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << Describe(s);
+    EXPECT_THAT(s.error_message(), HasSubstr("session token"));
+
+    v1::ReleaseRequest release;
+    release.set_session_token(token);
+    release.set_bytes(kMiB);
+    s = Release(release);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << Describe(s);
+    EXPECT_THAT(s.error_message(), HasSubstr("session token"));
+
+    SessionStream stream(*stub_, token);
+    s = stream.FinishWithoutWritesDone();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << Describe(s);
+    EXPECT_THAT(s.error_message(), HasSubstr("session token"));
+    ExpectServing("an unknown session token");
+  }
+}
+
+TEST_F(BadInputTest,
+       ReleaseWithUnknownTokenIsUnauthenticatedAndAppliesNothing) {
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  v1::ReleaseRequest release;
+  release.set_session_token(mine.session_token() + "0");
+  release.set_bytes(kMiB);
+  *release.mutable_batch() = Created({1, 2});
+  v1::ReleaseResponse response;
+  const grpc::Status s = Release(release, &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << Describe(s);
+  EXPECT_THAT(s.error_message(), HasSubstr("unknown or closed session token"));
+  EXPECT_EQ(SessionOf(mine.session_id()).tensors(), 0u);
+  ExpectServing("Release with an unknown token");
+}
+
+TEST_F(BadInputTest, OpenSessionWithoutPeerTokenIsUnauthenticated) {
+  const grpc::Status s = Open("", 0);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << Describe(s);
+  EXPECT_THAT(s.error_message(), HasSubstr("peer token"));
+  EXPECT_EQ(Status().sessions_size(), 0);
+  ExpectServing("OpenSession without a peer token");
+}
+
+TEST_F(BadInputTest, OpenSessionWithBogusPeerTokenIsUnauthenticated) {
+  std::string near_miss = peer_->token();
+  near_miss.back() = near_miss.back() == '0' ? '1' : '0';
+  for (const std::string& token :
+       {std::string("forged"), near_miss, peer_->token() + "00",
+        std::string(peer_->token().size(), '\0'), std::string(10000, 'a')}) {
+    SCOPED_TRACE(absl::StrCat("token of ", token.size(), " bytes"));
+    const grpc::Status s = Open(token, 0);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << Describe(s);
+    EXPECT_THAT(s.error_message(), HasSubstr("peer token"));
+    ExpectServing("OpenSession with a bogus peer token");
+  }
+  EXPECT_EQ(Status().sessions_size(), 0);
+  // The real token still works.
+  MustOpen(peer_->token(), 0);
+}
+
+TEST_F(BadInputTest, SecondSessionOnOneGpuFromOneProcessIsAlreadyExists) {
+  const v1::OpenSessionResponse first = MustOpen(peer_->token(), 0);
+  grpc::Status s = Open(peer_->token(), 0);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << Describe(s);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr(absl::StrCat("already has session ", first.session_id(),
+                                     " on GPU 0")));
+  // A second side connection of the same process is the same process.
+  auto again = Peer::Connect(daemon_->side_socket_path());
+  ASSERT_TRUE(again.ok()) << again.status();
+  s = Open(again->token(), 0);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << Describe(s);
+  ExpectServing("a second session on one GPU");
+  // Another GPU is fine, and the first session is untouched.
+  MustOpen(peer_->token(), 1);
+  EXPECT_EQ(Status().sessions_size(), 2);
+  EXPECT_EQ(SessionOf(first.session_id()).gpu(), 0);
+}
+
+TEST_F(BadInputTest, BadGpuIndexIsInvalidArgument) {
+  for (int gpu : {-1, 2, 64, std::numeric_limits<int32_t>::max(),
+                  std::numeric_limits<int32_t>::min()}) {
+    SCOPED_TRACE(absl::StrCat("gpu ", gpu));
+    const grpc::Status s = Open(peer_->token(), gpu);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << Describe(s);
+    EXPECT_THAT(s.error_message(),
+                HasSubstr(absl::StrCat("no GPU ", gpu, ": this node has 2")));
+    ExpectServing("a bad GPU index");
+  }
+  EXPECT_EQ(Status().sessions_size(), 0);
+}
+
+TEST_F(BadInputTest, NegativeRequestedSizesAreInvalidArgument) {
+  for (int64_t bad :
+       {int64_t{-1}, -kGiB, std::numeric_limits<int64_t>::min()}) {
+    for (bool host : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(host ? "host " : "budget ", bad));
+      v1::OpenSessionRequest request;
+      request.set_gpu(0);
+      request.set_peer_token(peer_->token());
+      if (host) {
+        request.set_requested_host_bytes(bad);
+      } else {
+        request.set_requested_budget_bytes(bad);
+      }
+      const grpc::Status s = Open(request);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+          << Describe(s);
+      EXPECT_THAT(s.error_message(), HasSubstr("must not be negative"));
+      ExpectServing("a negative requested size");
+    }
+  }
+  const v1::NodeStatusResponse status = Status();
+  EXPECT_EQ(status.sessions_size(), 0);
+  EXPECT_EQ(status.host_pool_granted_bytes(), 0);
+}
+
+TEST_F(BadInputTest, PriorityAbove100IsInvalidArgument) {
+  for (uint32_t priority :
+       {101u, 1000u, std::numeric_limits<uint32_t>::max()}) {
+    SCOPED_TRACE(absl::StrCat("priority ", priority));
+    v1::OpenSessionRequest request;
+    request.set_gpu(0);
+    request.set_peer_token(peer_->token());
+    request.set_priority(priority);
+    const grpc::Status s = Open(request);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << Describe(s);
+    EXPECT_THAT(s.error_message(),
+                HasSubstr(absl::StrCat("priority must be at most 100, got ",
+                                       priority)));
+    ExpectServing("a priority above 100");
+  }
+  EXPECT_EQ(Status().sessions_size(), 0);
+  v1::OpenSessionRequest request;
+  request.set_gpu(0);
+  request.set_peer_token(peer_->token());
+  request.set_priority(100);
+  const grpc::Status s = Open(request);
+  EXPECT_TRUE(s.ok()) << "priority 100 is allowed: " << Describe(s);
+}
+
+TEST_F(BadInputTest, AbsurdRequestedSizesAreCappedNotOverflowed) {
+  // Larger than anything the node has: granted what there is (or refused
+  // with a code), never an overflowed grant, never a crash.
+  v1::OpenSessionRequest request;
+  request.set_gpu(0);
+  request.set_peer_token(peer_->token());
+  request.set_requested_budget_bytes(std::numeric_limits<int64_t>::max());
+  request.set_requested_host_bytes(std::numeric_limits<int64_t>::max());
+  v1::OpenSessionResponse response;
+  const grpc::Status s = Open(request, &response);
+  ExpectServing("absurd requested sizes");
+  if (s.ok()) {
+    const v1::NodeStatusResponse status = Status();
+    EXPECT_GT(response.granted_budget_bytes(), 0);
+    EXPECT_LE(response.granted_budget_bytes(), status.gpus(0).budget_bytes());
+    EXPECT_GE(response.host_quota_bytes(), 0);
+    EXPECT_LE(response.host_quota_bytes(), status.host_pool_bytes());
+  } else {
+    EXPECT_THAT(s.error_code(), AnyOf(grpc::StatusCode::INVALID_ARGUMENT,
+                                      grpc::StatusCode::RESOURCE_EXHAUSTED))
+        << Describe(s);
+  }
+  // And a second process asking for everything too.
+  auto other = PeerProcess::Start(daemon_->side_socket_path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  request.set_peer_token((*other)->token());
+  const grpc::Status second = Open(request, &response);
+  ExpectServing("a second session with absurd requested sizes");
+  if (second.ok()) {
+    EXPECT_GT(response.granted_budget_bytes(), 0);
+    EXPECT_LE(response.granted_budget_bytes(), Status().gpus(0).budget_bytes());
+  }
+}
+
+TEST_F(BadInputTest, ReleaseWithBadSizesIsRefusedAndAppliesNothing) {
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  v1::ReleaseRequest release;
+  release.set_session_token(mine.session_token());
+  *release.mutable_batch() = Created({1});
+  for (int64_t bytes :
+       {int64_t{0}, int64_t{-1}, std::numeric_limits<int64_t>::min()}) {
+    SCOPED_TRACE(absl::StrCat("bytes ", bytes));
+    release.set_bytes(bytes);
+    const grpc::Status s = Release(release);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << Describe(s);
+    EXPECT_THAT(s.error_message(), HasSubstr("must be positive"));
+    ExpectServing("Release of a non-positive size");
+  }
+  for (int64_t bytes : {9 * kGiB, std::numeric_limits<int64_t>::max()}) {
+    SCOPED_TRACE(absl::StrCat("bytes ", bytes));
+    release.set_bytes(bytes);
+    const grpc::Status s = Release(release);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << Describe(s);
+    EXPECT_THAT(s.error_message(), HasSubstr("whole budget"));
+    ExpectServing("Release of more than the GPU");
+  }
+  // A bad batch in an otherwise fine Release refuses the whole call.
+  release.set_bytes(kMiB);
+  *release.mutable_batch() = Created({1}, /*bytes=*/-5);
+  const grpc::Status s = Release(release);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  EXPECT_THAT(s.error_message(), HasSubstr("size must be positive"));
+  EXPECT_EQ(SessionOf(mine.session_id()).tensors(), 0u);
+}
+
+TEST_F(BadInputTest, MessageOverMaxMessageBytesIsResourceExhausted) {
+  v1::OpenSessionRequest request;
+  request.set_gpu(0);
+  request.set_peer_token(peer_->token());
+  request.set_label(std::string(2 * kMaxMessageBytes, 'L'));
+  grpc::Status s = Open(request);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << Describe(s);
+  EXPECT_FALSE(s.error_message().empty());
+  ExpectServing("an oversized OpenSession");
+  EXPECT_EQ(Status().sessions_size(), 0);
+
+  // On the stream: within the event limit, over the byte limit. The stream
+  // fails; as it is the session's lifeline, the session goes with it.
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  SessionStream stream(*stub_, mine.session_token());
+  ASSERT_TRUE(stream.Send(Created({1})));
+  ASSERT_TRUE(WaitForTensors(mine.session_id(), 1));
+  v1::EventBatch big = Created({2});
+  for (int i = 0; i < kMaxMessageBytes; ++i) {
+    big.mutable_created(0)->add_parent_ids(1);
+  }
+  stream.Send(big);
+  s = stream.FinishWithoutWritesDone();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << Describe(s);
+  ExpectServing("an oversized stream message");
+  EXPECT_TRUE(WaitForSessions(0)) << "the session of a failed stream stays";
+  // The process can open again.
+  MustOpen(peer_->token(), 0);
+}
+
+// --- The Session stream -----------------------------------------------------
+
+TEST_F(BadInputTest, BatchNamingAnotherSessionsTensorsDoesNotTouchThem) {
+  // Session A belongs to another process, on the same GPU as ours (B).
+  auto other = PeerProcess::Start(daemon_->side_socket_path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  const v1::OpenSessionResponse a = MustOpen((*other)->token(), 0);
+  SessionStream stream_a(*stub_, a.session_token());
+  ASSERT_TRUE(stream_a.Send(Created({1, 2, 3})));
+  ASSERT_TRUE(WaitForTensors(a.session_id(), 3));
+  const v1::SessionStatus a_before = SessionOf(a.session_id());
+  EXPECT_EQ(a_before.device_bytes(), 3 * kMiB);
+
+  const v1::OpenSessionResponse b = MustOpen(peer_->token(), 0);
+  SessionStream stream_b(*stub_, b.session_token());
+  const struct {
+    v1::TensorEvent::Kind kind;
+    uint64_t id;
+  } foreign[] = {
+      {v1::TensorEvent::FREED, 1},     {v1::TensorEvent::ACCESSED, 2},
+      {v1::TensorEvent::OFFLOADED, 3}, {v1::TensorEvent::EVICTED, 1},
+      {v1::TensorEvent::RELOADED, 2},  {v1::TensorEvent::RELEASE_FAILED, 3},
+  };
+  for (const auto& f : foreign) {
+    SCOPED_TRACE(absl::StrCat(v1::TensorEvent::Kind_Name(f.kind), " ", f.id));
+    ASSERT_TRUE(stream_b.Send(Event(f.kind, f.id)));
+    EXPECT_THAT(stream_b.NextRejection(), HasSubstr("has no such tensor"));
+    ExpectServing("a batch naming another session's tensor");
+  }
+  v1::EventBatch child = Created({10});
+  child.mutable_created(0)->add_parent_ids(1);
+  ASSERT_TRUE(stream_b.Send(child));
+  EXPECT_THAT(stream_b.NextRejection(),
+              HasSubstr("parent 1 is not a tensor of this session"));
+
+  // B's ids are its own: B may create and free its own tensor 1.
+  ASSERT_TRUE(stream_b.Send(Created({1})));
+  ASSERT_TRUE(WaitForTensors(b.session_id(), 1));
+  ASSERT_TRUE(stream_b.Send(Event(v1::TensorEvent::FREED, 1)));
+  ASSERT_TRUE(WaitForTensors(b.session_id(), 0));
+
+  const v1::SessionStatus a_after = SessionOf(a.session_id());
+  EXPECT_EQ(a_after.tensors(), 3u);
+  EXPECT_EQ(a_after.device_bytes(), a_before.device_bytes());
+  EXPECT_EQ(a_after.host_bytes(), a_before.host_bytes());
+  EXPECT_EQ(Status().gpus(0).used_bytes(), 3 * kMiB);
+  // And A still works: its tensors are there to be freed.
+  ASSERT_TRUE(stream_a.Send(Event(v1::TensorEvent::FREED, 2)));
+  EXPECT_TRUE(WaitForTensors(a.session_id(), 2));
+}
+
+TEST_F(BadInputTest, ZeroNegativeAndAbsurdTensorSizesAreRejected) {
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  SessionStream stream(*stub_, mine.session_token());
+  const struct {
+    int64_t bytes;
+    const char* says;
+  } sizes[] = {
+      {0, "size must be positive, got 0"},
+      {-1, "size must be positive, got -1"},
+      {std::numeric_limits<int64_t>::min(), "size must be positive"},
+      {8 * kGiB, "whole budget"},  // the GPU's memory; its budget is 90%
+      {std::numeric_limits<int64_t>::max(), "whole budget"},
+  };
+  for (const auto& size : sizes) {
+    SCOPED_TRACE(absl::StrCat("bytes ", size.bytes));
+    ASSERT_TRUE(stream.Send(Created({7}, size.bytes)));
+    EXPECT_THAT(stream.NextRejection(), HasSubstr(size.says));
+    ExpectServing("a bad tensor size");
+  }
+  v1::EventBatch cost = Created({7});
+  cost.mutable_created(0)->set_compute_cost_ns(-1);
+  ASSERT_TRUE(stream.Send(cost));
+  EXPECT_THAT(stream.NextRejection(), HasSubstr("compute cost"));
+  // One bad tensor refuses the batch whole.
+  v1::EventBatch mixed = Created({1, 2, 3});
+  mixed.mutable_created(2)->set_bytes(0);
+  ASSERT_TRUE(stream.Send(mixed));
+  EXPECT_THAT(stream.NextRejection(), HasSubstr("tensor 3: size"));
+  EXPECT_EQ(SessionOf(mine.session_id()).tensors(), 0u);
+  // The stream carries on.
+  ASSERT_TRUE(stream.Send(Created({7})));
+  EXPECT_TRUE(WaitForTensors(mine.session_id(), 1));
+}
+
+TEST_F(BadInputTest, UnknownParentsAndCyclesAreRejected) {
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  SessionStream stream(*stub_, mine.session_token());
+
+  v1::EventBatch unknown = Created({1});
+  unknown.mutable_created(0)->add_parent_ids(42);
+  ASSERT_TRUE(stream.Send(unknown));
+  EXPECT_THAT(stream.NextRejection(),
+              HasSubstr("parent 42 is not a tensor of this session"));
+
+  v1::EventBatch self = Created({1});
+  self.mutable_created(0)->add_parent_ids(1);
+  ASSERT_TRUE(stream.Send(self));
+  EXPECT_THAT(stream.NextRejection(), HasSubstr("cycle"));
+
+  v1::EventBatch loop = Created({1, 2, 3});
+  loop.mutable_created(0)->add_parent_ids(3);
+  loop.mutable_created(1)->add_parent_ids(1);
+  loop.mutable_created(2)->add_parent_ids(2);
+  ASSERT_TRUE(stream.Send(loop));
+  EXPECT_THAT(stream.NextRejection(), HasSubstr("cycle in parents"));
+  ExpectServing("parents that do not exist");
+  EXPECT_EQ(SessionOf(mine.session_id()).tensors(), 0u);
+
+  // A parent freed before its child is reported is gone too.
+  ASSERT_TRUE(stream.Send(Created({5})));
+  ASSERT_TRUE(WaitForTensors(mine.session_id(), 1));
+  ASSERT_TRUE(stream.Send(Event(v1::TensorEvent::FREED, 5)));
+  ASSERT_TRUE(WaitForTensors(mine.session_id(), 0));
+  v1::EventBatch orphan = Created({6});
+  orphan.mutable_created(0)->add_parent_ids(5);
+  ASSERT_TRUE(stream.Send(orphan));
+  EXPECT_THAT(stream.NextRejection(), HasSubstr("parent 5"));
+
+  // Parents later in the same batch are fine.
+  v1::EventBatch forward = Created({10, 11});
+  forward.mutable_created(0)->add_parent_ids(11);
+  ASSERT_TRUE(stream.Send(forward));
+  EXPECT_TRUE(WaitForTensors(mine.session_id(), 2));
+}
+
+TEST_F(BadInputTest, DuplicateTensorIdsAreRejected) {
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  SessionStream stream(*stub_, mine.session_token());
+  ASSERT_TRUE(stream.Send(Created({1, 2, 1})));
+  EXPECT_THAT(stream.NextRejection(),
+              HasSubstr("tensor 1 is created twice in one batch"));
+  EXPECT_EQ(SessionOf(mine.session_id()).tensors(), 0u);
+
+  ASSERT_TRUE(stream.Send(Created({5})));
+  ASSERT_TRUE(WaitForTensors(mine.session_id(), 1));
+  ASSERT_TRUE(stream.Send(Created({5}, 2 * kMiB)));
+  EXPECT_THAT(stream.NextRejection(), HasSubstr("tensor 5 already exists"));
+  ExpectServing("duplicate tensor ids");
+  EXPECT_EQ(SessionOf(mine.session_id()).device_bytes(), kMiB);
+
+  // Freed twice: the second FREED names a tensor that is gone.
+  v1::EventBatch twice = Event(v1::TensorEvent::FREED, 5);
+  *twice.add_events() = twice.events(0);
+  ASSERT_TRUE(stream.Send(twice));
+  EXPECT_THAT(stream.NextRejection(), HasSubstr("freed earlier in this batch"));
+  EXPECT_EQ(SessionOf(mine.session_id()).tensors(), 1u);
+
+  // Once freed, the id may be reused.
+  ASSERT_TRUE(stream.Send(Event(v1::TensorEvent::FREED, 5)));
+  ASSERT_TRUE(WaitForTensors(mine.session_id(), 0));
+  ASSERT_TRUE(stream.Send(Created({5})));
+  EXPECT_TRUE(WaitForTensors(mine.session_id(), 1));
+}
+
+TEST_F(BadInputTest, UnknownEventKindsAndIllegalTransitionsAreRejected) {
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  SessionStream stream(*stub_, mine.session_token());
+  ASSERT_TRUE(stream.Send(Created({1})));
+  ASSERT_TRUE(WaitForTensors(mine.session_id(), 1));
+  for (int kind : {0, 8, 1000, -1}) {
+    SCOPED_TRACE(absl::StrCat("kind ", kind));
+    ASSERT_TRUE(
+        stream.Send(Event(static_cast<v1::TensorEvent::Kind>(kind), 1)));
+    EXPECT_THAT(stream.NextRejection(), HasSubstr("unknown event kind"));
+  }
+  // Reloaded without having been offloaded.
+  ASSERT_TRUE(stream.Send(Event(v1::TensorEvent::RELOADED, 1)));
+  EXPECT_THAT(stream.NextRejection(), HasSubstr("for tensor 1"));
+  ExpectServing("unknown event kinds");
+  EXPECT_EQ(SessionOf(mine.session_id()).device_bytes(), kMiB);
+}
+
+TEST_F(BadInputTest, BatchOverMaxBatchEventsIsRejected) {
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  SessionStream stream(*stub_, mine.session_token());
+  v1::EventBatch too_many;
+  for (uint64_t id = 1; id <= kMaxBatchEvents + 1; ++id) {
+    *too_many.add_created() = Created({id}).created(0);
+  }
+  ASSERT_TRUE(stream.Send(too_many));
+  EXPECT_THAT(stream.NextRejection(),
+              HasSubstr(absl::StrCat("the limit is ", kMaxBatchEvents)));
+  // Creations and events count together.
+  v1::EventBatch mixed = Created({1, 2, 3, 4});
+  for (uint64_t id = 1; id <= kMaxBatchEvents - 3; ++id) {
+    v1::TensorEvent* e = mixed.add_events();
+    e->set_kind(v1::TensorEvent::ACCESSED);
+    e->set_tensor_id(1 + id % 4);
+  }
+  ASSERT_TRUE(stream.Send(mixed));
+  EXPECT_THAT(stream.NextRejection(),
+              HasSubstr(absl::StrCat("the limit is ", kMaxBatchEvents)));
+  ExpectServing("an oversized batch");
+  EXPECT_EQ(SessionOf(mine.session_id()).tensors(), 0u);
+  // Exactly the limit is fine.
+  v1::EventBatch full;
+  for (uint64_t id = 1; id <= kMaxBatchEvents; ++id) {
+    *full.add_created() = Created({id}).created(0);
+  }
+  ASSERT_TRUE(stream.Send(full));
+  EXPECT_TRUE(WaitForTensors(mine.session_id(), kMaxBatchEvents));
+}
+
+TEST_F(BadInputTest, StreamNamingAnotherSessionMidwayIsRejected) {
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  const v1::OpenSessionResponse other = MustOpen(peer_->token(), 1);
+  SessionStream stream(*stub_, mine.session_token());
+  v1::SessionMessage m;
+  m.set_session_token(other.session_token());
+  *m.mutable_batch() = Created({1});
+  ASSERT_TRUE(stream.SendMessage(m));
+  EXPECT_THAT(stream.NextRejection(),
+              HasSubstr("a stream carries one session's batches"));
+  EXPECT_EQ(SessionOf(mine.session_id()).tensors(), 0u);
+  EXPECT_EQ(SessionOf(other.session_id()).tensors(), 0u);
+  // A second stream for a session is refused; the first carries on.
+  SessionStream second(*stub_, mine.session_token());
+  const grpc::Status s = second.FinishWithoutWritesDone();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << Describe(s);
+  EXPECT_THAT(s.error_message(), HasSubstr("already has a stream"));
+  ASSERT_TRUE(stream.Send(Created({1})));
+  EXPECT_TRUE(WaitForTensors(mine.session_id(), 1));
+  ExpectServing("a stream naming another session");
+}
+
+TEST_F(BadInputTest, RequestsAfterCloseSessionAreUnauthenticated) {
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  ASSERT_TRUE(Close(mine.session_token()).ok());
+  EXPECT_EQ(Status().sessions_size(), 0);
+
+  grpc::Status s = Close(mine.session_token());
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << Describe(s);
+  EXPECT_THAT(s.error_message(), HasSubstr("unknown or closed session token"));
+
+  v1::ReleaseRequest release;
+  release.set_session_token(mine.session_token());
+  release.set_bytes(kMiB);
+  s = Release(release);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << Describe(s);
+
+  SessionStream stream(*stub_, mine.session_token());
+  stream.Send(Created({1}));
+  s = stream.FinishWithoutWritesDone();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << Describe(s);
+
+  // Slabs of a closed session are refused too.
+  auto slabs = peer_->FetchSlabs(mine.session_token());
+  ASSERT_FALSE(slabs.ok());
+  EXPECT_THAT(slabs.status().message(), HasSubstr("UNAUTHENTICATED"));
+  ExpectServing("requests after CloseSession");
+  // The process may open on that GPU again.
+  MustOpen(peer_->token(), 0);
+}
+
+TEST_F(BadInputTest, BatchOnAStreamWhoseSessionWasClosedEndsItUnauthenticated) {
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  SessionStream stream(*stub_, mine.session_token());
+  ASSERT_TRUE(stream.Send(Created({1})));
+  ASSERT_TRUE(WaitForTensors(mine.session_id(), 1));
+  ASSERT_TRUE(Close(mine.session_token()).ok());
+  EXPECT_EQ(Status().sessions_size(), 0);
+  EXPECT_EQ(Status().gpus(0).used_bytes(), 0);
+  // The stream outlived its session: the next batch cannot be applied, and
+  // the process must learn why rather than see a clean end.
+  stream.Send(Created({2}));
+  const grpc::Status s = stream.FinishWithoutWritesDone();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << Describe(s);
+  ExpectServing("a batch after CloseSession");
+}
+
+// --- The side socket --------------------------------------------------------
+
+TEST_F(BadInputTest, SideSocketUnknownTagGetsAnErrorAndTheConnectionEnds) {
+  auto garbage = Peer::Connect(daemon_->side_socket_path());
+  ASSERT_TRUE(garbage.ok()) << garbage.status();
+  const v1::OpenSessionResponse doomed = MustOpen(garbage->token(), 1);
+  for (uint64_t tag :
+       {uint64_t{0}, uint64_t{99}, std::numeric_limits<uint64_t>::max()}) {
+    SCOPED_TRACE(absl::StrCat("tag ", tag));
+    auto peer = Peer::Connect(daemon_->side_socket_path());
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    ASSERT_TRUE(peer->Send(tag, "whatever").ok());
+    auto answer = peer->Receive();
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    EXPECT_EQ(answer->tag, side::kError);
+    EXPECT_THAT(answer->payload, HasSubstr(absl::StrCat(
+                                     "unknown side-socket message tag ", tag)));
+    EXPECT_TRUE(peer->WaitClosedByDaemon());
+    ExpectServing("an unknown side-socket tag");
+  }
+  // A process that breaks the protocol loses its sessions, as if it died.
+  ASSERT_TRUE(garbage->Send(side::kSlab, "x").ok());
+  EXPECT_TRUE(garbage->WaitClosedByDaemon());
+  EXPECT_TRUE(WaitForSessions(0));
+  EXPECT_EQ(SessionOf(doomed.session_id()).session_id(), 0u);
+}
+
+TEST_F(BadInputTest, SideSocketMalformedMessagesCloseOnlyThatConnection) {
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0, 64 * kMiB);
+  // A payload over the protocol's bound.
+  {
+    auto peer = Peer::Connect(daemon_->side_socket_path());
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    ASSERT_TRUE(peer->Send(side::kSlabsWanted,
+                           std::string(side::kMaxMessageBytes + 1, 'p'))
+                    .ok());
+    EXPECT_TRUE(peer->WaitClosedByDaemon());
+    ExpectServing("an oversized side-socket payload");
+  }
+  // Descriptors sent to the daemon, which never accepts any.
+  {
+    auto peer = Peer::Connect(daemon_->side_socket_path());
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    const int fds[] = {0, 1, 2};
+    ASSERT_TRUE(peer->Send(side::kSlabsWanted, mine.session_token(), fds).ok());
+    EXPECT_TRUE(peer->WaitClosedByDaemon());
+    ExpectServing("descriptors sent to the side socket");
+  }
+  // A header announcing a huge payload, then nothing.
+  {
+    auto fd = common::ConnectUnix(daemon_->side_socket_path());
+    ASSERT_TRUE(fd.ok()) << fd.status();
+    char header[common::kHeaderBytes];
+    const uint64_t tag = side::kSlabsWanted;
+    const uint32_t length = std::numeric_limits<uint32_t>::max();
+    std::memcpy(header, &tag, sizeof tag);
+    std::memcpy(header + sizeof tag, &length, sizeof length);
+    ASSERT_EQ(::send(fd->get(), header, sizeof header, MSG_NOSIGNAL),
+              static_cast<ssize_t>(sizeof header));
+    ExpectServing("a side-socket header announcing 4 GiB");
+  }
+  // Half a header, then the connection closes.
+  {
+    auto fd = common::ConnectUnix(daemon_->side_socket_path());
+    ASSERT_TRUE(fd.ok()) << fd.status();
+    ASSERT_EQ(::send(fd->get(), "\x02\x00\x00", 3, MSG_NOSIGNAL), 3);
+  }
+  ExpectServing("half a side-socket header");
+  // Many connections at once, dropped at once.
+  {
+    std::vector<common::UniqueFd> many;
+    for (int i = 0; i < 200; ++i) {
+      auto fd = common::ConnectUnix(daemon_->side_socket_path());
+      ASSERT_TRUE(fd.ok()) << i << ": " << fd.status();
+      many.push_back(std::move(*fd));
+    }
+  }
+  ExpectServing("200 side connections");
+  // None of it touched the well-behaved peer.
+  EXPECT_EQ(Status().sessions_size(), 1);
+  auto slabs = peer_->FetchSlabs(mine.session_token());
+  ASSERT_TRUE(slabs.ok()) << slabs.status();
+  EXPECT_EQ(slabs->size(), 1u);
+}
+
+TEST_F(BadInputTest, SlabsOfAnotherProcessSessionArePermissionDenied) {
+  auto other = PeerProcess::Start(daemon_->side_socket_path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  const v1::OpenSessionResponse theirs =
+      MustOpen((*other)->token(), 0, 128 * kMiB);
+  ASSERT_EQ(theirs.host_slabs_size(), 2);
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0, 64 * kMiB);
+  ASSERT_EQ(mine.host_slabs_size(), 1);
+
+  auto stolen = peer_->FetchSlabs(theirs.session_token());
+  ASSERT_FALSE(stolen.ok());
+  EXPECT_THAT(stolen.status().message(), HasSubstr("PERMISSION_DENIED"));
+  EXPECT_THAT(stolen.status().message(),
+              HasSubstr(absl::StrCat("session ", theirs.session_id(),
+                                     " belongs to another process")));
+  // A second connection of this very process is another peer too: slabs
+  // go only over the connection whose token opened the session.
+  auto second = Peer::Connect(daemon_->side_socket_path());
+  ASSERT_TRUE(second.ok()) << second.status();
+  stolen = second->FetchSlabs(mine.session_token());
+  ASSERT_FALSE(stolen.ok());
+  EXPECT_THAT(stolen.status().message(), HasSubstr("PERMISSION_DENIED"));
+
+  for (const std::string& token :
+       {std::string(), std::string("bogus"), std::string(4000, 'z')}) {
+    auto unknown = peer_->FetchSlabs(token);
+    ASSERT_FALSE(unknown.ok());
+    EXPECT_THAT(unknown.status().message(), HasSubstr("UNAUTHENTICATED"));
+  }
+  ExpectServing("asking for another process's slabs");
+
+  // The connection stays usable after refusals: the own slabs come, with
+  // descriptors that map memory of the announced size.
+  auto own = peer_->FetchSlabs(mine.session_token());
+  ASSERT_TRUE(own.ok()) << own.status();
+  ASSERT_EQ(own->size(), 1u);
+  EXPECT_EQ((*own)[0].slab_id, mine.host_slabs(0).slab_id());
+  EXPECT_EQ((*own)[0].bytes, 64 * kMiB);
+  struct stat st;
+  ASSERT_EQ(::fstat((*own)[0].fd.get(), &st), 0);
+  EXPECT_GE(st.st_size, 64 * kMiB);
+  void* mapped = ::mmap(nullptr, 64 * kMiB, PROT_READ | PROT_WRITE, MAP_SHARED,
+                        (*own)[0].fd.get(), 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  static_cast<char*>(mapped)[64 * kMiB - 1] = 1;
+  ::munmap(mapped, 64 * kMiB);
+  // The other session is untouched.
+  EXPECT_EQ(SessionOf(theirs.session_id()).gpu(), 0);
+  EXPECT_EQ(Status().sessions_size(), 2);
+}
+
+// --- Lifelines --------------------------------------------------------------
+
+TEST_F(BadInputTest, ClosingTheSideConnectionReclaimsTheProcessSessions) {
+  auto peer = Peer::Connect(daemon_->side_socket_path());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const v1::OpenSessionResponse g0 = MustOpen(peer->token(), 0, 64 * kMiB);
+  const v1::OpenSessionResponse g1 = MustOpen(peer->token(), 1, 64 * kMiB);
+  SessionStream stream(*stub_, g0.session_token());
+  ASSERT_TRUE(stream.Send(Created({1, 2})));
+  ASSERT_TRUE(WaitForTensors(g0.session_id(), 2));
+  EXPECT_EQ(Status().host_pool_granted_bytes(), 128 * kMiB);
+
+  peer->Close();
+  EXPECT_TRUE(WaitForSessions(0))
+      << "sessions of a closed side connection were not reclaimed";
+  // The registry forgets the sessions first, then each GPU and the pool let
+  // go of them: wait for all of it.
+  EXPECT_TRUE(WaitForStatus([](const v1::NodeStatusResponse& r) {
+    return r.gpus(0).used_bytes() == 0 && r.gpus(0).sessions() == 0 &&
+           r.gpus(1).sessions() == 0 && r.host_pool_granted_bytes() == 0;
+  })) << "a reclaimed session still holds memory: "
+      << Status().ShortDebugString();
+  v1::ReleaseRequest release;
+  release.set_session_token(g1.session_token());
+  release.set_bytes(kMiB);
+  const grpc::Status s = Release(release);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << Describe(s);
+  ExpectServing("a closed side connection");
+}
+
+TEST_F(BadInputTest, AKilledProcessHasItsSessionsReclaimed) {
+  auto other = PeerProcess::Start(daemon_->side_socket_path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  const v1::OpenSessionResponse theirs =
+      MustOpen((*other)->token(), 0, 64 * kMiB);
+  SessionStream stream(*stub_, theirs.session_token());
+  ASSERT_TRUE(stream.Send(Created({1, 2, 3})));
+  ASSERT_TRUE(WaitForTensors(theirs.session_id(), 3));
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+
+  const ExitStatus e = (*other)->Kill();
+  EXPECT_EQ(e.signal, SIGKILL) << e.ToString();
+  EXPECT_TRUE(WaitForSessions(1));
+  EXPECT_EQ(SessionOf(mine.session_id()).gpu(), 0);
+  EXPECT_EQ(SessionOf(theirs.session_id()).session_id(), 0u);
+  EXPECT_TRUE(WaitForStatus([](const v1::NodeStatusResponse& r) {
+    return r.gpus(0).used_bytes() == 0 && r.host_pool_granted_bytes() == 0;
+  }));
+  // Its stream, still open, cannot act for the reclaimed session.
+  stream.Send(Created({4}));
+  const grpc::Status s = stream.FinishWithoutWritesDone();
+  EXPECT_NE(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << Describe(s);
+  ExpectServing("a killed process");
+}
+
+// --- Fuzz -------------------------------------------------------------------
+
+TEST_F(BadInputTest, RandomBatchesNeverHurtTheDaemon) {
+  auto other = PeerProcess::Start(daemon_->side_socket_path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  const v1::OpenSessionResponse theirs = MustOpen((*other)->token(), 0);
+  SessionStream their_stream(*stub_, theirs.session_token());
+  ASSERT_TRUE(their_stream.Send(Created({1, 2})));
+  ASSERT_TRUE(WaitForTensors(theirs.session_id(), 2));
+
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0, 64 * kMiB);
+  SessionStream stream(*stub_, mine.session_token());
+  std::mt19937_64 random(20240611);
+  auto pick = [&](int n) {
+    return static_cast<int>(random() % static_cast<uint64_t>(n));
+  };
+  const int64_t sizes[] = {0,
+                           -1,
+                           1,
+                           4096,
+                           kMiB,
+                           kGiB,
+                           8 * kGiB,
+                           std::numeric_limits<int64_t>::max(),
+                           std::numeric_limits<int64_t>::min()};
+  for (int round = 0; round < 300; ++round) {
+    v1::EventBatch b;
+    const int entries = pick(kMaxBatchEvents + 3);
+    for (int i = 0; i < entries; ++i) {
+      const uint64_t id = static_cast<uint64_t>(pick(12));
+      if (pick(2) == 0) {
+        v1::TensorCreated* c = b.add_created();
+        c->set_tensor_id(id);
+        c->set_bytes(pick(3) == 0 ? sizes[pick(std::size(sizes))] : kMiB);
+        c->set_compute_cost_ns(pick(10) == 0 ? -5 : pick(100000));
+        for (int p = pick(3); p > 0; --p) {
+          c->add_parent_ids(static_cast<uint64_t>(pick(12)));
+        }
+        c->mutable_flags()->set_evict_pinned(pick(4) == 0);
+        c->mutable_flags()->set_offload_pinned(pick(4) == 0);
+        c->mutable_flags()->set_uncomputable(pick(4) == 0);
+      } else {
+        v1::TensorEvent* e = b.add_events();
+        e->set_kind(static_cast<v1::TensorEvent::Kind>(pick(9)));
+        e->set_tensor_id(id);
+        e->set_at_ns(round);
+      }
+    }
+    b.set_device_bytes_in_use(sizes[pick(std::size(sizes))]);
+    ASSERT_TRUE(stream.Send(b)) << "stream broke at round " << round;
+    if (round % 50 == 0) {
+      ExpectServing(absl::StrCat("random batch ", round));
+      v1::ReleaseRequest release;
+      release.set_session_token(mine.session_token());
+      release.set_bytes(sizes[pick(std::size(sizes))]);
+      (void)Release(release);
+    }
+  }
+  ExpectServing("300 random batches");
+  // None of it reached the other process's session.
+  const v1::SessionStatus after = SessionOf(theirs.session_id());
+  EXPECT_EQ(after.tensors(), 2u);
+  EXPECT_EQ(after.device_bytes(), 2 * kMiB);
+  // Ending the stream reclaims everything the session held.
+  const grpc::Status s = stream.Finish();
+  EXPECT_TRUE(s.ok()) << Describe(s);
+  EXPECT_TRUE(WaitForSessions(1));
+  EXPECT_TRUE(WaitForStatus([](const v1::NodeStatusResponse& r) {
+    return r.gpus(0).used_bytes() == 2 * kMiB;
+  }));
+}
+
+// --- Start and stop ---------------------------------------------------------
+
+TEST_F(BadInputTest, SigtermWithAnOpenStreamSendsDrainingAndExitsZero) {
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  SessionStream stream(*stub_, mine.session_token());
+  ASSERT_TRUE(stream.Send(Created({1})));
+  ASSERT_TRUE(WaitForTensors(mine.session_id(), 1));
+
+  daemon_->Terminate();
+  const auto draining = stream.NextMatching(
+      [](const v1::Orders& o) { return o.draining(); }, absl::Seconds(60));
+  ASSERT_TRUE(draining.has_value())
+      << "no Orders with draining=true on the open stream\n"
+      << daemon_->Output();
+  // While draining, nothing new opens.
+  const grpc::Status refused = Open(peer_->token(), 1);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << Describe(refused);
+  EXPECT_THAT(refused.error_message(), HasSubstr("shutting down"));
+  // The client goes on alone and ends its stream; the daemon then exits.
+  const grpc::Status s = stream.Finish();
+  EXPECT_TRUE(s.ok()) << Describe(s);
+  stopped_ = true;
+  const ExitStatus e = daemon_->Wait(absl::Seconds(60));
+  EXPECT_TRUE(e.ok()) << e.ToString() << "\n" << daemon_->Output();
+  EXPECT_THAT(daemon_->Output(), HasSubstr("draining"));
+}
+
+TEST_F(BadInputTest, SigtermWithAStreamLeftOpenStillExitsZero) {
+  // drain_seconds is 5 (SetUp): the daemon stops waiting for the stream.
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  SessionStream stream(*stub_, mine.session_token());
+  ASSERT_TRUE(stream.Send(Created({1})));
+  ASSERT_TRUE(WaitForTensors(mine.session_id(), 1));
+  stopped_ = true;
+  const ExitStatus e = daemon_->Stop(absl::Seconds(60));
+  EXPECT_TRUE(e.ok()) << e.ToString() << "\n" << daemon_->Output();
+  EXPECT_THAT(daemon_->Output(), HasSubstr("1 sessions still open at exit"));
+  EXPECT_TRUE(stream.WaitEnded()) << "the stream outlived the daemon";
+}
+
+TEST_F(BadInputTest, SecondDaemonOnTheSameSocketRefusesToStart) {
+  DaemonOptions second;
+  second.socket_path = daemon_->socket_path();
+  second.wait_ready = false;
+  auto intruder = DaemonProcess::Start(second);
+  ASSERT_TRUE(intruder.ok()) << intruder.status();
+  const ExitStatus e = (*intruder)->Wait(absl::Seconds(60));
+  EXPECT_TRUE(e.exited) << e.ToString();
+  EXPECT_NE(e.code, 0) << e.ToString();
+  EXPECT_THAT((*intruder)->Output(), HasSubstr("another deltad is serving"));
+  // The first one still serves, on its socket file.
+  ExpectServing("a second daemon on the same socket");
+  MustOpen(peer_->token(), 0);
+  auto peer = Peer::Connect(daemon_->side_socket_path());
+  EXPECT_TRUE(peer.ok()) << peer.status();
+}
+
+TEST_F(BadInputTest, StaleSocketOfAKilledDaemonIsTakenOver) {
+  peer_.reset();
+  const ExitStatus killed = daemon_->Kill();
+  EXPECT_EQ(killed.signal, SIGKILL) << killed.ToString();
+  stopped_ = true;
+  struct stat st;
+  ASSERT_EQ(::lstat(daemon_->socket_path().c_str(), &st), 0)
+      << "SIGKILL left no socket file";
+  // The successor's socket is in the dead daemon's dir, which daemon_ keeps
+  // until the end of the test.
+  DaemonOptions options;
+  options.socket_path = daemon_->socket_path();
+  auto successor = DaemonProcess::Start(options);
+  ASSERT_TRUE(successor.ok()) << successor.status();
+  auto peer = Peer::Connect((*successor)->side_socket_path());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  stub_ = (*successor)->NewStub();
+  MustOpen(peer->token(), 0);
+  EXPECT_EQ(Status().sessions_size(), 1);
+  peer->Close();
+  const ExitStatus e = (*successor)->Stop();
+  EXPECT_TRUE(e.ok()) << e.ToString() << "\n" << (*successor)->Output();
+}
+
+}  // namespace
+}  // namespace deltad::testing_util
