@@ -1,0 +1,183 @@
+// Real deltad, real training processes (deltad-trainer: model traces
+// replayed through the client library with real bytes and checksums): the
+// GPU's budget split and rebalanced among them, a killed process reclaimed,
+// and training that goes on when the daemon dies or was never there. A
+// trainer exits non-zero if any tensor's bytes come back wrong.
+#include <signal.h>
+
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/child_process.h"
+#include "tests/integration/daemon_process.h"
+
+namespace deltad::testing_util {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Two simulated GPUs of 320 MiB (288 MiB of budget each), as in
+// scripts/run, and sizes scaled to match.
+DaemonOptions SmallNode() {
+  DaemonOptions o;
+  o.sim_memory = "";
+  o.host_pool = "";
+  o.host_slab = "";
+  o.config_text =
+      "sim { gpus: 2 memory_bytes: 335544320 }\n"
+      "min_session_bytes: 16777216\n"
+      "host_pool_bytes: 2147483648\n"
+      "host_slab_bytes: 16777216\n"
+      "default_host_quota_bytes: 536870912\n";
+  return o;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+struct Job {
+  std::unique_ptr<ChildProcess> process;
+  std::string output;  // file
+};
+
+Job StartTrainer(const std::string& dir, const std::string& socket,
+                 const std::string& label, int gpu,
+                 const std::vector<std::string>& model, int iterations) {
+  Job job;
+  job.output = dir + "/" + label + ".out";
+  std::vector<std::string> argv = {
+      DELTAD_TRAINER_BINARY,
+      "--socket=" + socket,
+      "--gpu=" + std::to_string(gpu),
+      "--label=" + label,
+      "--scale=0.125",
+      "--iterations=" + std::to_string(iterations)};
+  argv.insert(argv.end(), model.begin(), model.end());
+  SpawnOptions options;
+  options.output_file = job.output;
+  auto p = ChildProcess::Spawn(argv, options);
+  EXPECT_TRUE(p.ok()) << p.status();
+  if (p.ok()) job.process = std::move(*p);
+  return job;
+}
+
+v1::NodeStatusResponse Status(DaemonProcess& d) {
+  auto stub = d.NewStub();
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(10));
+  v1::NodeStatusResponse status;
+  EXPECT_TRUE(stub->NodeStatus(&context, {}, &status).ok());
+  return status;
+}
+
+// Polls until `pred` holds for the daemon's status, for up to a minute.
+template <typename Pred>
+bool StatusBecomes(DaemonProcess& d, Pred pred) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < deadline) {
+    if (pred(Status(d))) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
+const std::vector<std::string> kUnet = {"--model=unet", "--batch=4"};
+// Asks for its whole peak (190 MiB): two of them do not fit one GPU's
+// 288 MiB of budget, so their shares must be split.
+const std::vector<std::string> kResnet = {"--model=resnet50", "--batch=16",
+                                          "--budget=1.0"};
+// 355 MiB at its peak: above the GPU's budget even alone.
+const std::vector<std::string> kResnetBig = {"--model=resnet50", "--batch=32"};
+
+TEST(Trainers, TwoJobsOnOneGpuSplitItsBudgetAndKeepTheirBytes) {
+  auto d = DaemonProcess::Start(SmallNode());
+  ASSERT_TRUE(d.ok()) << d.status();
+  DaemonProcess& daemon = **d;
+  Job a = StartTrainer(daemon.dir(), daemon.socket_path(), "a", 0, kResnet, 40);
+  ASSERT_NE(a.process, nullptr);
+  int64_t alone = 0;
+  ASSERT_TRUE(StatusBecomes(daemon, [&](const v1::NodeStatusResponse& s) {
+    if (s.sessions_size() != 1) return false;
+    alone = s.sessions(0).budget_bytes();
+    return true;
+  }));
+  Job b = StartTrainer(daemon.dir(), daemon.socket_path(), "b", 0, kResnet, 2);
+  ASSERT_NE(b.process, nullptr);
+  // Rebalanced: a's share shrinks for b, and the two never exceed the GPU.
+  ASSERT_TRUE(StatusBecomes(daemon, [&](const v1::NodeStatusResponse& s) {
+    if (s.sessions_size() != 2) return false;
+    const int64_t sum =
+        s.sessions(0).budget_bytes() + s.sessions(1).budget_bytes();
+    EXPECT_LE(sum, s.gpus(0).budget_bytes());
+    return s.sessions(0).budget_bytes() < alone;
+  })) << ReadFile(a.output);
+  const ExitStatus b_exit = b.process->WaitOrKill(absl::Seconds(120));
+  EXPECT_TRUE(b_exit.ok()) << b_exit.ToString() << "\n" << ReadFile(b.output);
+  EXPECT_THAT(ReadFile(b.output), HasSubstr(" 0 bad"));
+  // a has the GPU to itself again.
+  EXPECT_TRUE(StatusBecomes(daemon, [&](const v1::NodeStatusResponse& s) {
+    return s.sessions_size() == 1 && s.sessions(0).budget_bytes() == alone;
+  }));
+  a.process->Kill();
+}
+
+TEST(Trainers, AKilledJobIsReclaimedAtOnce) {
+  auto d = DaemonProcess::Start(SmallNode());
+  ASSERT_TRUE(d.ok()) << d.status();
+  DaemonProcess& daemon = **d;
+  Job a = StartTrainer(daemon.dir(), daemon.socket_path(), "a", 1, kUnet, 100);
+  ASSERT_NE(a.process, nullptr);
+  ASSERT_TRUE(StatusBecomes(daemon, [&](const v1::NodeStatusResponse& s) {
+    return s.sessions_size() == 1 && s.host_pool_granted_bytes() > 0 &&
+           s.sessions(0).tensors() > 0;
+  })) << ReadFile(a.output);
+  a.process->Kill();
+  EXPECT_TRUE(StatusBecomes(daemon, [&](const v1::NodeStatusResponse& s) {
+    return s.sessions_size() == 0 && s.host_pool_granted_bytes() == 0 &&
+           s.gpus(1).used_bytes() == 0;
+  }));
+  EXPECT_TRUE(daemon.Running());
+}
+
+TEST(Trainers, AJobKeepsTrainingWhenTheDaemonDiesAndKeepsItsBytes) {
+  auto d = DaemonProcess::Start(SmallNode());
+  ASSERT_TRUE(d.ok()) << d.status();
+  DaemonProcess& daemon = **d;
+  Job a =
+      StartTrainer(daemon.dir(), daemon.socket_path(), "a", 0, kResnetBig, 4);
+  ASSERT_NE(a.process, nullptr);
+  ASSERT_TRUE(StatusBecomes(daemon, [&](const v1::NodeStatusResponse& s) {
+    return s.sessions_size() == 1 && s.sessions(0).releases() > 0;
+  })) << ReadFile(a.output);
+  daemon.Kill();
+  const ExitStatus exit = a.process->WaitOrKill(absl::Seconds(180));
+  const std::string out = ReadFile(a.output);
+  EXPECT_TRUE(exit.ok()) << exit.ToString() << "\n" << out;
+  EXPECT_THAT(out, HasSubstr(" 0 bad"));
+  EXPECT_THAT(out, HasSubstr("in-process"));
+}
+
+TEST(Trainers, WithoutADaemonAJobTrainsWithTheInProcessPolicy) {
+  const std::string dir = ::testing::TempDir();
+  Job a = StartTrainer(dir, dir + "/nothing-here.sock", "alone", 0, kUnet, 2);
+  ASSERT_NE(a.process, nullptr);
+  const ExitStatus exit = a.process->WaitOrKill(absl::Seconds(120));
+  const std::string out = ReadFile(a.output);
+  EXPECT_TRUE(exit.ok()) << exit.ToString() << "\n" << out;
+  EXPECT_THAT(out, HasSubstr("in-process policy"));
+  EXPECT_THAT(out, HasSubstr(" 0 bad"));
+}
+
+}  // namespace
+}  // namespace deltad::testing_util
