@@ -14,6 +14,7 @@ namespace deltad::daemon {
 
 namespace {
 constexpr int64_t kMaxComputeCostNs = 1'000'000'000'000;
+constexpr int kMaxParents = 4096;
 }  // namespace
 
 using policy::Tensor;
@@ -152,6 +153,7 @@ absl::Status GpuPolicy::RemoveSession(SessionId session) {
     if (absl::Status s = table_.Free(id); !s.ok() && status.ok()) status = s;
   }
   sessions_.erase(it);
+  if (status.ok()) status = table_.ForgetSession(session);
   return status;
 }
 
@@ -229,6 +231,14 @@ absl::Status GpuPolicy::PlanCreations(SessionId session, const Session& s,
       return absl::InvalidArgumentError(
           absl::StrCat("tensor ", own, ": compute cost must be within 0..",
                        kMaxComputeCostNs, " ns, got ", c.compute_cost_ns()));
+    }
+    // Real ops read a handful of tensors (a concatenation, a few hundred);
+    // linking and unlinking parents costs time under the GPU's lock, which
+    // every session on the GPU waits for.
+    if (c.parent_ids_size() > kMaxParents) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", own, ": ", c.parent_ids_size(),
+                       " parents, the most is ", kMaxParents));
     }
     if (!plan.created.emplace(own, plan.specs.size()).second) {
       return absl::AlreadyExistsError(

@@ -490,6 +490,32 @@ MemoryStats TensorTable::GpuStats(GpuId gpu) const {
   return it == gpus_.end() ? MemoryStats{} : it->second.stats;
 }
 
+absl::Status TensorTable::ForgetSession(SessionId session) {
+  auto it = sessions_.find(session);
+  if (it != sessions_.end()) {
+    // Freed tensors kept for recompute are not counted in `tensors` but
+    // still occupy slots; only an empty session may go.
+    const MemoryStats& s = it->second.stats;
+    if (s.tensors != 0 || s.device_bytes != 0 || s.host_bytes != 0 ||
+        s.evicted_bytes != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session ", session, " still has ", s.tensors, " tensors"));
+    }
+    // Retired slots are reset to Tensor{}; a session's freed tensors kept
+    // for recompute still name it. O(slots), once per session's end.
+    for (const Tensor& t : slots_) {
+      if (t.id != 0 && t.session == session) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("session ", session, " still has tensor ", t.id));
+      }
+    }
+    sessions_.erase(it);
+  }
+  session_clock_.erase(session);
+  session_gpu_.erase(session);
+  return absl::OkStatus();
+}
+
 MemoryStats TensorTable::SessionStats(SessionId session) const {
   auto it = sessions_.find(session);
   return it == sessions_.end() ? MemoryStats{} : it->second.stats;

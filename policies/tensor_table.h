@@ -67,6 +67,12 @@ class TensorTable {
   // Free bytes around the tensor in the allocator (MegEngine's term).
   absl::Status SetAdjacentFreeBytes(TensorId id, int64_t bytes);
 
+  // Drops what the table keeps per session (its logical clock, GPU binding,
+  // stats) once none of its tensors is left, so that a daemon serving
+  // sessions for months does not grow. FAILED_PRECONDITION while the
+  // session still has tensors (freed ones kept for recompute included).
+  absl::Status ForgetSession(SessionId session);
+
   absl::StatusOr<const Tensor*> Get(TensorId id) const;
   const Tensor* Find(TensorId id) const;
   bool Contains(TensorId id) const { return index_.contains(id); }

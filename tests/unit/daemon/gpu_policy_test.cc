@@ -338,6 +338,14 @@ TEST_F(GpuPolicyBatchTest, BadCreationsAreRejectedWithTheirReason) {
     cases.push_back(c);
   }
   {
+    Case c{"too many parents",
+           {},
+           absl::StatusCode::kInvalidArgument,
+           "the most is 4096"};
+    AddCreated(c.batch, 5, 10, Cost::kCheap, std::vector<uint64_t>(4097, 1));
+    cases.push_back(c);
+  }
+  {
     Case c{"negative cost",
            {},
            absl::StatusCode::kInvalidArgument,

@@ -1083,6 +1083,22 @@ TEST(TensorTable, SessionIsBoundToTheGpuOfItsFirstTensor) {
   EXPECT_FALSE(table.Contains(2));
 }
 
+TEST(TensorTable, ASessionIsForgottenOnlyOnceAllItsTensorsAreGone) {
+  TensorTable table;
+  ASSERT_TRUE(IsOk(table.Add(Spec(1), 0)));
+  ASSERT_TRUE(IsOk(table.Add(Spec(2, 100, {1}), 0)));
+  ASSERT_TRUE(IsOk(table.SetState(2, TensorState::kEvicted)));
+  ASSERT_TRUE(IsOk(table.Free(1)));  // kept: 2 may need it
+  EXPECT_EQ(table.ForgetSession(1).code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(IsOk(table.Free(2)));  // retires 2, then 1
+  ASSERT_TRUE(IsOk(table.ForgetSession(1)));
+  EXPECT_TRUE(StatsAre(table.SessionStats(1), {}));
+  // Forgotten, the session may start again on another GPU.
+  ASSERT_TRUE(IsOk(table.Add(Spec(3, 100, {}, 1, 2), 0)));
+  EXPECT_TRUE(IsOk(table.ForgetSession(42)));  // unknown: nothing to do
+}
+
 TEST(TensorTable, AddBatchRejectsOneSessionOnTwoGpus) {
   TensorTable table;
   TensorSpec a = Spec(1);
