@@ -938,6 +938,43 @@ TEST_F(BadInputTest, SideSocketMalformedMessagesCloseOnlyThatConnection) {
   EXPECT_EQ(slabs->size(), 1u);
 }
 
+// Not bad input, but the fixture fits: a release asked by one process is
+// taken from another process above its share, on that process's stream.
+TEST_F(BadInputTest, ReleaseTakesFromAnotherProcessAboveItsShare) {
+  auto other = PeerProcess::Start(daemon_->side_socket_path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  const v1::OpenSessionResponse a = MustOpen((*other)->token(), 0);
+  SessionStream stream_a(*stub_, a.session_token());
+  ASSERT_TRUE(stream_a.Send(Created({1, 2, 3, 4, 5, 6}, kGiB)));
+  ASSERT_TRUE(WaitForTensors(a.session_id(), 6));
+  // B joins: the GPU's 7.2 GiB are split, and A (6 GiB) is above its share.
+  const v1::OpenSessionResponse b = MustOpen(peer_->token(), 0);
+  ASSERT_LT(b.granted_budget_bytes(), 6 * kGiB);
+  grpc::ClientContext context;
+  context.set_deadline(Deadline());
+  v1::ReleaseRequest request;
+  request.set_session_token(b.session_token());
+  request.set_bytes(3 * kGiB);
+  v1::ReleaseResponse response;
+  const grpc::Status s = stub_->Release(&context, request, &response);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_TRUE(response.room_available());
+  EXPECT_EQ(response.release_size(), 0);  // B loses nothing
+  auto orders = stream_a.NextMatching(
+      [](const v1::Orders& o) { return o.release_size() > 0; });
+  ASSERT_TRUE(orders.has_value());
+  int64_t bytes = 0;
+  for (const v1::ReleaseOrder& o : orders->release()) {
+    EXPECT_GE(o.tensor_id(), 1u);
+    EXPECT_LE(o.tensor_id(), 6u);
+    bytes += o.bytes();
+  }
+  // What the GPU lacked: 6 + 3 GiB against 7.2 GiB.
+  EXPECT_GE(bytes, 2 * kGiB);
+  EXPECT_LE(bytes, 3 * kGiB);
+  ExpectServing("a cross-session release");
+}
+
 TEST_F(BadInputTest, SlabsOfAnotherProcessSessionArePermissionDenied) {
   auto other = PeerProcess::Start(daemon_->side_socket_path());
   ASSERT_TRUE(other.ok()) << other.status();

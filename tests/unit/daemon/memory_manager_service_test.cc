@@ -222,6 +222,45 @@ TEST_F(ServiceTest, ReleaseAnswersOverTheWireAndDrainReachesStreams) {
   EXPECT_TRUE(stream->Finish().ok());
 }
 
+TEST_F(ServiceTest, ReleaseWaitsForTheStreamBatchesItFollows) {
+  const v1::OpenSessionResponse a = Open(100, 0);
+  grpc::ClientContext stream_ctx;
+  auto stream = stub_->Session(&stream_ctx);
+  // Written, then at once a Release naming tensor 1 in its own batch: the
+  // daemon must apply the stream's batch first, or tensor 1 is unknown.
+  ASSERT_TRUE(stream->Write(Batch(a.session_token(), 1, kMiB)));
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(20));
+    v1::ReleaseRequest req;
+    req.set_session_token(a.session_token());
+    req.set_bytes(kMiB);
+    req.set_stream_batches_sent(1);
+    v1::TensorEvent* e = req.mutable_batch()->add_events();
+    e->set_kind(v1::TensorEvent::ACCESSED);
+    e->set_tensor_id(1);
+    v1::ReleaseResponse resp;
+    const grpc::Status s = stub_->Release(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+  {
+    // A batch that never comes: the wait ends with the call's deadline.
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(300));
+    v1::ReleaseRequest req;
+    req.set_session_token(a.session_token());
+    req.set_bytes(kMiB);
+    req.set_stream_batches_sent(2);
+    v1::ReleaseResponse resp;
+    EXPECT_EQ(stub_->Release(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
 TEST_F(ServiceTest, ListTensorsAnswersOverTheWire) {
   const v1::OpenSessionResponse a = Open(100, 0);
   {
