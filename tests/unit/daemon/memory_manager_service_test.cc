@@ -261,6 +261,33 @@ TEST_F(ServiceTest, ReleaseWaitsForTheStreamBatchesItFollows) {
   EXPECT_TRUE(stream->Finish().ok());
 }
 
+TEST_F(ServiceTest, AClientThatStopsReadingIsCancelledAndReclaimed) {
+  const v1::OpenSessionResponse a = Open(100, 0);
+  grpc::ClientContext stream_ctx;
+  auto stream = stub_->Session(&stream_ctx);
+  ASSERT_TRUE(stream->Write(Batch(a.session_token(), 1, kMiB)));
+  ASSERT_TRUE(WaitForUsed(0, kMiB));
+  // Far more than gRPC's flow-control windows and the socket buffers hold,
+  // and never read: the daemon's writer blocks in Write.
+  v1::Orders big;
+  big.set_rejected_batch(std::string(1 << 20, 'x'));
+  for (int i = 0; i < 64; ++i) {
+    ASSERT_TRUE(service_->mailboxes().Post(a.session_id(), big));
+  }
+  stream->WritesDone();  // the stream ends on the daemon's side
+  // The writer gets its grace (2 s), then the call is cancelled and the
+  // session reclaimed, though the client never read a byte.
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (Status().sessions_size() != 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(Status().sessions_size(), 0);
+  stream_ctx.TryCancel();
+  (void)stream->Finish();
+}
+
 TEST_F(ServiceTest, ListTensorsAnswersOverTheWire) {
   const v1::OpenSessionResponse a = Open(100, 0);
   {
