@@ -138,23 +138,9 @@ absl::Status GpuPolicy::RemoveSession(SessionId session) {
     return absl::NotFoundError(
         absl::StrCat("session ", session, " is not on GPU ", gpu_));
   }
-  // Freeing every tensor not freed yet retires them all, freed ancestors
-  // kept for recompute included: their children are all in this session.
-  // Sorted so that the table's slots, and hence later decisions, do not
-  // depend on hash order.
-  std::vector<TensorId> live;
-  for (const auto& [id, own] : it->second.locals) {
-    const Tensor* t = table_.Find(id);
-    if (t != nullptr && t->state != TensorState::kFreed) live.push_back(id);
-  }
-  std::sort(live.begin(), live.end());
-  absl::Status status;
-  for (TensorId id : live) {
-    if (absl::Status s = table_.Free(id); !s.ok() && status.ok()) status = s;
-  }
+  table_.RemoveSession(session);
   sessions_.erase(it);
-  if (status.ok()) status = table_.ForgetSession(session);
-  return status;
+  return absl::OkStatus();
 }
 
 absl::Status GpuPolicy::SetBudget(SessionId session, int64_t budget_bytes) {

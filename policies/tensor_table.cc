@@ -473,9 +473,13 @@ void TensorTable::MaybeRetire(uint32_t slot) {
 }
 
 void TensorTable::Retire(uint32_t slot) {
-  Tensor& t = slots_[slot];
   LeaveComponents(slot);
   // A freed tensor is no longer counted; nothing left to account.
+  ReleaseSlot(slot);
+}
+
+void TensorTable::ReleaseSlot(uint32_t slot) {
+  Tensor& t = slots_[slot];
   if (t.stable_key != 0) {
     auto it = by_key_.find(std::make_pair(t.session, t.stable_key));
     if (it != by_key_.end() && it->second == slot) by_key_.erase(it);
@@ -490,30 +494,20 @@ MemoryStats TensorTable::GpuStats(GpuId gpu) const {
   return it == gpus_.end() ? MemoryStats{} : it->second.stats;
 }
 
-absl::Status TensorTable::ForgetSession(SessionId session) {
-  auto it = sessions_.find(session);
-  if (it != sessions_.end()) {
-    // Freed tensors kept for recompute are not counted in `tensors` but
-    // still occupy slots; only an empty session may go.
-    const MemoryStats& s = it->second.stats;
-    if (s.tensors != 0 || s.device_bytes != 0 || s.host_bytes != 0 ||
-        s.evicted_bytes != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "session ", session, " still has ", s.tensors, " tensors"));
-    }
-    // Retired slots are reset to Tensor{}; a session's freed tensors kept
-    // for recompute still name it. O(slots), once per session's end.
-    for (const Tensor& t : slots_) {
-      if (t.id != 0 && t.session == session) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("session ", session, " still has tensor ", t.id));
-      }
-    }
-    sessions_.erase(it);
+void TensorTable::RemoveSession(SessionId session) {
+  for (uint32_t slot = 0; slot < slots_.size(); ++slot) {
+    Tensor& t = slots_[slot];
+    if (t.id == 0 || t.session != session) continue;
+    // Every neighbour goes too, so connectivity no longer matters: each
+    // member leaves its component as a leaf would, in O(1).
+    components_.Erase(slot, [](uint32_t, auto) {});
+    Account(t, -1);
+    if (t.state == TensorState::kResident) RemoveCandidate(slot);
+    ReleaseSlot(slot);
   }
+  sessions_.erase(session);
   session_clock_.erase(session);
   session_gpu_.erase(session);
-  return absl::OkStatus();
 }
 
 MemoryStats TensorTable::SessionStats(SessionId session) const {

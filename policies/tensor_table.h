@@ -67,11 +67,13 @@ class TensorTable {
   // Free bytes around the tensor in the allocator (MegEngine's term).
   absl::Status SetAdjacentFreeBytes(TensorId id, int64_t bytes);
 
-  // Drops what the table keeps per session (its logical clock, GPU binding,
-  // stats) once none of its tensors is left, so that a daemon serving
-  // sessions for months does not grow. FAILED_PRECONDITION while the
-  // session still has tensors (freed ones kept for recompute included).
-  absl::Status ForgetSession(SessionId session);
+  // Removes every tensor of the session at once, freed ones kept for
+  // recompute included, and what the table keeps per session (its logical
+  // clock, GPU binding, stats), so that a daemon serving sessions for
+  // months does not grow. O(tensors in the table): freeing them one by one
+  // would re-form evicted components over and over, quadratic in a long
+  // chain. Sessions never share edges, so no other tensor is touched.
+  void RemoveSession(SessionId session);
 
   absl::StatusOr<const Tensor*> Get(TensorId id) const;
   const Tensor* Find(TensorId id) const;
@@ -122,6 +124,8 @@ class TensorTable {
   void LeaveComponents(uint32_t slot);
   void MaybeRetire(uint32_t slot);
   void Retire(uint32_t slot);
+  // Forgets the slot's id and key and makes the slot reusable.
+  void ReleaseSlot(uint32_t slot);
 
   std::vector<Tensor> slots_;
   std::vector<uint32_t> free_slots_;

@@ -1083,20 +1083,46 @@ TEST(TensorTable, SessionIsBoundToTheGpuOfItsFirstTensor) {
   EXPECT_FALSE(table.Contains(2));
 }
 
-TEST(TensorTable, ASessionIsForgottenOnlyOnceAllItsTensorsAreGone) {
+TEST(TensorTable, RemoveSessionTakesAllItsTensorsAndLeavesOthers) {
   TensorTable table;
   ASSERT_TRUE(IsOk(table.Add(Spec(1), 0)));
   ASSERT_TRUE(IsOk(table.Add(Spec(2, 100, {1}), 0)));
+  ASSERT_TRUE(IsOk(table.Add(Spec(3, 100, {2}), 0)));
+  ASSERT_TRUE(IsOk(table.SetState(3, TensorState::kEvicted)));
   ASSERT_TRUE(IsOk(table.SetState(2, TensorState::kEvicted)));
-  ASSERT_TRUE(IsOk(table.Free(1)));  // kept: 2 may need it
-  EXPECT_EQ(table.ForgetSession(1).code(),
-            absl::StatusCode::kFailedPrecondition);
-  ASSERT_TRUE(IsOk(table.Free(2)));  // retires 2, then 1
-  ASSERT_TRUE(IsOk(table.ForgetSession(1)));
+  ASSERT_TRUE(IsOk(table.Free(1)));                      // kept: 2 may need it
+  ASSERT_TRUE(IsOk(table.Add(Spec(10, 50, {}, 2), 0)));  // another session
+  table.RemoveSession(1);
+  EXPECT_FALSE(table.Contains(1));
+  EXPECT_FALSE(table.Contains(2));
+  EXPECT_FALSE(table.Contains(3));
+  EXPECT_EQ(table.components().size(), 0u);
   EXPECT_TRUE(StatsAre(table.SessionStats(1), {}));
-  // Forgotten, the session may start again on another GPU.
+  EXPECT_TRUE(StatsAre(table.SessionStats(2), {.device = 50, .tensors = 1}));
+  EXPECT_TRUE(StatsAre(table.GpuStats(0), {.device = 50, .tensors = 1}));
+  EXPECT_EQ(table.Candidates(Scope{0, std::nullopt}).size(), 1u);
+  // Gone for good: the session may start again on another GPU.
   ASSERT_TRUE(IsOk(table.Add(Spec(3, 100, {}, 1, 2), 0)));
-  EXPECT_TRUE(IsOk(table.ForgetSession(42)));  // unknown: nothing to do
+}
+
+TEST(TensorTable, RemovingASessionWithALongEvictedChainEmptiesTheTable) {
+  // Freeing a chain's tensors one by one re-forms its evicted component at
+  // every step (quadratic: minutes at this size), which RemoveSession
+  // avoids; rpc_bench's session close (--free_before_close=false) times it.
+  TensorTable table;
+  constexpr TensorId kN = 200000;
+  for (TensorId id = 1; id <= kN; ++id) {
+    std::vector<TensorId> parents;
+    if (id > 1) parents.push_back(id - 1);
+    ASSERT_TRUE(IsOk(table.Add(Spec(id, 100, parents), 0)));
+    if (id % 2 == 0) {
+      ASSERT_TRUE(IsOk(table.SetState(id, TensorState::kEvicted)));
+    }
+  }
+  for (TensorId id = 1; id <= kN; id += 2) ASSERT_TRUE(IsOk(table.Free(id)));
+  table.RemoveSession(1);
+  EXPECT_EQ(table.size(), 0u);
+  EXPECT_EQ(table.components().size(), 0u);
 }
 
 TEST(TensorTable, AddBatchRejectsOneSessionOnTwoGpus) {
