@@ -113,10 +113,9 @@ absl::Status Client::TryConnect() {
 }
 
 void Client::ReplayTensorsLocked() {
-  // A new session knows nothing: every tensor is created again (parents
-  // first: ids only grow along edges in any framework's order, but records
-  // may be listed in any order, so creations go in one batch, which the
-  // daemon accepts in any order), then brought to its state.
+  // A new session knows nothing: every tensor is created again, in one
+  // batch (the daemon accepts a batch's parents in any order), then
+  // brought to its state.
   pending_.Clear();
   pending_freed_.clear();
   for (const auto& [id, r] : records_) AddCreated(pending_, r->info);
@@ -142,8 +141,12 @@ void Client::ReplayTensorsLocked() {
               id);
         }
         break;
-      case Where::kOffloading:  // ends with OFFLOADED, legal from resident
       case Where::kResident:
+        // A freed tensor rebuilt for a child's recompute is freed to the
+        // daemon.
+        if (r->rebuilt_freed) AddEventLocked(Kind::FREED, id);
+        break;
+      case Where::kOffloading:  // ends with OFFLOADED, legal from resident
         break;
     }
   }
@@ -151,6 +154,11 @@ void Client::ReplayTensorsLocked() {
 
 bool Client::EvacuateSlabsOf(uint64_t session) {
   std::unique_lock<std::mutex> lock(mu_);
+  // The session's orders not yet carried out are moot, and a compute
+  // thread waiting for them (MakeRoom) must not wait on this thread.
+  jobs_.clear();
+  queued_releases_ = 0;
+  changed_.notify_all();
   arena_.Retire(session);
   bool all_moved = true;
   for (auto& [id, r] : records_) {
