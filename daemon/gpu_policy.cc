@@ -655,12 +655,11 @@ absl::StatusOr<policy::ReleaseOrder> GpuPolicy::ReleaseOne(SessionId requester,
   // One session may lose tensors (often the requester alone): search its
   // own candidates, not the whole GPU's, where a sample would mostly draw
   // tensors of sessions that may not lose any.
-  const policy::Scope scope =
-      victims.size() == 1 ? policy::Scope{gpu_, victims.begin()->first}
-                          : policy::Scope{gpu_, std::nullopt};
-  absl::StatusOr<std::vector<policy::ReleaseOrder>> orders = planner.Release(
-      scope, 1, now_ns, most_host,
-      [&](const Tensor& t) {
+  const policy::Scope scope = victims.size() == 1
+                                  ? policy::Scope{gpu_, victims.begin()->first}
+                                  : policy::Scope{gpu_, std::nullopt};
+  absl::StatusOr<std::vector<policy::ReleaseOrder>> orders =
+      planner.Release(scope, 1, now_ns, most_host, [&](const Tensor& t) {
         auto v = victims.find(t.session);
         return v != victims.end() && t.bytes <= v->second.max_bytes &&
                director_.CanRelease(t, v->second.host_left);
