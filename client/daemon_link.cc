@@ -127,6 +127,11 @@ void DaemonLink::ReadOrders() {
   while (stream_->Read(&orders)) on_orders_(orders);
   const grpc::Status status = stream_->Finish();
   alive_.store(false);
+  {
+    std::lock_guard<std::mutex> lock(reader_mu_);
+    reader_done_ = true;
+  }
+  reader_cv_.notify_all();
   if (closing_.load()) return;
   on_lost_(status.ok() ? std::string("the session stream ended")
                        : absl::StrCat("the session stream ended: ",
@@ -166,20 +171,23 @@ void DaemonLink::Close() {
   if (closed_) return;
   closed_ = true;
   closing_.store(true);
-  if (stub_ != nullptr && alive_.load()) {
-    grpc::ClientContext context;
-    context.set_deadline(Deadline(options_.rpc_timeout_ms));
-    v1::CloseSessionRequest request;
-    request.set_session_token(session_.session_token());
-    v1::CloseSessionResponse response;
-    (void)stub_->CloseSession(&context, request, &response);
-  }
+  // Ending the stream ends the session: the daemon applies every batch
+  // written before it, then reclaims. A CloseSession call would race those
+  // batches (they travel apart) and get them refused. A daemon that does
+  // not end the stream in time is cut off.
   if (stream_ != nullptr) {
     {
       std::lock_guard<std::mutex> lock(write_mu_);
       stream_->WritesDone();
     }
-    stream_context_.TryCancel();
+    bool ended = false;
+    if (reader_.joinable()) {
+      std::unique_lock<std::mutex> lock(reader_mu_);
+      ended = reader_cv_.wait_for(
+          lock, std::chrono::milliseconds(options_.rpc_timeout_ms),
+          [&] { return reader_done_; });
+    }
+    if (!ended) stream_context_.TryCancel();
   }
   if (reader_.joinable()) reader_.join();
   side_.reset();

@@ -2,6 +2,7 @@
 #define DELTAD_CLIENT_DAEMON_LINK_H_
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -66,8 +67,9 @@ class DaemonLink {
   absl::StatusOr<v1::ReleaseResponse> Release(int64_t bytes,
                                               const v1::EventBatch& batch,
                                               uint64_t stream_batches_sent);
-  // Ends the session: CloseSession, the stream, the side connection. Waits
-  // for the reader thread; `on_lost` does not run for a Close.
+  // Ends the session: ends the stream (the daemon reclaims the session once
+  // it has applied every batch sent), then the side connection. Waits for
+  // the reader thread; `on_lost` does not run for a Close.
   void Close();
 
   bool alive() const { return alive_.load(); }
@@ -90,6 +92,9 @@ class DaemonLink {
       stream_;
   std::mutex write_mu_;  // one writer at a time on the stream
   std::thread reader_;
+  std::mutex reader_mu_;
+  std::condition_variable reader_cv_;
+  bool reader_done_ = false;  // the stream ended and was finished
   std::atomic<bool> alive_{false};
   std::atomic<bool> closing_{false};
   std::mutex close_mu_;

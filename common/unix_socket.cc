@@ -349,6 +349,12 @@ absl::Status RemoveStaleSocket(absl::string_view path,
 
 }  // namespace
 
+absl::Status RemoveStaleSocket(absl::string_view path) {
+  absl::StatusOr<struct sockaddr_un> addr = UnixAddress(path);
+  if (!addr.ok()) return addr.status();
+  return RemoveStaleSocket(path, *addr);
+}
+
 absl::StatusOr<UniqueFd> ListenUnix(absl::string_view path, mode_t mode) {
   if ((mode & ~static_cast<mode_t>(07777)) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(

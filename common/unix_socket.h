@@ -98,6 +98,13 @@ absl::StatusOr<ReceivedFds> RecvFds(int socket, int max_fds,
 // when the directory is missing.
 absl::StatusOr<UniqueFd> ListenUnix(absl::string_view path, mode_t mode);
 
+// Removes a socket file at `path` that nobody listens on (left by a process
+// that died); nothing at `path` is fine too. FAILED_PRECONDITION, touching
+// nothing, for a file that is not a socket, a socket a process listens on,
+// or one where that cannot be told. For servers that bind the path
+// themselves (gRPC); ListenUnix does this already.
+absl::Status RemoveStaleSocket(absl::string_view path);
+
 // A SOCK_STREAM socket connected to `path`. UNAVAILABLE when nothing listens
 // there (no file, or a stale one).
 absl::StatusOr<UniqueFd> ConnectUnix(absl::string_view path);

@@ -776,29 +776,48 @@ GpuPolicy::MakeRoom(SessionId session, int64_t bytes, int64_t now_ns) {
     out[owner].push_back(std::move(wire));
     Session& victim = sessions_.at(owner);
     ++victim.releases_ordered;
-    if (owner != session) victim.stream_releases.push_back(o.id);
+    if (owner != session) NoteStreamRelease(victim, o.id);
   }
   return out;
+}
+
+std::optional<policy::ReleaseAction> GpuPolicy::Outstanding(
+    TensorId id, SessionId session) const {
+  const Tensor* t = table_.Find(id);
+  if (t == nullptr || t->session != session) return std::nullopt;
+  if (t->state == TensorState::kOffloading) {
+    return policy::ReleaseAction::kOffload;
+  }
+  if (t->state == TensorState::kEvicted && t->evicted_from_device) {
+    return policy::ReleaseAction::kEvict;
+  }
+  return std::nullopt;
+}
+
+void GpuPolicy::NoteStreamRelease(Session& owner, TensorId id) {
+  owner.stream_releases.push_back(id);
+  if (owner.stream_releases.size() < owner.stream_releases_cap) return;
+  const SessionId session = table_.Find(id)->session;
+  std::erase_if(owner.stream_releases, [&](TensorId t) {
+    return !Outstanding(t, session).has_value();
+  });
+  // Doubling keeps the pruning amortised O(1) per order.
+  owner.stream_releases_cap =
+      std::max<size_t>(4096, 2 * owner.stream_releases.size());
 }
 
 std::vector<v1::ReleaseOrder> GpuPolicy::TakeStreamReleases(SessionId session) {
   std::vector<v1::ReleaseOrder> out;
   auto it = sessions_.find(session);
   if (it == sessions_.end()) return out;
-  std::vector<policy::TensorId> ids;
+  std::vector<TensorId> ids;
   ids.swap(it->second.stream_releases);
-  for (policy::TensorId id : ids) {
-    const Tensor* t = table_.Find(id);
-    if (t == nullptr || t->session != session) continue;
-    const bool offloading = t->state == TensorState::kOffloading;
-    const bool evicting =
-        t->state == TensorState::kEvicted && t->evicted_from_device;
-    if (!offloading && !evicting) continue;
-    out.push_back(ToWire({id,
-                          offloading ? policy::ReleaseAction::kOffload
-                                     : policy::ReleaseAction::kEvict,
-                          t->bytes})
-                      .second);
+  it->second.stream_releases_cap = 4096;
+  for (TensorId id : ids) {
+    const std::optional<policy::ReleaseAction> action =
+        Outstanding(id, session);
+    if (!action) continue;
+    out.push_back(ToWire({id, *action, table_.Find(id)->bytes}).second);
   }
   return out;
 }
@@ -827,7 +846,7 @@ std::map<SessionId, v1::Orders> GpuPolicy::Plan(SessionId session,
         auto [owner, wire] = ToWire(*order);
         *out[owner].add_release() = std::move(wire);
         ++sessions_.at(owner).releases_ordered;
-        sessions_.at(owner).stream_releases.push_back(order->id);
+        NoteStreamRelease(sessions_.at(owner), order->id);
       }
     }
   }

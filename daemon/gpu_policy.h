@@ -162,6 +162,9 @@ class GpuPolicy {
     // Releases ordered on the session's stream since its last synchronous
     // release (see TakeStreamReleases).
     std::vector<policy::TensorId> stream_releases;
+    // Pruned of orders no longer outstanding when it reaches this size, so
+    // a session that never asks synchronously does not grow it for ever.
+    size_t stream_releases_cap = 4096;
     std::unique_ptr<policy::Prefetcher> prefetcher;
     bool reachable = false;  // see SetReachable
   };
@@ -208,6 +211,12 @@ class GpuPolicy {
                                                       Tier tier,
                                                       int64_t now_ns);
   // The order as its owner must read it: owner's id and its own tensor id.
+  // Records a release ordered on `owner`'s stream (see TakeStreamReleases).
+  void NoteStreamRelease(Session& owner, policy::TensorId id);
+  // The release still outstanding on `id` (offload in flight, or evicted
+  // from the device), if any.
+  std::optional<policy::ReleaseAction> Outstanding(policy::TensorId id,
+                                                   SessionId session) const;
   std::pair<SessionId, v1::ReleaseOrder> ToWire(
       const policy::ReleaseOrder& order) const;
   int64_t HostLeft(SessionId session, const Session& s) const;

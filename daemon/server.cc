@@ -69,21 +69,11 @@ namespace {
 // A socket file nobody serves is left over from a daemon that died: remove
 // it. A live one means another deltad is running there.
 absl::Status ClaimSocketPath(const std::string& path) {
-  struct stat st;
-  if (::lstat(path.c_str(), &st) != 0) return absl::OkStatus();
-  if (!S_ISSOCK(st.st_mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(path, " exists and is not a socket; not replacing it"));
-  }
   if (common::ConnectUnix(path).ok()) {
     return absl::AlreadyExistsError(
         absl::StrCat("another deltad is serving ", path, "; stop it first"));
   }
-  if (::unlink(path.c_str()) != 0) {
-    return absl::ErrnoToStatus(errno,
-                               absl::StrCat("removing stale socket ", path));
-  }
-  return absl::OkStatus();
+  return common::RemoveStaleSocket(path);
 }
 
 }  // namespace

@@ -27,6 +27,7 @@
 #include "policies/sim/device_profile.h"
 #include "policies/sim/model_traces.h"
 #include "policies/sim/program.h"
+#include "tools/table.h"
 
 ABSL_FLAG(std::string, socket, "/run/deltad/deltad.sock", "deltad's socket");
 ABSL_FLAG(bool, daemon, true, "use deltad (false: the in-process policy)");
@@ -92,13 +93,7 @@ uint64_t Checksum(const void* data, int64_t bytes) {
 }
 
 std::string Human(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 4) {
-    bytes /= 1024;
-    ++u;
-  }
-  return absl::StrFormat("%.1f %s", bytes, units[u]);
+  return deltad::tools::FormatBytes(static_cast<int64_t>(bytes));
 }
 
 int Fail(const std::string& what) {
