@@ -1,10 +1,39 @@
 #include "bench/report.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <sstream>
 
 namespace deltad::bench {
+
+Percentiles Summarise(std::vector<double> v) {
+  Percentiles p;
+  if (v.empty()) return p;
+  std::sort(v.begin(), v.end());
+  const auto at = [&](double q) {
+    const auto rank = static_cast<size_t>(std::ceil(q * v.size()));
+    return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
+  };
+  p.p50 = at(0.50);
+  p.p99 = at(0.99);
+  double sum = 0;
+  for (double x : v) sum += x;
+  p.mean = sum / static_cast<double>(v.size());
+  return p;
+}
+
+std::string Verdict(bool met) { return met ? "met" : "**MISSED**"; }
+
+std::string CommandLine(const std::string& binary, int argc, char** argv) {
+  std::string command = "build/bench/" + binary;
+  for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+  if (const char* via = std::getenv("DELTAD_BENCH_COMMAND")) command = via;
+  return command;
+}
 
 std::string CpuModel() {
   std::ifstream in("/proc/cpuinfo");
@@ -46,6 +75,13 @@ bool UpdateDocSection(const std::string& path, const std::string& tag,
   std::ofstream out(path, std::ios::trunc);
   out << doc;
   return static_cast<bool>(out);
+}
+
+bool PrintReport(const std::string& report, const std::string& doc,
+                 const std::string& tag) {
+  std::printf("%s", report.c_str());
+  std::fflush(stdout);
+  return doc.empty() || UpdateDocSection(doc, tag, report);
 }
 
 }  // namespace deltad::bench

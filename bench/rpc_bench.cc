@@ -276,28 +276,6 @@ struct Process {
   std::vector<Session*> sessions;  // by GPU
 };
 
-struct Percentiles {
-  double p50 = 0;
-  double p99 = 0;
-  double mean = 0;
-};
-
-Percentiles Summarise(std::vector<double> v) {
-  Percentiles p;
-  if (v.empty()) return p;
-  std::sort(v.begin(), v.end());
-  const auto at = [&](double q) {
-    const auto rank = static_cast<size_t>(std::ceil(q * v.size()));
-    return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
-  };
-  p.p50 = at(0.50);
-  p.p99 = at(0.99);
-  double sum = 0;
-  for (double x : v) sum += x;
-  p.mean = sum / static_cast<double>(v.size());
-  return p;
-}
-
 // Sizes log-uniform over 1 KiB..256 KiB (mean 47 KiB), so 100k tensors are
 // about half of a 9 GiB share: the table is full of tensors, the GPU below
 // its high watermark, and no early offload disturbs the ingest. Scaled down
@@ -551,8 +529,6 @@ ReleaseResult TimeReleases(const Session& s, int64_t ask, int calls,
   return r;
 }
 
-std::string Verdict(bool met) { return met ? "met" : "**MISSED**"; }
-
 std::string LatencyRow(const std::string& what, const std::string& victims,
                        const Percentiles& p, double empty_p99,
                        const std::string& target, const std::string& verdict) {
@@ -574,10 +550,7 @@ std::string IngestRow(const std::string& what, const IngestResult& r,
 int main(int argc, char** argv) {
   using namespace deltad;
   using namespace deltad::bench;
-  std::string command = "build/bench/rpc_bench";
-  for (int i = 1; i < argc; ++i) absl::StrAppend(&command, " ", argv[i]);
-  // scripts/bench may name itself so the doc shows what a reader can run.
-  if (const char* via = std::getenv("DELTAD_BENCH_COMMAND")) command = via;
+  const std::string command = CommandLine("rpc_bench", argc, argv);
   absl::ParseCommandLine(argc, argv);
   const int gpus = absl::GetFlag(FLAGS_gpus);
   const int per_gpu = absl::GetFlag(FLAGS_sessions_per_gpu);
@@ -893,16 +866,11 @@ int main(int argc, char** argv) {
         "calls: "
      << direct_others << ". Whole run " << absl::StrFormat("%.0f", run_s)
      << " s.\n\n";
-  std::printf("%s", md.str().c_str());
-  std::fflush(stdout);
-
   const std::string doc = absl::GetFlag(FLAGS_update_doc);
-  if (!doc.empty()) {
-    if (!UpdateDocSection(doc, "rpc_bench", md.str())) {
-      Die(absl::StrCat("could not write ", doc));
-    }
-    Note(absl::StrCat("updated ", doc));
+  if (!PrintReport(md.str(), doc, "rpc_bench")) {
+    Die(absl::StrCat("could not write ", doc));
   }
+  if (!doc.empty()) Note(absl::StrCat("updated ", doc));
 
   Note(absl::StrCat("closing ", n_sessions, " sessions"));
   for (Session& s : sessions) s.stream->Close();

@@ -52,6 +52,10 @@ Client::Client(ClientOptions options, std::unique_ptr<Device> device)
       device_(std::move(device)),
       local_(policy::LinkBandwidth{}, options_.local_filter) {
   budget_bytes_ = options_.fallback_budget_bytes;
+  // The device outlives the arena (members die in reverse order).
+  Device* d = device_.get();
+  arena_.SetPinner({[d](void* p, int64_t n) { return d->RegisterHost(p, n); },
+                    [d](void* p) { d->UnregisterHost(p); }});
   arena_.SetHeapAllowance(options_.fallback_host_bytes);
 }
 
@@ -86,18 +90,37 @@ absl::Status Client::TryConnect() {
       [this](const std::string& why) { OnLost(why); });
   // Destroyed after the locks below are released: its destructor joins its
   // reader thread, which may be waiting for mu_.
+  std::shared_ptr<DaemonLink> shared;
+  absl::Status status = link.status();
+  if (link.ok()) {
+    shared = std::move(*link);
+    // Before the locks: it waits on the daemon. A device that cannot map
+    // the daemon's chunks cannot use the session at all.
+    status = SyncChunks(
+        shared,
+        InWholeChunks(*shared, shared->session().granted_budget_bytes()));
+    if (!status.ok()) {
+      std::fprintf(stderr, "deltad client: %s; going on without the daemon\n",
+                   std::string(status.message()).c_str());
+    }
+  }
   std::shared_ptr<DaemonLink> old;
   std::lock_guard<std::mutex> send_lock(send_mu_);
   std::lock_guard<std::mutex> lock(mu_);
   next_reconnect_ns_ =
       NowNs() + int64_t{options_.reconnect_interval_ms} * 1000000;
-  if (!link.ok()) return link.status();
-  std::shared_ptr<DaemonLink> shared = std::move(*link);
+  if (!status.ok()) {
+    if (shared != nullptr) old = std::move(shared);  // closed unlocked
+    return status;
+  }
   for (const GrantedSlab& slab : shared->TakeSlabs()) {
     (void)arena_.AddSlab(slab.fd, slab.bytes, shared->session().session_id());
   }
   const v1::OpenSessionResponse& session = shared->session();
   budget_bytes_ = session.granted_budget_bytes();
+  chunks_due_ =
+      !device_->chunk_backend().empty() &&
+      device_->chunk_bytes_held() != InWholeChunks(*shared, budget_bytes_);
   stats_.session_id = session.session_id();
   if (stats_.connected || stats_.reconnects > 0 || !records_.empty()) {
     ++stats_.reconnects;
@@ -191,7 +214,10 @@ bool Client::EvacuateSlabsOf(uint64_t session) {
 
 void Client::OnOrders(const v1::Orders& orders) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (orders.new_budget_bytes() > 0) budget_bytes_ = orders.new_budget_bytes();
+  if (orders.new_budget_bytes() > 0) {
+    budget_bytes_ = orders.new_budget_bytes();
+    chunks_due_ = true;
+  }
   if (!orders.rejected_batch().empty()) {
     // Nothing of that batch was applied: the daemon's view and ours now
     // differ, so the session is opened anew with the whole state.
@@ -467,6 +493,9 @@ void Client::Close() {
   }
   records_.clear();
   device_bytes_ = 0;
+  // Imported chunks keep their memory alive until dropped, whatever the
+  // daemon's accounting says once the session is gone.
+  (void)device_->ShrinkChunksTo(0);
 }
 
 // --- byte work ---------------------------------------------------------------
@@ -681,7 +710,7 @@ bool Client::CarryOut(const std::vector<v1::ReleaseOrder>& orders,
   return all;
 }
 
-absl::StatusOr<bool> Client::MakeRoom(int64_t bytes) {
+absl::StatusOr<bool> Client::MakeRoom(int64_t bytes, int64_t extra) {
   const int64_t start = NowNs();
   std::shared_ptr<DaemonLink> link;
   {
@@ -705,7 +734,8 @@ absl::StatusOr<bool> Client::MakeRoom(int64_t bytes) {
         std::lock_guard<std::mutex> lock(mu_);
         unreported = unreported_bytes_;
       }
-      response = link->Release(bytes + unreported, batch, batches_sent_);
+      response =
+          link->Release(bytes + extra + unreported, batch, batches_sent_);
     }
     if (response.ok()) {
       std::vector<v1::ReleaseOrder> orders(response->release().begin(),
@@ -735,19 +765,27 @@ absl::StatusOr<bool> Client::MakeRoom(int64_t bytes) {
     }
   }
   // In-process: the same policy over this process's tensors.
+  int64_t need;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    need = device_bytes_ + bytes + extra - budget_bytes_;
+  }
+  if (need <= 0) return false;
+  if (absl::Status s = ReleaseInProcess(need, start); !s.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "no room for ", bytes, " bytes within the budget: ", s.message()));
+  }
+  return false;  // within the budget now, unless an order was refused
+}
+
+absl::Status Client::ReleaseInProcess(int64_t need, int64_t start_ns) {
   std::vector<v1::ReleaseOrder> orders;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const int64_t need = device_bytes_ + bytes - budget_bytes_;
-    if (need <= 0) return false;
     const int64_t host_free = options_.fallback_host_bytes +
                               arena_.capacity_bytes() - arena_.used_bytes();
     auto plan = local_.Plan(need, NowNs(), host_free);
-    if (!plan.ok()) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("no room for ", bytes, " bytes within the budget of ",
-                       budget_bytes_, ": ", plan.status().message()));
-    }
+    if (!plan.ok()) return plan.status();
     for (const policy::ReleaseOrder& o : *plan) {
       v1::ReleaseOrder order;
       order.set_tensor_id(o.id);
@@ -762,39 +800,162 @@ absl::StatusOr<bool> Client::MakeRoom(int64_t bytes) {
   CarryOut(orders, Origin::kLocalPlan);
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.sync_releases;
-  stats_.sync_release_ns += NowNs() - start;
-  return false;  // within the budget now, unless an order was refused
+  stats_.sync_release_ns += NowNs() - start_ns;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
-  // A few rounds: a release can be undone by a concurrent allocation, and
-  // an order can be refused (its tensor just got pinned).
+  // A few rounds: a release can be undone by a concurrent allocation, an
+  // order can be refused (its tensor just got pinned), and a chunk-backed
+  // device can be short of what the byte count says (chunks not fetched
+  // yet, or memory lost to rounding).
   bool granted = false;  // the daemon made room beyond the budget
+  constexpr int kRounds = 16;
   for (int round = 0;; ++round) {
+    bool reserved = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (granted || device_bytes_ + bytes <= budget_bytes_) {
         device_bytes_ += bytes;
         stats_.peak_device_bytes =
             std::max(stats_.peak_device_bytes, device_bytes_);
-        break;
-      }
-      if (round == 8) {
+        reserved = true;
+      } else if (round >= kRounds) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "no room for ", bytes, " bytes: ", device_bytes_, " of ",
             budget_bytes_, " budget bytes held after releasing what could be"));
       }
     }
-    auto made = MakeRoom(bytes);
-    if (!made.ok()) return made.status();
-    granted = *made;
+    if (!reserved) {
+      auto made = MakeRoom(bytes);
+      if (!made.ok()) return made.status();
+      granted = *made;
+      continue;
+    }
+    auto device = device_->Allocate(bytes);
+    if (device.ok()) return device;
+    int64_t budget;
+    std::shared_ptr<DaemonLink> link;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      device_bytes_ -= bytes;
+      budget = budget_bytes_;
+      if (stats_.connected) link = link_;
+    }
+    if (!absl::IsResourceExhausted(device.status()) || round >= kRounds ||
+        device_->chunk_backend().empty()) {
+      return device.status();
+    }
+    // Short of chunks: the budget's may not all have come yet, or the
+    // daemon made room beyond the budget, which takes more chunks; others
+    // may still be giving theirs back (see ExecutorLoop).
+    const int64_t held = device_->chunk_bytes_held();
+    const int64_t want = granted ? std::max(budget, held + bytes) : budget;
+    (void)SyncChunks(link, want);
+    if (device_->chunk_bytes_held() > held) continue;
+    if (granted) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2 * (round + 1)));
+      (void)SyncChunks(link, want);
+      if (device_->chunk_bytes_held() > held) continue;
+    }
+    // The chunks are full though the byte counts say there is room: part
+    // of them is rounding (a 1 MiB tensor takes a 2 MiB chunk), which the
+    // daemon's arithmetic does not see. Ask it for that much more, so
+    // that it releases or lends for real; if that is not enough, this
+    // process's own tensors make the room, chosen in-process (their
+    // releases reach the daemon as events).
+    granted = false;
+    if (round % 2 == 0) {
+      const int64_t waste =
+          std::max<int64_t>(0, device_->chunk_bytes_held() -
+                                   device_->chunk_bytes_free() - DeviceBytes());
+      auto made = MakeRoom(bytes, waste);
+      if (made.ok()) {
+        granted = *made;
+        continue;
+      }
+    }
+    if (absl::Status s = ReleaseInProcess(bytes, NowNs()); !s.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(device.status().message(), "; ", s.message()));
+    }
   }
-  auto device = device_->Allocate(bytes);
-  if (!device.ok()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    device_bytes_ -= bytes;
+}
+
+int64_t Client::InWholeChunks(const DaemonLink& link, int64_t budget) {
+  // Asking for a partial chunk's worth would round up past the budget.
+  const int64_t chunk = link.session().chunk_bytes();
+  return chunk > 0 ? budget / chunk * chunk : budget;
+}
+
+int64_t Client::DeviceBytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return device_bytes_;
+}
+
+absl::Status Client::SyncChunks(const std::shared_ptr<DaemonLink>& link,
+                                int64_t want) {
+  if (device_->chunk_backend().empty()) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(chunk_mu_);
+  if (link.get() != chunk_link_) {
+    // Chunks of an earlier session that tensors still use stay mapped
+    // (their memory lives while mapped) but are ours alone now: the new
+    // session never granted them. The free ones are dropped, so that
+    // memory the daemon no longer counts is not kept beside the new grant.
+    (void)device_->ShrinkChunksTo(0);
+    daemon_chunk_.clear();
+    chunk_link_ = link.get();
   }
-  return device;
+  if (link == nullptr) {
+    if (device_->chunk_bytes_held() >= want) return absl::OkStatus();
+    return device_->AddLocalChunks(want);
+  }
+  const v1::OpenSessionResponse& session = link->session();
+  if (session.backend() != device_->chunk_backend()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "deltad's device memory is ", session.backend(), " chunks, which a ",
+        device_->name(), " device cannot map"));
+  }
+  if (const std::string uuid = device_->gpu_uuid();
+      !uuid.empty() && uuid != session.gpu_uuid()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("deltad's GPU ", options_.link.gpu, " is ",
+                     session.gpu_uuid(), " but this process's device is ", uuid,
+                     " (check CUDA_VISIBLE_DEVICES)"));
+  }
+  if (device_->chunk_bytes_held() < want) {
+    auto chunks = link->FetchChunks(want);
+    if (!chunks.ok()) return chunks.status();
+    std::vector<uint64_t> unusable;
+    absl::Status status;
+    for (ReceivedChunk& c : *chunks) {
+      const uint64_t key = next_chunk_key_++;
+      absl::Status s =
+          status.ok() ? device_->AddChunk(key, c.fd.get(), c.bytes) : status;
+      if (s.ok()) {
+        daemon_chunk_[key] = c.chunk_id;
+      } else {
+        status = s;
+        unusable.push_back(c.chunk_id);
+      }
+    }
+    if (!unusable.empty()) (void)link->ReturnChunks(unusable);
+    if (!status.ok()) return status;
+  }
+  // Down to the whole chunks that cover `want`, never below it.
+  const int64_t chunk = std::max<int64_t>(1, session.chunk_bytes());
+  const int64_t keep = (want + chunk - 1) / chunk * chunk;
+  if (device_->chunk_bytes_held() > keep) {
+    std::vector<uint64_t> ids;
+    for (uint64_t key : device_->ShrinkChunksTo(keep)) {
+      auto it = daemon_chunk_.find(key);
+      if (it == daemon_chunk_.end()) continue;
+      ids.push_back(it->second);
+      daemon_chunk_.erase(it);
+    }
+    if (!ids.empty()) return link->ReturnChunks(ids);
+  }
+  return absl::OkStatus();
 }
 
 // --- executor ----------------------------------------------------------------
@@ -829,12 +990,37 @@ void Client::ExecutorLoop() {
     bool reconnect = options_.use_daemon &&
                      options_.reconnect_interval_ms > 0 && !stats_.connected &&
                      NowNs() >= next_reconnect_ns_;
+    // A budget change, or chunks over a shrunk budget that frees since
+    // made returnable.
+    // After a budget order (a cut, or the daemon asking for what it lent
+    // beyond the budget because another session is short), chunks past the
+    // budget go back as they come free, and chunks short of it are asked
+    // for again; every few milliseconds until the device holds the budget.
+    std::shared_ptr<DaemonLink> chunk_link;
+    const int64_t chunk_budget = budget_bytes_;
+    const bool sync_chunks = stats_.connected &&
+                             !device_->chunk_backend().empty() && chunks_due_ &&
+                             NowNs() >= next_chunk_check_ns_;
+    if (sync_chunks) {
+      chunk_link = link_;
+      next_chunk_check_ns_ = NowNs() + 10'000'000;
+    }
     std::shared_ptr<DaemonLink> stale;
     if (resync_ && stats_.connected) {
       stale = link_;
       reconnect = true;
     }
     lock.unlock();
+    if (sync_chunks) {
+      const int64_t want = InWholeChunks(*chunk_link, chunk_budget);
+      (void)SyncChunks(chunk_link, want);
+      // Short too (the others had not given theirs back yet) keeps it due.
+      if (device_->chunk_bytes_held() == want) {
+        std::lock_guard<std::mutex> relock(mu_);
+        // Unless a newer order came meanwhile.
+        if (budget_bytes_ == chunk_budget) chunks_due_ = false;
+      }
+    }
     if (stale != nullptr) {
       if (EvacuateSlabsOf(stale->session().session_id())) {
         stale->Close();

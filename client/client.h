@@ -193,10 +193,24 @@ class Client {
   absl::Status Reload(uint64_t id, bool prefetch);
   absl::Status Recompute(uint64_t id);
   absl::StatusOr<void*> AllocateDevice(int64_t bytes);
-  // Releases so that `bytes` more fit: true when the daemon made room on
-  // the GPU for it (possibly beyond this session's budget), false when the
-  // caller should check its budget again.
-  absl::StatusOr<bool> MakeRoom(int64_t bytes);
+  // Releases so that `bytes` more fit, and `extra` beyond them (device
+  // memory lost to rounding, which the byte counts miss): true when the
+  // daemon made room on the GPU for it (possibly beyond this session's
+  // budget), false when the caller should check its budget again.
+  absl::StatusOr<bool> MakeRoom(int64_t bytes, int64_t extra = 0);
+  // Releases `need` bytes of this process's tensors, chosen in-process.
+  absl::Status ReleaseInProcess(int64_t need, int64_t start_ns);
+
+  // --- device chunks (chunk-backed devices only); mu_ not held
+  // Brings the chunks the device holds to `want` bytes: fetches the missing
+  // ones from the daemon (which may grant fewer) and returns the free ones
+  // beyond it; without a daemon, makes local ones. FAILED_PRECONDITION when the
+  // daemon's chunks cannot be mapped by this device (another backend, another
+  // GPU).
+  absl::Status SyncChunks(const std::shared_ptr<DaemonLink>& link,
+                          int64_t want);
+  int64_t DeviceBytes() const;  // mu_ not held
+  static int64_t InWholeChunks(const DaemonLink& link, int64_t budget);
   // False when an order could not be carried out.
   bool CarryOut(const std::vector<v1::ReleaseOrder>& orders, Origin origin);
   void RefuseLocked(uint64_t id, Origin origin);
@@ -234,6 +248,17 @@ class Client {
   // in the order they were taken; also counts the stream's batches.
   std::mutex send_mu_;
   uint64_t batches_sent_ = 0;  // on the current link; guarded by send_mu_
+
+  // One chunk sync at a time. The device knows chunks by keys the client
+  // gives them; the daemon's ids are valid only for the link that granted
+  // them, so chunks kept from an earlier daemon are never sent back to a
+  // new one (which may reuse their ids).
+  std::mutex chunk_mu_;
+  uint64_t next_chunk_key_ = 1;                          // chunk_mu_
+  std::unordered_map<uint64_t, uint64_t> daemon_chunk_;  // key -> id
+  const DaemonLink* chunk_link_ = nullptr;               // chunk_mu_
+  bool chunks_due_ = false;          // mu_: the budget changed, sync soon
+  int64_t next_chunk_check_ns_ = 0;  // mu_
 
   std::deque<Job> jobs_;  // guarded by mu_
   std::condition_variable work_;

@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -97,8 +98,8 @@ absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
     }
     link->slabs_.push_back({record->slab_id, record->bytes, message->fds[0]});
   }
-  // From here on the side socket only has to stay open.
-  SetReceiveTimeout(link->side_.get(), 0);
+  // The side socket stays open as the process's lifeline; chunk requests
+  // reuse it, each bounded by the receive timeout set above.
 
   link->stream_ = link->stub_->Session(&link->stream_context_);
   v1::SessionMessage first;
@@ -109,6 +110,67 @@ absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
   link->alive_.store(true);
   link->reader_ = std::thread([l = link.get()] { l->ReadOrders(); });
   return link;
+}
+
+absl::StatusOr<std::vector<ReceivedChunk>> DaemonLink::FetchChunks(
+    int64_t target_bytes) {
+  std::lock_guard<std::mutex> lock(side_mu_);
+  if (absl::Status s = common::SendFds(
+          side_.get(), side::kChunksWanted, {},
+          side::EncodeChunksWanted({session_.session_token(), target_bytes}));
+      !s.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("asking deltad for chunks: ", s.message()));
+  }
+  std::vector<ReceivedChunk> chunks;
+  for (;;) {
+    auto message = common::RecvFds(side_.get(), 1, side::kMaxMessageBytes);
+    if (!message.ok()) {
+      return absl::UnavailableError(absl::StrCat(
+          "waiting for deltad's chunks: ", message.status().message()));
+    }
+    if (message->tag == side::kChunksDone) break;
+    auto record = side::DecodeChunk(message->payload);
+    if (message->tag != side::kChunk || !record || message->fds.size() != 1) {
+      for (int fd : message->fds) ::close(fd);
+      if (message->tag == side::kError) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("deltad granted no chunks: ", message->payload));
+      }
+      return absl::InternalError("deltad sent no chunk where one was expected");
+    }
+    chunks.push_back(
+        {record->chunk_id, record->bytes, common::UniqueFd(message->fds[0])});
+  }
+  return chunks;
+}
+
+absl::Status DaemonLink::ReturnChunks(const std::vector<uint64_t>& chunk_ids) {
+  const std::string& token = session_.session_token();
+  const size_t per_message = side::MaxReturnedPerMessage(token.size());
+  std::lock_guard<std::mutex> lock(side_mu_);
+  for (size_t at = 0; at < chunk_ids.size(); at += per_message) {
+    side::ChunksReturned returned{token, {}};
+    const size_t end = std::min(chunk_ids.size(), at + per_message);
+    returned.chunk_ids.assign(chunk_ids.begin() + at, chunk_ids.begin() + end);
+    if (absl::Status s = common::SendFds(side_.get(), side::kChunksReturned, {},
+                                         side::EncodeChunksReturned(returned));
+        !s.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("returning chunks to deltad: ", s.message()));
+    }
+    auto answer = common::RecvFds(side_.get(), 0, side::kMaxMessageBytes);
+    if (!answer.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("waiting for deltad to take chunks back: ",
+                       answer.status().message()));
+    }
+    if (answer->tag != side::kChunksDone) {
+      return absl::InternalError(
+          absl::StrCat("deltad refused returned chunks: ", answer->payload));
+    }
+  }
+  return absl::OkStatus();
 }
 
 DaemonLink::~DaemonLink() {

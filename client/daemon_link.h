@@ -37,6 +37,13 @@ struct GrantedSlab {
   int fd = -1;
 };
 
+// A device chunk the daemon granted: its descriptor, owned by the receiver.
+struct ReceivedChunk {
+  uint64_t chunk_id = 0;
+  int64_t bytes = 0;
+  common::UniqueFd fd;
+};
+
 // One session with the daemon: the side-socket connection that proves who
 // this process is (and whose end tells the daemon the process is gone), the
 // gRPC channel, and the session's stream. Orders arrive on a reader thread
@@ -60,6 +67,13 @@ class DaemonLink {
   // The slabs received at Open; the caller owns their descriptors.
   std::vector<GrantedSlab> TakeSlabs();
 
+  // Device chunks until the session holds min(target_bytes, its budget);
+  // the new ones only. Each blocks the calling thread for at most the RPC
+  // timeout. UNAVAILABLE once the side connection is gone.
+  absl::StatusOr<std::vector<ReceivedChunk>> FetchChunks(int64_t target_bytes);
+  // Chunks this process unmapped, for the daemon to release.
+  absl::Status ReturnChunks(const std::vector<uint64_t>& chunk_ids);
+
   // Sends a batch on the stream. UNAVAILABLE once the stream is gone.
   absl::Status Send(const v1::EventBatch& batch);
   // The synchronous release (ReleaseRequest), with the events not yet sent
@@ -82,6 +96,7 @@ class DaemonLink {
   OrdersFn on_orders_;
   LostFn on_lost_;
   common::UniqueFd side_;
+  std::mutex side_mu_;  // one request and its answer at a time
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::MemoryManager::Stub> stub_;
   v1::OpenSessionResponse session_;

@@ -20,9 +20,24 @@ int64_t Rounded(int64_t bytes) {
 }
 }  // namespace
 
+void HostArena::SetPinner(Pinner pinner) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pinner_ = std::move(pinner);
+}
+
+void HostArena::Pin(Region& r) {
+  r.pinned = pinner_.pin && pinner_.pin(r.base, r.bytes).ok();
+}
+
+void HostArena::Unpin(Region& r) {
+  if (r.pinned && pinner_.unpin) pinner_.unpin(r.base);
+  r.pinned = false;
+}
+
 HostArena::~HostArena() {
   for (Region& r : regions_) {
     if (r.base == nullptr) continue;
+    Unpin(r);
     if (r.mapped) {
       ::munmap(r.base, static_cast<size_t>(r.bytes));
     } else {
@@ -47,6 +62,7 @@ absl::Status HostArena::AddSlab(int fd, int64_t bytes, uint64_t owner) {
   r.mapped = true;
   r.owner = owner;
   r.free[0] = bytes;
+  Pin(r);
   regions_.push_back(std::move(r));
   return absl::OkStatus();
 }
@@ -92,6 +108,7 @@ absl::StatusOr<HostArena::Block> HostArena::Allocate(int64_t bytes) {
       r.base = static_cast<char*>(p);
       r.bytes = region_bytes;
       r.free[0] = region_bytes;
+      Pin(r);
       regions_.push_back(std::move(r));
       heap_bytes_ += region_bytes;
       return AllocateIn(static_cast<int>(regions_.size()) - 1, need);
@@ -147,6 +164,7 @@ void HostArena::UnmapRetired() {
   // an empty, retired entry.
   for (Region& r : regions_) {
     if (!r.retired || !r.mapped || r.used != 0 || r.base == nullptr) continue;
+    Unpin(r);
     ::munmap(r.base, static_cast<size_t>(r.bytes));
     r.base = nullptr;
     r.bytes = 0;

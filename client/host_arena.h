@@ -2,6 +2,7 @@
 #define DELTAD_CLIENT_HOST_ARENA_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -30,6 +31,17 @@ class HostArena {
   HostArena& operator=(const HostArena&) = delete;
   ~HostArena();  // unmaps the slabs, frees the heap regions
 
+  // Called for every region once it is mapped (`pin`) and before it is
+  // unmapped or freed (`unpin`), so that the device can page-lock it once
+  // (cudaHostRegister) rather than per copy. A failed pin leaves the region
+  // in use, unpinned: copies from it are slower, not wrong. Set before the
+  // first region comes; the callees must outlive the arena.
+  struct Pinner {
+    std::function<absl::Status(void*, int64_t)> pin;
+    std::function<void(void*)> unpin;
+  };
+  void SetPinner(Pinner pinner);
+
   // Maps a slab the daemon sent for session `owner` and takes ownership of
   // `fd` (closed here once mapped). INTERNAL when mmap fails.
   absl::Status AddSlab(int fd, int64_t bytes, uint64_t owner);
@@ -57,13 +69,17 @@ class HostArena {
     int64_t bytes = 0;
     bool mapped = false;   // a slab (munmap) or heap (free)
     bool retired = false;  // takes no new blocks
+    bool pinned = false;   // Pinner::pin succeeded
     uint64_t owner = 0;    // the session whose slab it is
     int64_t used = 0;
     std::map<int64_t, int64_t> free;  // offset -> length, coalesced
   };
   absl::StatusOr<Block> AllocateIn(int index, int64_t bytes);
+  void Pin(Region& r);
+  void Unpin(Region& r);
 
   mutable std::mutex mu_;
+  Pinner pinner_;
   std::vector<Region> regions_;
   int64_t heap_allowance_ = 0;
   int64_t heap_bytes_ = 0;

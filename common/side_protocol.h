@@ -5,6 +5,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/string_view.h"
 
@@ -21,6 +22,18 @@
 //                                    (repeated, one message per slab)
 //   daemon  -> process  kSlabsDone   payload: empty; the list is complete
 //   daemon  -> process  kError       payload: what was wrong (text)
+//   process -> daemon   kChunksWanted payload: ChunksWanted (the session
+//                                    and how many device bytes it wants to
+//                                    hold in chunks, capped by its budget)
+//   daemon  -> process  kChunk       payload: ChunkRecord; one descriptor
+//                                    (repeated, one message per new chunk)
+//   daemon  -> process  kChunksDone  payload: empty; the grant is complete,
+//                                    or the return below was accepted
+//   process -> daemon   kChunksReturned payload: ChunksReturned (chunks the
+//                                    process has unmapped); answered with
+//                                    kChunksDone or kError
+//
+// A process sends one request at a time and reads its whole answer.
 //
 // The connection is the process's lifeline: when it closes, the daemon
 // reclaims every session the process opened.
@@ -34,6 +47,10 @@ enum Tag : uint64_t {
   kSlab = 3,
   kSlabsDone = 4,
   kError = 5,
+  kChunksWanted = 6,
+  kChunk = 7,
+  kChunksDone = 8,
+  kChunksReturned = 9,
 };
 
 // The largest payload either side sends; tokens and slab records are far
@@ -62,6 +79,89 @@ inline std::optional<SlabRecord> DecodeSlab(absl::string_view payload) {
   std::memcpy(&r.slab_id, payload.data(), sizeof(r.slab_id));
   std::memcpy(&r.bytes, payload.data() + sizeof(r.slab_id), sizeof(r.bytes));
   if (r.bytes <= 0) return std::nullopt;
+  return r;
+}
+
+// One device chunk as kChunk describes it; the descriptor rides along.
+struct ChunkRecord {
+  uint64_t chunk_id = 0;
+  int64_t bytes = 0;
+};
+
+inline std::string EncodeChunk(const ChunkRecord& r) {
+  return EncodeSlab({r.chunk_id, r.bytes});
+}
+
+inline std::optional<ChunkRecord> DecodeChunk(absl::string_view payload) {
+  auto r = DecodeSlab(payload);
+  if (!r.has_value()) return std::nullopt;
+  return ChunkRecord{r->slab_id, r->bytes};
+}
+
+struct ChunksWanted {
+  std::string session_token;
+  int64_t target_bytes = 0;
+};
+
+inline std::string EncodeChunksWanted(const ChunksWanted& w) {
+  std::string out(sizeof(w.target_bytes), '\0');
+  std::memcpy(out.data(), &w.target_bytes, sizeof(w.target_bytes));
+  out += w.session_token;
+  return out;
+}
+
+inline std::optional<ChunksWanted> DecodeChunksWanted(
+    absl::string_view payload) {
+  ChunksWanted w;
+  if (payload.size() <= sizeof(w.target_bytes)) return std::nullopt;
+  std::memcpy(&w.target_bytes, payload.data(), sizeof(w.target_bytes));
+  if (w.target_bytes < 0) return std::nullopt;
+  w.session_token = std::string(payload.substr(sizeof(w.target_bytes)));
+  return w;
+}
+
+struct ChunksReturned {
+  std::string session_token;
+  std::vector<uint64_t> chunk_ids;
+};
+
+// How many ids fit one message beside a token of `token_bytes`.
+inline size_t MaxReturnedPerMessage(size_t token_bytes) {
+  const size_t room = kMaxMessageBytes - sizeof(uint32_t) - token_bytes;
+  return token_bytes + sizeof(uint32_t) >= kMaxMessageBytes
+             ? 0
+             : room / sizeof(uint64_t);
+}
+
+inline std::string EncodeChunksReturned(const ChunksReturned& r) {
+  const uint32_t token_bytes = static_cast<uint32_t>(r.session_token.size());
+  std::string out(sizeof(token_bytes), '\0');
+  std::memcpy(out.data(), &token_bytes, sizeof(token_bytes));
+  out += r.session_token;
+  const size_t at = out.size();
+  out.resize(at + r.chunk_ids.size() * sizeof(uint64_t));
+  if (!r.chunk_ids.empty()) {
+    std::memcpy(out.data() + at, r.chunk_ids.data(),
+                r.chunk_ids.size() * sizeof(uint64_t));
+  }
+  return out;
+}
+
+inline std::optional<ChunksReturned> DecodeChunksReturned(
+    absl::string_view payload) {
+  uint32_t token_bytes = 0;
+  if (payload.size() < sizeof(token_bytes)) return std::nullopt;
+  std::memcpy(&token_bytes, payload.data(), sizeof(token_bytes));
+  payload.remove_prefix(sizeof(token_bytes));
+  if (token_bytes == 0 || token_bytes > payload.size()) return std::nullopt;
+  ChunksReturned r;
+  r.session_token = std::string(payload.substr(0, token_bytes));
+  payload.remove_prefix(token_bytes);
+  if (payload.size() % sizeof(uint64_t) != 0) return std::nullopt;
+  r.chunk_ids.resize(payload.size() / sizeof(uint64_t));
+  if (!r.chunk_ids.empty()) {
+    std::memcpy(r.chunk_ids.data(), payload.data(), payload.size());
+  }
   return r;
 }
 

@@ -92,6 +92,9 @@ v1::DaemonConfig WithDefaults(const v1::DaemonConfig& in) {
   if (!sim->has_chunk_bytes()) sim->set_chunk_bytes(2 * kMiB);
   if (!sim->has_d2h_bytes_per_second()) sim->set_d2h_bytes_per_second(25e9);
   if (!sim->has_h2d_bytes_per_second()) sim->set_h2d_bytes_per_second(25e9);
+  v1::CudaBackendConfig* cuda = c.mutable_cuda();
+  if (!cuda->has_chunk_bytes()) cuda->set_chunk_bytes(0);
+  if (!cuda->has_measure_bandwidth()) cuda->set_measure_bandwidth(true);
   if (!c.has_gpu_share()) c.set_gpu_share(0.9);
   if (!c.has_min_session_bytes()) c.set_min_session_bytes(kGiB);
   if (!c.has_host_pool_bytes()) c.set_host_pool_bytes(64 * kGiB);
@@ -154,6 +157,12 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
   }
   if (!(sim.d2h_bytes_per_second() > 0) || !(sim.h2d_bytes_per_second() > 0)) {
     return Invalid("sim bandwidths", "must be positive");
+  }
+  if (c.cuda().chunk_bytes() < 0 || c.cuda().chunk_bytes() > 64 * kGiB) {
+    return Invalid("cuda.chunk_bytes",
+                   absl::StrCat("must be 0 (the GPU's granularity) or a size "
+                                "up to 64 GiB, got ",
+                                c.cuda().chunk_bytes()));
   }
   if (!(c.gpu_share() > 0) || c.gpu_share() > 1) {
     return Invalid("gpu_share",

@@ -17,6 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/fd_limit.h"
 #include "daemon/config.h"
 #include "daemon/server.h"
 #include "google/protobuf/text_format.h"
@@ -166,6 +167,9 @@ int main(int argc, char** argv) {
   sigaddset(&stop, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  if (absl::Status s = deltad::common::RaiseDescriptorLimit(); !s.ok()) {
+    std::fprintf(stderr, "deltad: %s\n", std::string(s.message()).c_str());
+  }
 
   auto server = Server::Start(config);
   if (!server.ok()) return Fail(server.status().ToString());

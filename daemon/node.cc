@@ -56,8 +56,14 @@ absl::StatusOr<std::unique_ptr<Node>> Node::Create(DeviceBackend& backend,
   std::unique_ptr<Node> node(
       new Node(backend, pool, metrics, std::move(options)));
   for (const GpuInfo& info : backend.gpus()) {
-    const auto budget = static_cast<int64_t>(
-        node->options_.gpu_share * static_cast<double>(info.memory_bytes));
+    // In whole chunks: the budget is handed out as chunks, and a part of
+    // one could never be mapped, so counting it would promise room that a
+    // chunk-backed process cannot get.
+    auto budget = static_cast<int64_t>(node->options_.gpu_share *
+                                       static_cast<double>(info.memory_bytes));
+    if (info.chunk_granularity > 0 && budget >= info.chunk_granularity) {
+      budget -= budget % info.chunk_granularity;
+    }
     auto arbiter = GpuArbiter::Create(info.index, budget,
                                       node->options_.min_session_bytes);
     if (!arbiter.ok()) return arbiter.status();
@@ -163,6 +169,11 @@ absl::StatusOr<Node::Opened> Node::OpenSession(
     }
     r.set_side_socket_path(options_.side_socket_path);
     const GpuInfo& info = backend_.gpus()[g];
+    r.set_backend(std::string(backend_.name()));
+    r.set_chunk_bytes(info.chunk_granularity);
+    r.set_gpu_uuid(info.uuid);
+    r.set_gpu_memory_bytes(info.memory_bytes);
+    chunks_.AddSession(session->id, g);
     r.set_d2h_bytes_per_second(info.d2h_bytes_per_s);
     r.set_h2d_bytes_per_second(info.h2d_bytes_per_s);
     UpdateGpuMetrics(g, gpu);
@@ -179,6 +190,10 @@ OrdersBySession Node::Reclaim(const SessionInfo& session) {
     auto changes = gpu.arbiter.RemoveSession(session.id);
     if (changes.ok()) AddBudgetOrders(*changes, session.id, gpu, others);
   }
+  // The process has unmapped them, or is gone and its mappings with it; a
+  // live process that kept them mapped keeps their memory alive whatever
+  // the accounting says (see DeviceChunk::fd).
+  (void)chunks_.ReleaseSession(session.id);
   // Wiping the slabs takes system calls: not under the GPU's lock, which
   // every session on the GPU waits for.
   if (!keep_slab_contents_.load()) (void)pool_.ReleaseSession(session.id);
@@ -200,6 +215,50 @@ absl::StatusOr<std::vector<OwnedSlab>> Node::HostSlabs(
   auto session = registry_.AuthorizeForPeer(session_token, peer_token);
   if (!session.ok()) return session.status();
   return pool_.DuplicateSlabsOf(session->id);
+}
+
+absl::StatusOr<Node::Granted> Node::GrantChunks(absl::string_view session_token,
+                                                absl::string_view peer_token,
+                                                int64_t target_bytes) {
+  auto session = registry_.AuthorizeForPeer(session_token, peer_token);
+  if (!session.ok()) return session.status();
+  Gpu& gpu = *gpus_[session->gpu];
+  int64_t most;
+  {
+    std::lock_guard<std::mutex> lock(gpu.mu);
+    // Like the policy, which lets a session past its share while the GPU's
+    // budget has room (the others then release first when they need it),
+    // chunks come beyond the share as long as no one else holds them.
+    const int64_t unheld =
+        gpu.arbiter.budget_bytes() - backend_.allocated_bytes(session->gpu);
+    most = std::max(
+        gpu.arbiter.BudgetOf(session->id),
+        chunks_.held_bytes(session->id) + std::max<int64_t>(0, unheld));
+  }
+  Granted granted;
+  auto chunks = chunks_.Grant(session->id, target_bytes, most);
+  if (!chunks.ok()) return chunks.status();
+  granted.chunks = std::move(*chunks);
+  const int64_t held = chunks_.held_bytes(session->id);
+  if (held >= std::min(target_bytes, most)) return granted;
+  // Short: whoever holds more than its budget is reminded of it.
+  std::lock_guard<std::mutex> lock(gpu.mu);
+  for (const SessionInfo& other : registry_.List()) {
+    if (other.gpu != session->gpu || other.id == session->id) continue;
+    const int64_t budget = gpu.arbiter.BudgetOf(other.id);
+    if (budget > 0 && chunks_.held_bytes(other.id) > budget) {
+      granted.others[other.id].set_new_budget_bytes(budget);
+    }
+  }
+  return granted;
+}
+
+absl::Status Node::ReturnChunks(absl::string_view session_token,
+                                absl::string_view peer_token,
+                                absl::Span<const uint64_t> chunk_ids) {
+  auto session = registry_.AuthorizeForPeer(session_token, peer_token);
+  if (!session.ok()) return session.status();
+  return chunks_.Return(session->id, chunk_ids);
 }
 
 OrdersBySession Node::PeerGone(absl::string_view peer_token) {
@@ -371,6 +430,7 @@ v1::NodeStatusResponse Node::Status() const {
     s->set_d2h_bytes_per_second(info.d2h_bytes_per_s);
     s->set_h2d_bytes_per_second(info.h2d_bytes_per_s);
     s->set_sessions(static_cast<uint32_t>(gpu.arbiter.sessions()));
+    s->set_chunk_bytes(backend_.allocated_bytes(static_cast<int>(g)));
     for (const SessionInfo& session : sessions) {
       if (session.gpu != static_cast<int>(g)) continue;
       auto usage = gpu.policy->Usage(session.id);
@@ -380,6 +440,7 @@ v1::NodeStatusResponse Node::Status() const {
       out->set_pid(session.peer.pid);
       out->set_uid(session.peer.uid);
       out->set_label(session.label);
+      out->set_chunk_bytes(chunks_.held_bytes(session.id));
       if (usage.ok()) {
         out->set_budget_bytes(usage->budget_bytes);
         out->set_device_bytes(usage->device_bytes);

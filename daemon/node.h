@@ -11,7 +11,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "daemon/backend/device_backend.h"
+#include "daemon/chunk_ledger.h"
 #include "daemon/gpu_arbiter.h"
 #include "daemon/gpu_policy.h"
 #include "daemon/host_pool.h"
@@ -78,6 +80,26 @@ class Node {
   absl::StatusOr<std::vector<OwnedSlab>> HostSlabs(
       absl::string_view session_token, absl::string_view peer_token) const;
 
+  // Device chunks for a session, for the process that holds `peer_token`
+  // only: new ones until it holds target_bytes in whole chunks, within its
+  // budget, or beyond it by what the GPU's budget has that no session
+  // holds (see ChunkLedger::Grant).
+  // When the GPU is short, the sessions holding chunks beyond their budget
+  // are told their budget again (in `others`), which makes them return
+  // what they hold past it once it is free.
+  struct Granted {
+    std::vector<GrantedChunk> chunks;
+    OrdersBySession others;
+  };
+  absl::StatusOr<Granted> GrantChunks(absl::string_view session_token,
+                                      absl::string_view peer_token,
+                                      int64_t target_bytes);
+  // The process unmapped these chunks of its session. NOT_FOUND for a chunk
+  // that is not that session's.
+  absl::Status ReturnChunks(absl::string_view session_token,
+                            absl::string_view peer_token,
+                            absl::Span<const uint64_t> chunk_ids);
+
   v1::NodeStatusResponse Status() const;
 
   // The daemon is going away: sessions reclaimed from now on keep their
@@ -114,7 +136,8 @@ class Node {
         pool_(pool),
         metrics_(metrics),
         options_(std::move(options)),
-        registry_(options_.max_sessions_per_gpu) {}
+        registry_(options_.max_sessions_per_gpu),
+        chunks_(backend) {}
   // Removes a session from its GPU and the pool; the lock of its GPU must
   // not be held.
   OrdersBySession Reclaim(const SessionInfo& session);
@@ -127,6 +150,7 @@ class Node {
   Metrics* metrics_;
   const NodeOptions options_;
   SessionRegistry registry_;
+  ChunkLedger chunks_;
   std::vector<std::unique_ptr<Gpu>> gpus_;
   std::atomic<bool> keep_slab_contents_{false};
 };

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <utility>
 #include <vector>
 
@@ -11,6 +12,9 @@
 #include "common/side_protocol.h"
 #include "common/unix_socket.h"
 #include "daemon/backend/sim_backend.h"
+#ifdef DELTAD_HAVE_CUDA
+#include "daemon/backend/cuda_backend.h"
+#endif
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "policies/heuristic.h"
@@ -20,19 +24,10 @@
 #endif
 
 namespace deltad::daemon {
+namespace {
 
-absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeBackend(
+absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeSimBackend(
     const v1::DaemonConfig& config) {
-  const std::string& kind = config.backend();
-  if (kind == "cuda") {
-    return absl::FailedPreconditionError(
-        "backend \"cuda\": this build of deltad has no CUDA backend yet; run "
-        "with --backend=sim (or auto)");
-  }
-  if (kind != "sim" && kind != "auto") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("backend must be auto, cuda or sim, got \"", kind, "\""));
-  }
   SimBackendOptions sim;
   sim.gpus = config.sim().gpus();
   sim.memory_bytes = config.sim().memory_bytes();
@@ -42,6 +37,47 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeBackend(
   auto backend = SimBackend::Create(sim);
   if (!backend.ok()) return backend.status();
   return std::unique_ptr<DeviceBackend>(std::move(*backend));
+}
+
+absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeCudaBackend(
+    const v1::DaemonConfig& config) {
+#ifdef DELTAD_HAVE_CUDA
+  CudaBackendOptions cuda;
+  cuda.chunk_bytes = config.cuda().chunk_bytes();
+  cuda.measure_bandwidth = config.cuda().measure_bandwidth();
+  auto backend = CudaBackend::Create(cuda);
+  if (!backend.ok()) return backend.status();
+  return std::unique_ptr<DeviceBackend>(std::move(*backend));
+#else
+  (void)config;
+  return absl::FailedPreconditionError(
+      "this deltad was built without the CUDA toolkit");
+#endif
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeBackend(
+    const v1::DaemonConfig& config) {
+  const std::string& kind = config.backend();
+  if (kind != "sim" && kind != "auto" && kind != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("backend must be auto, cuda or sim, got \"", kind, "\""));
+  }
+  if (kind == "sim") return MakeSimBackend(config);
+  auto cuda = MakeCudaBackend(config);
+  if (cuda.ok() || kind == "cuda") {
+    if (!cuda.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("backend \"cuda\": ", cuda.status().message(),
+                       "; run with --backend=sim for simulated GPUs"));
+    }
+    return cuda;
+  }
+  std::fprintf(stderr,
+               "deltad: no CUDA GPU (%s); backend auto uses simulated GPUs\n",
+               std::string(cuda.status().message()).c_str());
+  return MakeSimBackend(config);
 }
 
 absl::StatusOr<NodeOptions> NodeOptionsFrom(const v1::DaemonConfig& config) {

@@ -17,8 +17,9 @@
 namespace deltad::daemon {
 
 // The backend a configuration asks for: "sim" builds the simulated GPUs;
-// "auto" picks cuda when this build has a CUDA backend and a GPU is
-// present, else sim; "cuda" without one is FAILED_PRECONDITION.
+// "auto" picks cuda when this build has CUDA and a driver and a GPU are
+// present, else sim (saying why in one line on stderr); "cuda" without
+// them is FAILED_PRECONDITION with the reason.
 absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeBackend(
     const v1::DaemonConfig& config);
 

@@ -133,26 +133,62 @@ void SideChannel::Serve(uint64_t id, int fd) {
 
 bool SideChannel::Answer(int fd, const std::string& peer_token,
                          const common::ReceivedFds& message) {
-  if (message.tag != side::kSlabsWanted) {
-    (void)common::SendFds(
-        fd, side::kError, {},
-        absl::StrCat("unknown side-socket message tag ", message.tag));
-    return false;
-  }
-  auto slabs = node_.HostSlabs(message.payload, peer_token);
-  if (!slabs.ok()) {
-    return common::SendFds(fd, side::kError, {}, slabs.status().ToString())
-        .ok();
-  }
-  for (const OwnedSlab& slab : *slabs) {
-    const int slab_fd = slab.fd.get();
-    if (!common::SendFds(fd, side::kSlab, {&slab_fd, 1},
-                         side::EncodeSlab({slab.id, slab.bytes}))
-             .ok()) {
-      return false;
+  // A request that carries descriptors is not one of ours; they were
+  // closed with `message`.
+  auto error = [fd](const absl::Status& s) {
+    return common::SendFds(fd, side::kError, {}, s.ToString()).ok();
+  };
+  switch (message.tag) {
+    case side::kSlabsWanted: {
+      auto slabs = node_.HostSlabs(message.payload, peer_token);
+      if (!slabs.ok()) return error(slabs.status());
+      for (const OwnedSlab& slab : *slabs) {
+        const int slab_fd = slab.fd.get();
+        if (!common::SendFds(fd, side::kSlab, {&slab_fd, 1},
+                             side::EncodeSlab({slab.id, slab.bytes}))
+                 .ok()) {
+          return false;
+        }
+      }
+      return common::SendFds(fd, side::kSlabsDone, {}).ok();
     }
+    case side::kChunksWanted: {
+      auto wanted = side::DecodeChunksWanted(message.payload);
+      if (!wanted.has_value()) {
+        return error(absl::InvalidArgumentError(
+            "malformed chunk request: want a non-negative byte count and a "
+            "session token"));
+      }
+      auto chunks = node_.GrantChunks(wanted->session_token, peer_token,
+                                      wanted->target_bytes);
+      if (!chunks.ok()) return error(chunks.status());
+      if (!chunks->others.empty() && deliver_) deliver_(chunks->others);
+      for (const GrantedChunk& chunk : chunks->chunks) {
+        const int chunk_fd = chunk.fd.get();
+        if (!common::SendFds(fd, side::kChunk, {&chunk_fd, 1},
+                             side::EncodeChunk({chunk.id, chunk.bytes}))
+                 .ok()) {
+          return false;  // the process is gone; PeerGone takes them back
+        }
+      }
+      return common::SendFds(fd, side::kChunksDone, {}).ok();
+    }
+    case side::kChunksReturned: {
+      auto returned = side::DecodeChunksReturned(message.payload);
+      if (!returned.has_value()) {
+        return error(absl::InvalidArgumentError(
+            "malformed chunk return: want a session token and chunk ids"));
+      }
+      absl::Status s = node_.ReturnChunks(returned->session_token, peer_token,
+                                          returned->chunk_ids);
+      if (!s.ok()) return error(s);
+      return common::SendFds(fd, side::kChunksDone, {}).ok();
+    }
+    default:
+      (void)error(absl::InvalidArgumentError(
+          absl::StrCat("unknown side-socket message tag ", message.tag)));
+      return false;
   }
-  return common::SendFds(fd, side::kSlabsDone, {}).ok();
 }
 
 }  // namespace deltad::daemon

@@ -123,14 +123,15 @@ int Status(const Daemon& daemon) {
            {"MEMORY", A::kRight},
            {"BUDGET", A::kRight},
            {"USED", A::kRight},
+           {"CHUNKS", A::kRight},
            {"SESSIONS", A::kRight},
            {"D2H GB/s", A::kRight},
            {"H2D GB/s", A::kRight}});
   for (const v1::GpuStatus& g : r.gpus()) {
     t.AddRow({absl::StrCat(g.gpu()), Printable(g.name()),
               FormatBytes(g.memory_bytes()), FormatBytes(g.budget_bytes()),
-              FormatBytes(g.used_bytes()), absl::StrCat(g.sessions()),
-              FormatGBps(g.d2h_bytes_per_second()),
+              FormatBytes(g.used_bytes()), FormatBytes(g.chunk_bytes()),
+              absl::StrCat(g.sessions()), FormatGBps(g.d2h_bytes_per_second()),
               FormatGBps(g.h2d_bytes_per_second())});
   }
   std::fputs(t.Render().c_str(), stdout);
@@ -154,6 +155,7 @@ int Sessions(const Daemon& daemon) {
            {"LABEL", A::kLeft},
            {"BUDGET", A::kRight},
            {"DEVICE", A::kRight},
+           {"CHUNKS", A::kRight},
            {"HOST", A::kRight},
            {"TENSORS", A::kRight},
            {"RELEASES", A::kRight}});
@@ -162,8 +164,8 @@ int Sessions(const Daemon& daemon) {
               absl::StrCat(s.pid()), absl::StrCat(s.uid()),
               s.label().empty() ? "-" : Printable(s.label()),
               FormatBytes(s.budget_bytes()), FormatBytes(s.device_bytes()),
-              FormatBytes(s.host_bytes()), absl::StrCat(s.tensors()),
-              absl::StrCat(s.releases())});
+              FormatBytes(s.chunk_bytes()), FormatBytes(s.host_bytes()),
+              absl::StrCat(s.tensors()), absl::StrCat(s.releases())});
   }
   std::fputs(t.Render().c_str(), stdout);
   return kOk;

@@ -14,6 +14,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/backend/chunk_request.h"
 
 namespace deltad::daemon {
 namespace {
@@ -72,17 +73,6 @@ std::string FakePciBusId(int index) {
                       ":00.0");
 }
 
-std::string ExhaustedMessage(int gpu, int64_t free_bytes, int64_t bytes,
-                             int64_t rounded, int64_t granularity) {
-  std::string message = absl::StrCat("GPU ", gpu, " has ", free_bytes,
-                                     " bytes free, asked ", bytes, " bytes");
-  if (rounded != bytes) {
-    absl::StrAppend(&message, " (", rounded, " after rounding up to ",
-                    granularity, "-byte chunks)");
-  }
-  return message;
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<SimBackend>> SimBackend::Create(
@@ -117,34 +107,17 @@ SimBackend::~SimBackend() {
 }
 
 absl::StatusOr<DeviceChunk> SimBackend::CreateChunk(int gpu, int64_t bytes) {
-  if (gpu < 0 || gpu >= static_cast<int>(gpus_.size())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("GPU ", gpu, " does not exist; the sim backend has ",
-                     gpus_.size(), " GPUs (0-", gpus_.size() - 1, ")"));
-  }
-  if (bytes <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk size must be positive, got ", bytes, " bytes for GPU ", gpu));
-  }
-  const GpuInfo& info = gpus_[gpu];
-  const int64_t granularity = info.chunk_granularity;
-  // Rounded up without overflow: `units * granularity` is only formed when
-  // it fits in the GPU's memory.
-  const int64_t units = bytes / granularity + (bytes % granularity != 0);
-  const bool fits_at_all = units <= info.memory_bytes / granularity;
-  const int64_t rounded = fits_at_all ? units * granularity : bytes;
+  absl::StatusOr<ChunkRequest> request =
+      ChunkRequest::Make(name(), gpus_, gpu, bytes);
+  if (!request.ok()) return request.status();
+  const int64_t rounded = request->rounded;
 
   DeviceChunk chunk{.gpu = gpu, .bytes = rounded};
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const int64_t free_bytes = info.memory_bytes - allocated_[gpu];
-    if (!fits_at_all || rounded > free_bytes) {
-      return absl::ResourceExhaustedError(
-          ExhaustedMessage(gpu, free_bytes, bytes, rounded, granularity));
-    }
     // Reserve now and make the memfd outside the lock: the syscalls need no
     // shared state, and other GPUs' arbiters should not wait on them.
-    allocated_[gpu] += rounded;
+    if (absl::Status s = request->Reserve(allocated_[gpu]); !s.ok()) return s;
     chunk.id = next_id_++;
   }
   auto unreserve = [&] {

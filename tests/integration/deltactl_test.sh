@@ -51,6 +51,7 @@ expect_rc 0 status
 expect_out "sim backend, at unix:$sock"
 expect_out "host pool: 1.0 GiB, 0 B granted"
 expect_out "GPU  NAME"
+expect_out "CHUNKS"
 expect_out "16.0 GiB"
 [[ $(grep -c GiB "$dir/out") -ge 3 ]] || fail "status: not a line per GPU"
 

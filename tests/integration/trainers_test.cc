@@ -30,7 +30,8 @@ DaemonOptions SmallNode() {
   o.host_pool = "";
   o.host_slab = "";
   o.config_text =
-      "sim { gpus: 2 memory_bytes: 335544320 }\n"
+      // 256 KiB chunks: CUDA's 2 MiB at the jobs' scale of 1/8.
+      "sim { gpus: 2 memory_bytes: 335544320 chunk_bytes: 262144 }\n"
       "min_session_bytes: 16777216\n"
       "host_pool_bytes: 2147483648\n"
       "host_slab_bytes: 16777216\n"
@@ -122,13 +123,20 @@ TEST(Trainers, TwoJobsOnOneGpuSplitItsBudgetAndKeepTheirBytes) {
     EXPECT_LE(sum, s.gpus(0).budget_bytes());
     return s.sessions(0).budget_bytes() < alone;
   })) << ReadFile(a.output);
+  // Both map their budgets in the daemon's chunks: a gives back what its
+  // smaller share no longer covers, and b gets real memory for its share.
+  EXPECT_TRUE(StatusBecomes(daemon, [&](const v1::NodeStatusResponse& s) {
+    return s.sessions_size() == 2 && s.sessions(1).chunk_bytes() > 0 &&
+           s.sessions(0).chunk_bytes() <= s.sessions(0).budget_bytes() &&
+           s.gpus(0).chunk_bytes() <= s.gpus(0).budget_bytes();
+  })) << ReadFile(a.output);
   const ExitStatus b_exit = b.process->WaitOrKill(absl::Seconds(120));
   EXPECT_TRUE(b_exit.ok()) << b_exit.ToString() << "\n" << ReadFile(b.output);
   EXPECT_THAT(ReadFile(b.output), HasSubstr(" 0 bad"));
   // a has the GPU to itself again.
   EXPECT_TRUE(StatusBecomes(daemon, [&](const v1::NodeStatusResponse& s) {
     return s.sessions_size() == 1 && s.sessions(0).budget_bytes() == alone;
-  }));
+  })) << ReadFile(a.output);
   a.process->Kill();
 }
 
@@ -140,12 +148,13 @@ TEST(Trainers, AKilledJobIsReclaimedAtOnce) {
   ASSERT_NE(a.process, nullptr);
   ASSERT_TRUE(StatusBecomes(daemon, [&](const v1::NodeStatusResponse& s) {
     return s.sessions_size() == 1 && s.host_pool_granted_bytes() > 0 &&
-           s.sessions(0).tensors() > 0;
+           s.sessions(0).tensors() > 0 && s.gpus(1).chunk_bytes() > 0;
   })) << ReadFile(a.output);
   a.process->Kill();
+  // Its budget, its device chunks (mapped when it died) and its slabs.
   EXPECT_TRUE(StatusBecomes(daemon, [&](const v1::NodeStatusResponse& s) {
     return s.sessions_size() == 0 && s.host_pool_granted_bytes() == 0 &&
-           s.gpus(1).used_bytes() == 0;
+           s.gpus(1).used_bytes() == 0 && s.gpus(1).chunk_bytes() == 0;
   }));
   EXPECT_TRUE(daemon.Running());
 }

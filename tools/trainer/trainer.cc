@@ -8,6 +8,8 @@
 // Sizes are scaled down by --scale so that several jobs fit this machine;
 // the host link is scaled by the same factor, so a copy takes as long as
 // the unscaled copy would, and compute runs at the modelled speed.
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cinttypes>
@@ -21,9 +23,12 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/client.h"
+#include "client/sim_chunk_device.h"
 #include "client/sim_device.h"
+#include "common/fd_limit.h"
 #include "policies/sim/device_profile.h"
 #include "policies/sim/model_traces.h"
 #include "policies/sim/program.h"
@@ -37,6 +42,10 @@ ABSL_FLAG(std::string, model, "resnet50",
 ABSL_FLAG(int, batch, 32, "batch size");
 ABSL_FLAG(int, gpt_layers, 12, "transformer blocks (gpt)");
 ABSL_FLAG(int, gpt_seq, 1024, "sequence length (gpt)");
+ABSL_FLAG(std::string, memory, "chunks",
+          "where tensors live: \"chunks\" maps the daemon's device chunks "
+          "(memfds standing in for GPU memory) into one address range, as "
+          "a CUDA process does; \"heap\" allocates from the process heap");
 ABSL_FLAG(std::string, device, "a100-80gb",
           "device profile for compute times and link bandwidth");
 ABSL_FLAG(double, scale, 1.0 / 16, "bytes are multiplied by this");
@@ -308,9 +317,28 @@ int main(int argc, char** argv) {
   options.fallback_host_bytes = peak;
   // The device is the real one scaled: full memory, link slowed by `scale`
   // so that scaled bytes take the time unscaled bytes would.
-  auto device = std::make_unique<deltad::client::SimDevice>(
-      static_cast<int64_t>(profile->memory_bytes * scale),
-      profile->d2h_bytes_per_s * scale, profile->h2d_bytes_per_s * scale);
+  const auto memory = static_cast<int64_t>(profile->memory_bytes * scale);
+  const double d2h = profile->d2h_bytes_per_s * scale;
+  const double h2d = profile->h2d_bytes_per_s * scale;
+  (void)deltad::common::RaiseDescriptorLimit();  // one memfd per chunk held
+  std::unique_ptr<deltad::client::Device> device;
+  const std::string kind = absl::GetFlag(FLAGS_memory);
+  if (kind == "chunks") {
+    // CUDA's 2 MiB granularity, scaled like the tensors so that rounding
+    // wastes what it would at full size; the daemon's sim chunk size
+    // should match (scripts/run sets it so).
+    const int64_t page = sysconf(_SC_PAGESIZE);
+    const int64_t local_chunk = std::max<int64_t>(
+        page, static_cast<int64_t>((2 << 20) * scale) / page * page);
+    auto chunked =
+        deltad::client::SimChunkDevice::Create(memory, d2h, h2d, local_chunk);
+    if (!chunked.ok()) return Fail(chunked.status().ToString());
+    device = std::move(*chunked);
+  } else if (kind == "heap") {
+    device = std::make_unique<deltad::client::SimDevice>(memory, d2h, h2d);
+  } else {
+    return Fail("--memory must be chunks or heap, got " + kind);
+  }
   auto client = Client::Connect(options, std::move(device));
   if (!client.ok()) return Fail(client.status().ToString());
   Client& c = **client;
@@ -357,6 +385,16 @@ int main(int argc, char** argv) {
   c.Flush();
   const deltad::client::ClientStats st = c.Stats();
   c.Close();
+  // Releases the daemon ordered, and those the client chose itself (no
+  // daemon, or chunks full of rounding the daemon cannot see).
+  const int64_t ordered = st.orders_received;
+  std::string decided;
+  if (st.reconnects > 0) decided = "(reconnected) ";
+  if (st.local_decisions > 0) {
+    decided += absl::StrCat("(", st.local_decisions, " of ",
+                            st.local_decisions + ordered,
+                            " releases and prefetches chosen in-process)");
+  }
   std::printf(
       "SUMMARY %-14s unmanaged peak %10s  managed peak %10s  offloaded %10s "
       " reloaded %10s  recomputes %6" PRId64
@@ -365,10 +403,7 @@ int main(int argc, char** argv) {
       label.c_str(), Human(peak).c_str(), Human(st.peak_device_bytes).c_str(),
       Human(st.offloaded_bytes).c_str(), Human(st.reloaded_bytes).c_str(),
       st.recomputes, st.recompute_ns / 1e9, wall / (work_ns / 1e9), verified,
-      mismatches,
-      st.reconnects > 0
-          ? "(reconnected)"
-          : (st.local_decisions > 0 ? "(in-process decisions)" : ""));
+      mismatches, decided.c_str());
   if (mismatches > 0) return Fail("checksum mismatches: bytes were lost");
   return 0;
 }

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "client/client.h"
+#include "client/sim_chunk_device.h"
 #include "client/sim_device.h"
 #include "daemon/config.h"
 #include "daemon/server.h"
@@ -54,16 +55,33 @@ class ClientDaemonTest : public ::testing::Test {
   }
 
   void Connect(int64_t budget) {
+    Connect(budget, std::make_unique<SimDevice>(1 << 30, 0, 0));
+  }
+  void Connect(int64_t budget, std::unique_ptr<Device> device) {
+    auto c = MakeClient(budget, std::move(device));
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = std::move(*c);
+  }
+  // The device memory of the daemon's sim backend: its chunks, mapped.
+  static std::unique_ptr<Device> ChunkDevice() {
+    auto d = SimChunkDevice::Create(64 * kMiB, 0, 0);
+    EXPECT_TRUE(d.ok()) << d.status();
+    return d.ok() ? std::unique_ptr<Device>(std::move(*d)) : nullptr;
+  }
+  int64_t GpuChunkBytes() const {
+    return server_->node().Status().gpus(0).chunk_bytes();
+  }
+
+  absl::StatusOr<std::unique_ptr<Client>> MakeClient(
+      int64_t budget, std::unique_ptr<Device> device) {
     ClientOptions o;
     o.link.socket_path = socket_;
     o.link.requested_budget_bytes = budget;
     o.link.label = "test";
-    o.fallback_budget_bytes = budget;
+    o.fallback_budget_bytes = budget > 0 ? budget : 32 * kMiB;
     o.fallback_host_bytes = 64 * kMiB;
     o.reconnect_interval_ms = 50;
-    auto c = Client::Connect(o, std::make_unique<SimDevice>(1 << 30, 0, 0));
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = std::move(*c);
+    return Client::Connect(o, std::move(device));
   }
 
   // Uncomputable tensors, so every release is an offload whose bytes
@@ -170,6 +188,83 @@ TEST_F(ClientDaemonTest, WithoutADaemonTheClientStartsInProcess) {
   TrackFilled(1, 10);
   ExpectBytes(1, 10);
   EXPECT_LE(client_->Stats().peak_device_bytes, 4 * kMiB);
+}
+
+// --- device memory in the daemon's chunks -----------------------------------
+
+TEST_F(ClientDaemonTest, AChunkDeviceHoldsItsBudgetInTheDaemonsChunks) {
+  Connect(8 * kMiB, ChunkDevice());
+  ASSERT_TRUE(client_->connected());
+  const v1::NodeStatusResponse st = server_->node().Status();
+  ASSERT_EQ(st.sessions_size(), 1);
+  // 2 MiB chunks (the sim backend's default), four of them.
+  EXPECT_EQ(st.sessions(0).chunk_bytes(), 8 * kMiB);
+  EXPECT_EQ(st.gpus(0).chunk_bytes(), 8 * kMiB);
+}
+
+TEST_F(ClientDaemonTest, AChunkDeviceKeepsTheBytesThroughOffloadsAndReloads) {
+  Connect(8 * kMiB, ChunkDevice());
+  // 1 MiB tensors in 2 MiB chunks: whole chunks each (half a chunk and
+  // more), so the budget holds four at a time, not eight.
+  TrackFilled(1, 40);
+  ExpectBytes(1, 40);
+  const ClientStats s = client_->Stats();
+  EXPECT_GT(s.offloads, 0);
+  EXPECT_TRUE(s.connected);
+  EXPECT_EQ(s.rejected_batches, 0);
+  // Beyond the budget only while the GPU had room no one held.
+  EXPECT_LE(GpuChunkBytes(), server_->node().Status().gpus(0).budget_bytes());
+}
+
+TEST_F(ClientDaemonTest, ClosingAChunkClientGivesTheChunksBack) {
+  Connect(8 * kMiB, ChunkDevice());
+  TrackFilled(1, 4);
+  ASSERT_EQ(GpuChunkBytes(), 8 * kMiB);
+  client_->Close();
+  EXPECT_TRUE(Eventually([&] { return GpuChunkBytes() == 0; }));
+}
+
+TEST_F(ClientDaemonTest, AChunkDeviceWithoutADaemonMakesItsOwnChunks) {
+  server_.reset();
+  Connect(4 * kMiB, ChunkDevice());
+  EXPECT_FALSE(client_->connected());
+  TrackFilled(1, 10);
+  ExpectBytes(1, 10);
+  EXPECT_LE(client_->Stats().peak_device_bytes, 4 * kMiB);
+}
+
+TEST_F(ClientDaemonTest, AChunkDeviceKeepsItsTensorsWhenTheDaemonRestarts) {
+  Connect(8 * kMiB, ChunkDevice());
+  TrackFilled(1, 20);
+  server_->Drain();
+  server_.reset();
+  ASSERT_TRUE(Eventually([&] { return !client_->connected(); }));
+  TrackFilled(21, 30);
+  StartDaemon();
+  ASSERT_TRUE(Eventually([&] { return client_->connected(); }));
+  ExpectBytes(1, 30);
+  EXPECT_EQ(client_->Stats().rejected_batches, 0);
+}
+
+// A device that maps another backend's chunks than the daemon has.
+class CudaLikeDevice final : public Device {
+ public:
+  absl::string_view name() const override { return "cuda-like"; }
+  absl::string_view chunk_backend() const override { return "cuda"; }
+  absl::StatusOr<void*> Allocate(int64_t) override {
+    return absl::ResourceExhaustedError("no chunks");
+  }
+  void Free(void*, int64_t) override {}
+  void CopyToHost(void*, const void*, int64_t) override {}
+  void CopyToDevice(void*, const void*, int64_t) override {}
+};
+
+TEST_F(ClientDaemonTest, ADeviceThatCannotMapTheDaemonsChunksGoesOnAlone) {
+  Connect(8 * kMiB, std::make_unique<CudaLikeDevice>());
+  EXPECT_FALSE(client_->connected());
+  EXPECT_EQ(GpuChunkBytes(), 0);
+  EXPECT_TRUE(Eventually(
+      [&] { return server_->node().Status().sessions_size() == 0; }));
 }
 
 }  // namespace
