@@ -990,12 +990,10 @@ void Client::ExecutorLoop() {
     bool reconnect = options_.use_daemon &&
                      options_.reconnect_interval_ms > 0 && !stats_.connected &&
                      NowNs() >= next_reconnect_ns_;
-    // A budget change, or chunks over a shrunk budget that frees since
-    // made returnable.
     // After a budget order (a cut, or the daemon asking for what it lent
     // beyond the budget because another session is short), chunks past the
     // budget go back as they come free, and chunks short of it are asked
-    // for again; every few milliseconds until the device holds the budget.
+    // for again; every 20 ms until the device holds the budget.
     std::shared_ptr<DaemonLink> chunk_link;
     const int64_t chunk_budget = budget_bytes_;
     const bool sync_chunks = stats_.connected &&
@@ -1003,7 +1001,7 @@ void Client::ExecutorLoop() {
                              NowNs() >= next_chunk_check_ns_;
     if (sync_chunks) {
       chunk_link = link_;
-      next_chunk_check_ns_ = NowNs() + 10'000'000;
+      next_chunk_check_ns_ = NowNs() + 20'000'000;
     }
     std::shared_ptr<DaemonLink> stale;
     if (resync_ && stats_.connected) {

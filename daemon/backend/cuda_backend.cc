@@ -376,6 +376,12 @@ CudaBackend::~CudaBackend() {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [id, chunk] : chunks_) {
     close(chunk.info.fd);
+    // In the GPU's primary context when the driver wanted one for
+    // cuMemCreate (see Allocate), which it may want for the release too.
+    std::optional<common::ScopedContext> scope;
+    if (contexts_[chunk.info.gpu] != nullptr) {
+      scope.emplace(*contexts_[chunk.info.gpu]);
+    }
     // Processes that imported the chunk keep it alive until they let go.
     (void)driver_.cuMemRelease(chunk.handle);
   }
@@ -499,6 +505,13 @@ absl::Status CudaBackend::ReleaseChunk(uint64_t chunk_id) {
   // A client that imported the chunk keeps the memory alive after this;
   // see DeviceChunk::fd.
   close(chunk.info.fd);
+  // As in Allocate: the primary context, only if the driver wanted one
+  // (the release is tried either way: the chunk is forgotten already).
+  std::optional<common::ScopedContext> scope;
+  if (const common::PrimaryContext* context = ContextIfRetained(chunk.info.gpu);
+      context != nullptr) {
+    scope.emplace(*context);
+  }
   return CudaCheck(driver_, driver_.cuMemRelease(chunk.handle),
                    absl::StrCat("cuMemRelease of chunk ", chunk_id, " on GPU ",
                                 chunk.info.gpu));

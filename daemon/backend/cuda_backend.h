@@ -47,9 +47,11 @@ struct CudaBackendOptions {
 // context of its own, through the driver API only, destroyed before Create
 // returns; cuMemCreate and the export are documented to need none (their
 // error lists have no CUDA_ERROR_INVALID_CONTEXT). Should a driver want one
-// after all, the GPU's primary context is retained on first need and kept.
-// The CUDA runtime is not used, so a process that also runs a CudaDevice
-// (tests, benchmarks) shares nothing with the backend.
+// after all, the GPU's primary context is retained on first need and kept,
+// and made current for that GPU's creates and releases from then on. The
+// CUDA runtime serves only to find the driver (CudaDriver::Get; it makes no
+// context), so a process that also runs a CudaDevice (tests, benchmarks)
+// shares no CUDA state with the backend beyond the driver itself.
 //
 // Thread safe. Owns the allocation handle and the fd of every live chunk and
 // releases them on ReleaseChunk and on destruction.

@@ -2,6 +2,7 @@
 // process serves budgets as CUDA chunks, and training processes (this binary
 // re-run as a child, see main) map them, move real bytes and are killed.
 // Every test skips, saying why, when there is no usable GPU.
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <signal.h>
 #include <unistd.h>
@@ -137,6 +138,27 @@ int RunChild(int argc, char** argv) {
 
 std::string WhyNoGpu() { return daemon::CudaBackend::ProbeCuda(); }
 
+// The daemon's budget for GPU 0, small next to any GPU's memory: with the
+// default gpu_share (0.9 of, say, 80 GB) a session borrows beyond its share
+// while the GPU's budget has room (GpuPolicy::MakeRoom releases only what
+// the GPU lacks), so the children's 1 GiB would all stay on the device and
+// nothing would be offloaded.
+constexpr int64_t kGpuBudgetBytes = 512 * kMiB;
+
+// GPU 0's memory, as the cuda backend reads it (no context needed).
+int64_t Gpu0MemoryBytes() {
+  absl::StatusOr<const common::CudaDriver*> driver = common::CudaDriver::Get();
+  if (!driver.ok()) return 0;
+  const common::CudaDriver& d = **driver;
+  CUdevice device = 0;
+  size_t total = 0;
+  if (d.cuDeviceGet(&device, 0) != CUDA_SUCCESS ||
+      d.cuDeviceTotalMem(&total, device) != CUDA_SUCCESS) {
+    return 0;
+  }
+  return static_cast<int64_t>(total);
+}
+
 #define SKIP_WITHOUT_GPU()                                  \
   do {                                                      \
     if (const std::string why = WhyNoGpu(); !why.empty()) { \
@@ -161,6 +183,12 @@ class GpuTest : public ::testing::Test {
     c.set_metrics_address("127.0.0.1:0");
     c.set_backend("cuda");
     c.mutable_cuda()->set_measure_bandwidth(false);
+    const int64_t memory = Gpu0MemoryBytes();
+    ASSERT_GT(memory, kGpuBudgetBytes);
+    // Half a MiB over, so that the budget, rounded down to whole chunks,
+    // is kGpuBudgetBytes.
+    c.set_gpu_share(static_cast<double>(kGpuBudgetBytes + kMiB / 2) /
+                    static_cast<double>(memory));
     c.set_min_session_bytes(64 * kMiB);
     c.set_host_pool_bytes(4096 * kMiB);
     c.set_host_slab_bytes(64 * kMiB);
@@ -170,6 +198,9 @@ class GpuTest : public ::testing::Test {
     auto s = daemon::Server::Start(c);
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = std::move(*s);
+    const int64_t budget = server_->node().Status().gpus(0).budget_bytes();
+    ASSERT_GT(budget, kGpuBudgetBytes / 2);
+    ASSERT_LE(budget, kGpuBudgetBytes + kMiB);
   }
 
   std::unique_ptr<testing_util::ChildProcess> Child(int64_t budget_mib,
@@ -214,9 +245,9 @@ class GpuTest : public ::testing::Test {
 
 TEST_F(GpuTest, TwoProcessesMapChunksOfOneBudgetAndKeepTheirBytes) {
   SKIP_WITHOUT_GPU();
-  StartDaemon();
-  // 1 GiB of 64 MiB tensors each within 256 MiB: most go to the host and
-  // come back.
+  ASSERT_NO_FATAL_FAILURE(StartDaemon());
+  // 1 GiB of 64 MiB tensors each within 256 MiB, on a GPU budget of
+  // 512 MiB: most go to the host and come back.
   auto a = Child(256, 64, 16, /*hold=*/false, "a.out");
   auto b = Child(256, 64, 16, /*hold=*/false, "b.out");
   ASSERT_NE(a, nullptr);
@@ -247,7 +278,7 @@ TEST_F(GpuTest, TwoProcessesMapChunksOfOneBudgetAndKeepTheirBytes) {
 
 TEST_F(GpuTest, AKilledProcessWithChunksMappedIsReclaimedWithinASecond) {
   SKIP_WITHOUT_GPU();
-  StartDaemon();
+  ASSERT_NO_FATAL_FAILURE(StartDaemon());
   auto held = Child(512, 64, 4, /*hold=*/true, "held.out");
   ASSERT_NE(held, nullptr);
   ASSERT_TRUE(Eventually([&] {
@@ -257,6 +288,13 @@ TEST_F(GpuTest, AKilledProcessWithChunksMappedIsReclaimedWithinASecond) {
   ASSERT_TRUE(held->Running()) << Output("held.out");
   ASSERT_GT(server_->node().Status().gpus(0).chunk_bytes(), 0);
   held->Signal(SIGKILL);
+  // The second counts from the process's end: the kernel closes its
+  // sockets only as it exits, after tearing down its GPU mappings and along
+  // with the driver's files (its CUDA context), which on a large GPU can
+  // take a good part of a second by itself.
+  const auto killed = held->Wait(absl::Seconds(30));
+  ASSERT_TRUE(killed.has_value()) << "the killed child did not end";
+  EXPECT_EQ(killed->signal, SIGKILL) << killed->ToString();
   EXPECT_TRUE(Eventually(
       [&] {
         const v1::NodeStatusResponse s = server_->node().Status();

@@ -1011,7 +1011,7 @@ TEST_F(BadInputTest, SlabsOfAnotherProcessSessionArePermissionDenied) {
   auto own = peer_->FetchSlabs(mine.session_token());
   ASSERT_TRUE(own.ok()) << own.status();
   ASSERT_EQ(own->size(), 1u);
-  EXPECT_EQ((*own)[0].slab_id, mine.host_slabs(0).slab_id());
+  EXPECT_EQ((*own)[0].id, mine.host_slabs(0).slab_id());
   EXPECT_EQ((*own)[0].bytes, 64 * kMiB);
   struct stat st;
   ASSERT_EQ(::fstat((*own)[0].fd.get(), &st), 0);
@@ -1024,6 +1024,78 @@ TEST_F(BadInputTest, SlabsOfAnotherProcessSessionArePermissionDenied) {
   // The other session is untouched.
   EXPECT_EQ(SessionOf(theirs.session_id()).gpu(), 0);
   EXPECT_EQ(Status().sessions_size(), 2);
+}
+
+TEST_F(BadInputTest, ChunksOfAnotherSessionCannotBeFetchedOrReturned) {
+  // Two connections of this process are two peers; one session each.
+  auto other = Peer::Connect(daemon_->side_socket_path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  const v1::OpenSessionResponse theirs = MustOpen(other->token(), 1);
+  ASSERT_GT(mine.chunk_bytes(), 0);
+  EXPECT_EQ(mine.backend(), "sim");
+
+  auto own = peer_->FetchChunks(mine.session_token(), 4 * mine.chunk_bytes());
+  ASSERT_TRUE(own.ok()) << own.status();
+  ASSERT_EQ(own->size(), 4u);
+  struct stat st;
+  ASSERT_EQ(::fstat((*own)[0].fd.get(), &st), 0);
+  EXPECT_EQ(st.st_size, mine.chunk_bytes());
+  auto their_own =
+      other->FetchChunks(theirs.session_token(), theirs.chunk_bytes());
+  ASSERT_TRUE(their_own.ok()) << their_own.status();
+  ASSERT_EQ(their_own->size(), 1u);
+
+  // Another peer's session: no chunks for it over this connection.
+  auto stolen = peer_->FetchChunks(theirs.session_token(), 1 << 30);
+  ASSERT_FALSE(stolen.ok());
+  EXPECT_THAT(stolen.status().message(), HasSubstr("PERMISSION_DENIED"));
+  // Its chunks cannot be returned in this session's name, alone or beside
+  // this session's own: nothing is returned at all.
+  const uint64_t their_chunk = (*their_own)[0].id;
+  for (const std::vector<uint64_t>& ids :
+       {std::vector<uint64_t>{their_chunk},
+        std::vector<uint64_t>{(*own)[0].id, their_chunk}}) {
+    const absl::Status s = peer_->ReturnChunks(mine.session_token(), ids);
+    EXPECT_THAT(s.message(), HasSubstr("NOT_FOUND")) << s;
+  }
+  // Nor in the other session's name over this connection.
+  EXPECT_THAT(
+      peer_->ReturnChunks(theirs.session_token(), {their_chunk}).message(),
+      HasSubstr("PERMISSION_DENIED"));
+  EXPECT_EQ(SessionOf(mine.session_id()).chunk_bytes(), 4 * mine.chunk_bytes());
+  EXPECT_EQ(SessionOf(theirs.session_id()).chunk_bytes(), theirs.chunk_bytes());
+
+  // Malformed requests are refused and the connection carries on.
+  ASSERT_TRUE(peer_->Send(side::kChunksWanted, "short").ok());
+  auto answer = peer_->Receive();
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(answer->tag, side::kError);
+  EXPECT_THAT(answer->payload, HasSubstr("malformed chunk request"));
+  ASSERT_TRUE(peer_
+                  ->Send(side::kChunksWanted,
+                         side::EncodeChunksWanted({mine.session_token(), -1}))
+                  .ok());
+  answer = peer_->Receive();
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(answer->tag, side::kError);
+  for (const std::string& payload :
+       {std::string(), std::string(3, 'x'), std::string("\xff\xff\xff\x7f"),
+        side::EncodeChunksReturned({mine.session_token(), {}}) + "odd"}) {
+    ASSERT_TRUE(peer_->Send(side::kChunksReturned, payload).ok());
+    answer = peer_->Receive();
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    EXPECT_EQ(answer->tag, side::kError);
+    EXPECT_THAT(answer->payload, HasSubstr("malformed chunk return"));
+  }
+  ExpectServing("chunk requests naming other sessions");
+
+  // The own chunks go back; the GPU's accounting follows.
+  std::vector<uint64_t> ids;
+  for (const Peer::Grant& g : *own) ids.push_back(g.id);
+  EXPECT_TRUE(peer_->ReturnChunks(mine.session_token(), ids).ok());
+  EXPECT_EQ(SessionOf(mine.session_id()).chunk_bytes(), 0);
+  EXPECT_EQ(Status().gpus(0).chunk_bytes(), 0);
 }
 
 // --- Lifelines --------------------------------------------------------------

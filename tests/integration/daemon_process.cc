@@ -251,37 +251,65 @@ bool Peer::WaitClosedByDaemon(absl::Duration timeout) {
   return false;
 }
 
-absl::StatusOr<std::vector<Peer::Slab>> Peer::FetchSlabs(
+absl::StatusOr<std::vector<Peer::Grant>> Peer::FetchSlabs(
     const std::string& session_token, absl::Duration timeout) {
   if (absl::Status s = Send(side::kSlabsWanted, session_token); !s.ok()) {
     return s;
   }
+  return ReceiveGrants(side::kSlab, side::kSlabsDone, timeout);
+}
+
+absl::StatusOr<std::vector<Peer::Grant>> Peer::FetchChunks(
+    const std::string& session_token, int64_t target_bytes,
+    absl::Duration timeout) {
+  if (absl::Status s =
+          Send(side::kChunksWanted,
+               side::EncodeChunksWanted({session_token, target_bytes}));
+      !s.ok()) {
+    return s;
+  }
+  return ReceiveGrants(side::kChunk, side::kChunksDone, timeout);
+}
+
+absl::Status Peer::ReturnChunks(const std::string& session_token,
+                                const std::vector<uint64_t>& chunk_ids,
+                                absl::Duration timeout) {
+  if (absl::Status s =
+          Send(side::kChunksReturned,
+               side::EncodeChunksReturned({session_token, chunk_ids}));
+      !s.ok()) {
+    return s;
+  }
+  auto answer = Receive(timeout, 0);
+  if (!answer.ok()) return answer.status();
+  if (answer->tag == side::kChunksDone) return absl::OkStatus();
+  if (answer->tag == side::kError) return absl::UnknownError(answer->payload);
+  return absl::InternalError(
+      absl::StrCat("unexpected side-socket tag ", answer->tag));
+}
+
+absl::StatusOr<std::vector<Peer::Grant>> Peer::ReceiveGrants(
+    uint64_t item, uint64_t done, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
-  std::vector<Slab> slabs;
+  std::vector<Grant> grants;
   for (;;) {
     auto message = Receive(deadline - absl::Now(), 1);
     if (!message.ok()) return message.status();
     std::vector<common::UniqueFd> fds;
     for (int fd : message->fds) fds.emplace_back(fd);
-    switch (message->tag) {
-      case side::kSlab: {
-        auto record = side::DecodeSlab(message->payload);
-        if (!record || fds.size() != 1) {
-          return absl::InternalError(
-              absl::StrCat("malformed kSlab: ", message->payload.size(),
-                           " payload bytes, ", fds.size(), " descriptors"));
-        }
-        slabs.push_back({record->slab_id, record->bytes, std::move(fds[0])});
-        break;
-      }
-      case side::kSlabsDone:
-        return slabs;
-      case side::kError:
-        return absl::UnknownError(message->payload);
-      default:
-        return absl::InternalError(
-            absl::StrCat("unexpected side-socket tag ", message->tag));
+    if (message->tag == done) return grants;
+    if (message->tag == side::kError) {
+      return absl::UnknownError(message->payload);
     }
+    // Slab and chunk records share one layout.
+    auto record = side::DecodeSlab(message->payload);
+    if (message->tag != item || !record || fds.size() != 1) {
+      return absl::InternalError(
+          absl::StrCat("unexpected side-socket message: tag ", message->tag,
+                       ", ", message->payload.size(), " payload bytes, ",
+                       fds.size(), " descriptors"));
+    }
+    grants.push_back({record->slab_id, record->bytes, std::move(fds[0])});
   }
 }
 

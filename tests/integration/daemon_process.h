@@ -140,17 +140,28 @@ class Peer {
   // it; messages that arrive meanwhile are discarded.
   bool WaitClosedByDaemon(absl::Duration timeout = absl::Seconds(30));
 
-  // kSlabsWanted for a session: the slabs' records and descriptors in the
-  // order sent. A kError answer becomes a status whose message is the
-  // daemon's text (the code is UNKNOWN: the side protocol carries text).
-  struct Slab {
-    uint64_t slab_id = 0;
+  // What the daemon granted over the side socket: a host slab or a device
+  // chunk, its id, size and descriptor.
+  struct Grant {
+    uint64_t id = 0;
     int64_t bytes = 0;
     common::UniqueFd fd;
   };
-  absl::StatusOr<std::vector<Slab>> FetchSlabs(
+  // kSlabsWanted for a session: the slabs in the order sent. A kError
+  // answer becomes a status whose message is the daemon's text (the code
+  // is UNKNOWN: the side protocol carries text).
+  absl::StatusOr<std::vector<Grant>> FetchSlabs(
       const std::string& session_token,
       absl::Duration timeout = absl::Seconds(30));
+  // kChunksWanted: the new chunks until the session holds target_bytes;
+  // errors as FetchSlabs.
+  absl::StatusOr<std::vector<Grant>> FetchChunks(
+      const std::string& session_token, int64_t target_bytes,
+      absl::Duration timeout = absl::Seconds(30));
+  // kChunksReturned; OK when the daemon took them back (kChunksDone).
+  absl::Status ReturnChunks(const std::string& session_token,
+                            const std::vector<uint64_t>& chunk_ids,
+                            absl::Duration timeout = absl::Seconds(30));
 
   // Closes the connection: the daemon reclaims this peer's sessions.
   void Close() { fd_.reset(); }
@@ -158,6 +169,9 @@ class Peer {
  private:
   Peer(common::UniqueFd fd, std::string token)
       : fd_(std::move(fd)), token_(std::move(token)) {}
+  // Reads `item` messages (one descriptor each) until `done`.
+  absl::StatusOr<std::vector<Grant>> ReceiveGrants(uint64_t item, uint64_t done,
+                                                   absl::Duration timeout);
 
   common::UniqueFd fd_;
   std::string token_;

@@ -123,11 +123,13 @@ TEST(CudaDeviceTest, CopiesRoundTrip) {
 
 TEST(CudaDeviceTest, CopiesWithRegisteredHostMemory) {
   SKIP_WITHOUT_GPU();
-  std::unique_ptr<CudaDevice> device = Make(16 * kMiB);
-  ASSERT_NE(device, nullptr);
+  // Declared before the device, so that `out`, which the device's
+  // destructor unregisters, is still allocated then.
   const int64_t bytes = 8 * kMiB;
   std::vector<unsigned char> in = RandomBytes(bytes, 11);
   std::vector<unsigned char> out(in.size(), 0);
+  std::unique_ptr<CudaDevice> device = Make(16 * kMiB);
+  ASSERT_NE(device, nullptr);
   ASSERT_TRUE(device->RegisterHost(in.data(), bytes).ok());
   ASSERT_TRUE(device->RegisterHost(in.data(), bytes).ok());  // once is enough
   ASSERT_TRUE(device->RegisterHost(out.data(), bytes).ok());
