@@ -1,0 +1,107 @@
+"""ctypes declarations of client/deltad_client.h; nothing else."""
+
+import ctypes
+import ctypes.util
+import os
+
+_LIBRARY_NAME = "libdeltad_client.so"
+
+
+class Options(ctypes.Structure):
+    _fields_ = [
+        ("socket_path", ctypes.c_char_p),
+        ("gpu", ctypes.c_int32),
+        ("requested_budget_bytes", ctypes.c_int64),
+        ("requested_host_bytes", ctypes.c_int64),
+        ("priority", ctypes.c_uint32),
+        ("label", ctypes.c_char_p),
+        ("use_daemon", ctypes.c_int32),
+        ("fallback_budget_bytes", ctypes.c_int64),
+        ("fallback_host_bytes", ctypes.c_int64),
+        ("device", ctypes.c_char_p),
+        ("sim_memory_bytes", ctypes.c_int64),
+        ("sim_d2h_bytes_per_second", ctypes.c_double),
+        ("sim_h2d_bytes_per_second", ctypes.c_double),
+    ]
+
+
+class TensorInfo(ctypes.Structure):
+    _fields_ = [
+        ("id", ctypes.c_uint64),
+        ("bytes", ctypes.c_int64),
+        ("parents", ctypes.POINTER(ctypes.c_uint64)),
+        ("num_parents", ctypes.c_size_t),
+        ("compute_cost_ns", ctypes.c_int64),
+        ("evict_pinned", ctypes.c_int32),
+        ("offload_pinned", ctypes.c_int32),
+        ("uncomputable", ctypes.c_int32),
+        ("stable_key", ctypes.c_uint64),
+    ]
+
+
+class Stats(ctypes.Structure):
+    _fields_ = [
+        ("device_bytes", ctypes.c_int64),
+        ("peak_device_bytes", ctypes.c_int64),
+        ("budget_bytes", ctypes.c_int64),
+        ("host_bytes", ctypes.c_int64),
+        ("offloaded_bytes", ctypes.c_int64),
+        ("reloaded_bytes", ctypes.c_int64),
+        ("evictions", ctypes.c_int64),
+        ("recomputes", ctypes.c_int64),
+        ("recompute_ns", ctypes.c_int64),
+        ("stall_ns", ctypes.c_int64),
+        ("connected", ctypes.c_int32),
+    ]
+
+
+RecomputeFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64,
+                               ctypes.c_void_p)
+
+
+def _find_library():
+    candidates = []
+    if os.environ.get("DELTAD_CLIENT_LIBRARY"):
+        candidates.append(os.environ["DELTAD_CLIENT_LIBRARY"])
+    candidates.append(os.path.join(os.path.dirname(__file__), _LIBRARY_NAME))
+    found = ctypes.util.find_library("deltad_client")
+    if found:
+        candidates.append(found)
+    candidates.append(_LIBRARY_NAME)
+    errors = []
+    for path in candidates:
+        try:
+            return ctypes.CDLL(path)
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+    raise OSError(
+        "cannot load the deltad client library (build it with cmake, target "
+        "deltad_client_shared, and set DELTAD_CLIENT_LIBRARY to "
+        "build/client/libdeltad_client.so): " + "; ".join(errors))
+
+
+def load():
+    lib = _find_library()
+    lib.deltad_client_options_init.argtypes = [ctypes.POINTER(Options)]
+    lib.deltad_client_options_init.restype = None
+    lib.deltad_client_connect.argtypes = [
+        ctypes.POINTER(Options), ctypes.POINTER(ctypes.c_void_p)]
+    lib.deltad_client_connect.restype = ctypes.c_int
+    lib.deltad_client_close.argtypes = [ctypes.c_void_p]
+    lib.deltad_client_close.restype = None
+    lib.deltad_track.argtypes = [
+        ctypes.c_void_p, ctypes.POINTER(TensorInfo), RecomputeFn,
+        ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.deltad_track.restype = ctypes.c_int
+    lib.deltad_pin.argtypes = [ctypes.c_void_p, ctypes.c_uint64,
+                               ctypes.POINTER(ctypes.c_void_p)]
+    lib.deltad_pin.restype = ctypes.c_int
+    lib.deltad_unpin.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+    lib.deltad_unpin.restype = None
+    lib.deltad_free.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+    lib.deltad_free.restype = ctypes.c_int
+    lib.deltad_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(Stats)]
+    lib.deltad_stats.restype = ctypes.c_int
+    lib.deltad_last_error.argtypes = []
+    lib.deltad_last_error.restype = ctypes.c_char_p
+    return lib

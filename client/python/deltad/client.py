@@ -1,0 +1,171 @@
+"""The client library from Python: one session with deltad (or the
+in-process policy when no daemon answers) for this process's tensors."""
+
+import ctypes
+import dataclasses
+import threading
+
+from deltad import _capi
+
+_lib = None
+_lib_lock = threading.Lock()
+
+
+def _library():
+    global _lib
+    with _lib_lock:
+        if _lib is None:
+            _lib = _capi.load()
+        return _lib
+
+
+# absl/gRPC status codes the C API returns, for messages.
+_CODES = {3: "INVALID_ARGUMENT", 5: "NOT_FOUND", 6: "ALREADY_EXISTS",
+          8: "RESOURCE_EXHAUSTED", 9: "FAILED_PRECONDITION", 12:
+          "UNIMPLEMENTED", 13: "INTERNAL", 14: "UNAVAILABLE", 15: "DATA_LOSS"}
+
+
+class DeltadError(RuntimeError):
+    """A call of the client library failed; `code` is the status code."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{_CODES.get(code, code)}: {message}")
+        self.code = code
+
+
+def _check(rc):
+    if rc != 0:
+        raise DeltadError(rc, _library().deltad_last_error().decode())
+
+
+@dataclasses.dataclass
+class ClientStats:
+    device_bytes: int
+    peak_device_bytes: int
+    budget_bytes: int
+    host_bytes: int
+    offloaded_bytes: int
+    reloaded_bytes: int
+    evictions: int
+    recomputes: int
+    recompute_ns: int
+    stall_ns: int
+    connected: bool
+
+
+class Client:
+    """A session's tensors: `track` gives device memory for a new tensor
+    (returned pinned), `pin`/`unpin` bracket each use, `free` drops it.
+    Addresses are ints. Thread safe, as the C API is.
+
+    socket: the daemon's socket; None for the in-process policy only.
+    budget_bytes: asked of the daemon (0: a fair share); also the budget
+    while no daemon is reachable (then it must be positive).
+    The device is the client library's simulated one: memory of this
+    process standing in for the GPU's, `device_memory_bytes` of it.
+    """
+
+    def __init__(self, socket="/run/deltad/deltad.sock", budget_bytes=0,
+                 host_bytes=0, gpu=0, label="python", priority=1,
+                 fallback_budget_bytes=1 << 30, fallback_host_bytes=4 << 30,
+                 device_memory_bytes=80 << 30, link_bytes_per_second=0.0):
+        lib = _library()
+        o = _capi.Options()
+        lib.deltad_client_options_init(ctypes.byref(o))
+        # Kept referenced: the C API reads the strings during connect only,
+        # but ctypes must not free them before.
+        self._strings = [s.encode() for s in (socket or "", label or "")]
+        o.socket_path = self._strings[0]
+        o.use_daemon = 1 if socket else 0
+        o.gpu = gpu
+        o.requested_budget_bytes = budget_bytes
+        o.requested_host_bytes = host_bytes
+        o.priority = priority
+        o.label = self._strings[1]
+        o.fallback_budget_bytes = budget_bytes or fallback_budget_bytes
+        o.fallback_host_bytes = fallback_host_bytes
+        o.sim_memory_bytes = device_memory_bytes
+        # <= 0 copies at memcpy speed: this is the CPU.
+        o.sim_d2h_bytes_per_second = link_bytes_per_second
+        o.sim_h2d_bytes_per_second = link_bytes_per_second
+        handle = ctypes.c_void_p()
+        _check(lib.deltad_client_connect(ctypes.byref(o), ctypes.byref(handle)))
+        self._lib = lib
+        self._handle = handle
+        self._callbacks = {}  # id -> ctypes callback, alive while tracked
+
+    def close(self):
+        if self._handle:
+            self._lib.deltad_client_close(self._handle)
+            self._handle = None
+            self._callbacks.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def track(self, tensor_id, nbytes, parents=(), compute_cost_ns=0,
+              recompute=None, evict_pinned=False, offload_pinned=False,
+              stable_key=0):
+        """Device memory for a new tensor, pinned. `recompute(id, address)`
+        rebuilds it (returns nothing, raises on failure); without one the
+        tensor is only ever offloaded."""
+        self._open()
+        info = _capi.TensorInfo()
+        info.id = tensor_id
+        info.bytes = nbytes
+        parent_array = (ctypes.c_uint64 * len(parents))(*parents)
+        info.parents = parent_array
+        info.num_parents = len(parents)
+        info.compute_cost_ns = compute_cost_ns
+        info.evict_pinned = int(evict_pinned)
+        info.offload_pinned = int(offload_pinned)
+        info.uncomputable = int(recompute is None)
+        info.stable_key = stable_key
+        callback = _capi.RecomputeFn()
+        if recompute is not None:
+            def call(_user, tid, out):
+                try:
+                    recompute(tid, out)
+                    return 0
+                except Exception:  # reported as a failed recompute
+                    return 1
+            callback = _capi.RecomputeFn(call)
+            self._callbacks[tensor_id] = callback
+        out = ctypes.c_void_p()
+        _check(self._lib.deltad_track(self._handle, ctypes.byref(info),
+                                      callback, None, ctypes.byref(out)))
+        return out.value
+
+    def _open(self):
+        if not self._handle:
+            raise DeltadError(9, "the deltad client is closed")
+        return self._handle
+
+    def pin(self, tensor_id):
+        self._open()
+        out = ctypes.c_void_p()
+        _check(self._lib.deltad_pin(self._handle, tensor_id,
+                                    ctypes.byref(out)))
+        return out.value
+
+    def unpin(self, tensor_id):
+        self._lib.deltad_unpin(self._open(), tensor_id)
+
+    def free(self, tensor_id):
+        self._open()
+        _check(self._lib.deltad_free(self._handle, tensor_id))
+        self._callbacks.pop(tensor_id, None)
+
+    def stats(self):
+        self._open()
+        s = _capi.Stats()
+        _check(self._lib.deltad_stats(self._handle, ctypes.byref(s)))
+        values = {f: getattr(s, f) for f, _ in s._fields_}
+        values["connected"] = bool(values["connected"])
+        return ClientStats(**values)
