@@ -148,6 +148,10 @@ absl::StatusOr<std::vector<ReceivedChunk>> DaemonLink::FetchChunks(
 absl::Status DaemonLink::ReturnChunks(const std::vector<uint64_t>& chunk_ids) {
   const std::string& token = session_.session_token();
   const size_t per_message = side::MaxReturnedPerMessage(token.size());
+  if (per_message == 0) {
+    // Tokens are the daemon's and short; one this long fits no id at all.
+    return absl::InternalError("the session token leaves no room for ids");
+  }
   std::lock_guard<std::mutex> lock(side_mu_);
   for (size_t at = 0; at < chunk_ids.size(); at += per_message) {
     side::ChunksReturned returned{token, {}};

@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -74,6 +76,68 @@ TEST(HostArena, RejectsNonPositiveSizes) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(arena.Allocate(-5).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// What the device was asked to pin and unpin, and whether pinning fails.
+struct PinLog {
+  std::vector<std::pair<void*, int64_t>> pinned;
+  std::vector<void*> unpinned;
+  bool fail = false;
+};
+
+HostArena::Pinner PinnerFor(PinLog& log) {
+  return {[&log](void* p, int64_t n) {
+            log.pinned.emplace_back(p, n);
+            return log.fail ? absl::InternalError("cannot pin")
+                            : absl::OkStatus();
+          },
+          [&log](void* p) { log.unpinned.push_back(p); }};
+}
+
+TEST(HostArena, PinsEachRegionOnceAndUnpinsItBeforeItGoes) {
+  PinLog log;
+  {
+    HostArena arena;
+    arena.SetPinner(PinnerFor(log));
+    ASSERT_TRUE(arena.AddSlab(Memfd(1 << 20), 1 << 20, /*owner=*/1).ok());
+    arena.SetHeapAllowance(int64_t{64} << 20);
+    // Two blocks in the slab, then one that needs a heap region.
+    auto a = arena.Allocate(256 << 10);
+    auto b = arena.Allocate(256 << 10);
+    auto c = arena.Allocate(1 << 20);
+    ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+    ASSERT_EQ(log.pinned.size(), 2u) << "one pin per region, not per block";
+    EXPECT_EQ(log.pinned[0].second, 1 << 20);
+    EXPECT_EQ(log.pinned[1].second, int64_t{64} << 20);
+    EXPECT_TRUE(log.unpinned.empty());
+    // A retired slab is unpinned before it is unmapped.
+    arena.Free(*a);
+    arena.Free(*b);
+    arena.Retire(1);
+    arena.UnmapRetired();
+    ASSERT_EQ(log.unpinned.size(), 1u);
+    EXPECT_EQ(log.unpinned[0], log.pinned[0].first);
+    arena.Free(*c);
+  }
+  // The heap region, at destruction.
+  ASSERT_EQ(log.unpinned.size(), 2u);
+  EXPECT_EQ(log.unpinned[1], log.pinned[1].first);
+}
+
+TEST(HostArena, ARegionThatCannotBePinnedIsStillUsedAndNeverUnpinned) {
+  PinLog log;
+  log.fail = true;
+  {
+    HostArena arena;
+    arena.SetPinner(PinnerFor(log));
+    ASSERT_TRUE(arena.AddSlab(Memfd(1 << 20), 1 << 20, /*owner=*/1).ok());
+    auto a = arena.Allocate(4096);
+    ASSERT_TRUE(a.ok()) << a.status();
+    std::memset(a->data, 7, 4096);
+    arena.Free(*a);
+  }
+  EXPECT_EQ(log.pinned.size(), 1u);
+  EXPECT_TRUE(log.unpinned.empty());
 }
 
 }  // namespace
