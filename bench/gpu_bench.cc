@@ -227,23 +227,16 @@ int ExportedChunk(const common::PrimaryContext& context, int64_t bytes) {
   const common::CudaDriver& d = context.driver();
   common::ScopedContext scope(context);
   Check(scope.status());
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = context.device();
+  const CUmemAllocationProp prop = common::ChunkProperties(context.device());
   CUmemGenericAllocationHandle handle = 0;
   Check(common::CudaCheck(
       d, d.cuMemCreate(&handle, static_cast<size_t>(bytes), &prop, 0),
       "cuMemCreate"));
-  int fd = -1;
-  Check(common::CudaCheck(
-      d,
-      d.cuMemExportToShareableHandle(
-          &fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-      "cuMemExportToShareableHandle"));
+  absl::StatusOr<common::UniqueFd> fd =
+      common::ExportChunk(d, handle, "a benchmark chunk");
   (void)d.cuMemRelease(handle);  // the fd holds it
-  return fd;
+  Check(fd.status());
+  return fd->release();
 }
 
 std::vector<MapRow> MeasureMapping(int ordinal,

@@ -10,12 +10,12 @@ namespace deltad::client {
 ArenaDevice::~ArenaDevice() {
   // The arena unmaps through the mapper, so it goes first.
   std::lock_guard<std::mutex> lock(mu_);
+  arena_ptr_.store(nullptr, std::memory_order_release);
   arena_.reset();
 }
 
 const ChunkArena* ArenaDevice::arena() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return arena_.get();
+  return arena_ptr_.load(std::memory_order_acquire);
 }
 
 absl::StatusOr<ChunkArena*> ArenaDevice::ArenaFor(int64_t chunk_bytes) {
@@ -24,16 +24,13 @@ absl::StatusOr<ChunkArena*> ArenaDevice::ArenaFor(int64_t chunk_bytes) {
     auto arena = ChunkArena::Create(*mapper_, chunk_bytes, max_bytes_);
     if (!arena.ok()) return arena.status();
     arena_ = std::move(*arena);
+    arena_ptr_.store(arena_.get(), std::memory_order_release);
   }
   return arena_.get();
 }
 
 absl::StatusOr<void*> ArenaDevice::Allocate(int64_t bytes) {
-  ChunkArena* arena;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    arena = arena_.get();
-  }
+  ChunkArena* arena = arena_ptr_.load(std::memory_order_acquire);
   if (arena == nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "no device memory for ", bytes, " bytes: no chunk was granted yet"));
@@ -42,13 +39,7 @@ absl::StatusOr<void*> ArenaDevice::Allocate(int64_t bytes) {
 }
 
 void ArenaDevice::Free(void* device, int64_t bytes) {
-  // The arena, once made, lives as long as the device and has its own
-  // lock: mu_ only guards the pointer.
-  ChunkArena* arena;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    arena = arena_.get();
-  }
+  ChunkArena* arena = arena_ptr_.load(std::memory_order_acquire);
   if (arena != nullptr) arena->Free(device, bytes);
 }
 
@@ -59,9 +50,9 @@ absl::Status ArenaDevice::AddChunk(uint64_t chunk_id, int fd, int64_t bytes) {
 }
 
 std::vector<uint64_t> ArenaDevice::ShrinkChunksTo(int64_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (arena_ == nullptr) return {};
-  std::vector<uint64_t> dropped = arena_->ShrinkTo(bytes);
+  ChunkArena* arena = arena_ptr_.load(std::memory_order_acquire);
+  if (arena == nullptr) return {};
+  std::vector<uint64_t> dropped = arena->ShrinkTo(bytes);
   // Chunks made in-process are gone with their last descriptor; the daemon
   // never heard of them.
   std::erase_if(dropped, [](uint64_t id) { return id & kLocalChunkBit; });
@@ -69,13 +60,13 @@ std::vector<uint64_t> ArenaDevice::ShrinkChunksTo(int64_t bytes) {
 }
 
 int64_t ArenaDevice::chunk_bytes_held() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return arena_ == nullptr ? 0 : arena_->held_bytes();
+  const ChunkArena* arena = arena_ptr_.load(std::memory_order_acquire);
+  return arena == nullptr ? 0 : arena->held_bytes();
 }
 
 int64_t ArenaDevice::chunk_bytes_free() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return arena_ == nullptr ? 0 : arena_->free_bytes();
+  const ChunkArena* arena = arena_ptr_.load(std::memory_order_acquire);
+  return arena == nullptr ? 0 : arena->free_bytes();
 }
 
 absl::Status ArenaDevice::AddLocalChunks(int64_t bytes) {

@@ -1,6 +1,7 @@
 #ifndef DELTAD_CLIENT_ARENA_DEVICE_H_
 #define DELTAD_CLIENT_ARENA_DEVICE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -70,6 +71,9 @@ class ArenaDevice : public Device {
   const int64_t local_chunk_bytes_;
   mutable std::mutex mu_;  // guards the creation of arena_ and local ids
   std::unique_ptr<ChunkArena> arena_;
+  // arena_ once made, read without mu_: it then lives as long as the
+  // device, and the arena has a lock of its own.
+  std::atomic<ChunkArena*> arena_ptr_{nullptr};
   uint64_t next_local_id_ = 1;
 };
 

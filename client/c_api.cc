@@ -31,12 +31,16 @@ extern "C" {
 
 void deltad_client_options_init(deltad_client_options* o) {
   if (o == nullptr) return;
+  // The C++ API's defaults, so the two never drift apart; static, so the
+  // strings outlive the call.
+  static const deltad::client::ClientOptions kDefaults;
   *o = deltad_client_options{};
-  o->socket_path = "/run/deltad/deltad.sock";
-  o->priority = 1;
-  o->use_daemon = 1;
-  o->fallback_budget_bytes = int64_t{1} << 30;
-  o->fallback_host_bytes = int64_t{4} << 30;
+  o->socket_path = kDefaults.link.socket_path.c_str();
+  o->gpu = kDefaults.link.gpu;
+  o->priority = kDefaults.link.priority;
+  o->use_daemon = kDefaults.use_daemon ? 1 : 0;
+  o->fallback_budget_bytes = kDefaults.fallback_budget_bytes;
+  o->fallback_host_bytes = kDefaults.fallback_host_bytes;
   o->device = "sim";
   o->sim_memory_bytes = int64_t{80} << 30;
   o->sim_d2h_bytes_per_second = 25e9;

@@ -109,12 +109,11 @@ absl::Status Client::TryConnect() {
   std::lock_guard<std::mutex> lock(mu_);
   next_reconnect_ns_ =
       NowNs() + int64_t{options_.reconnect_interval_ms} * 1000000;
-  if (!status.ok()) {
-    if (shared != nullptr) old = std::move(shared);  // closed unlocked
-    return status;
-  }
-  for (const GrantedSlab& slab : shared->TakeSlabs()) {
-    (void)arena_.AddSlab(slab.fd, slab.bytes, shared->session().session_id());
+  // On failure `shared`, declared before the locks, is closed after them.
+  if (!status.ok()) return status;
+  for (common::side::Grant& slab : shared->TakeSlabs()) {
+    (void)arena_.AddSlab(slab.fd.release(), slab.bytes,
+                         shared->session().session_id());
   }
   const v1::OpenSessionResponse& session = shared->session();
   budget_bytes_ = session.granted_budget_bytes();
@@ -184,14 +183,21 @@ bool Client::EvacuateSlabsOf(uint64_t session) {
   changed_.notify_all();
   arena_.Retire(session);
   bool all_moved = true;
-  for (auto& [id, r] : records_) {
+  // By id, not by iterator: the waits below let other threads add and drop
+  // records, which may rehash the map.
+  std::vector<uint64_t> ids;
+  ids.reserve(records_.size());
+  for (const auto& [id, r] : records_) ids.push_back(id);
+  for (uint64_t id : ids) {
     // A copy in flight reads or writes its block: wait for it to end.
-    Record* rec = r.get();
+    Record* rec = nullptr;
     changed_.wait(lock, [&] {
-      return rec->where != Where::kOffloading &&
-             rec->where != Where::kReloading;
+      auto it = records_.find(id);
+      rec = it == records_.end() ? nullptr : it->second.get();
+      return rec == nullptr || (rec->where != Where::kOffloading &&
+                                rec->where != Where::kReloading);
     });
-    if (!arena_.IsRetired(rec->host)) continue;
+    if (rec == nullptr || !arena_.IsRetired(rec->host)) continue;
     auto moved = arena_.Allocate(rec->info.bytes);
     if (!moved.ok()) {
       // No heap left for it: the session must stay open, or its bytes go.
@@ -501,10 +507,10 @@ void Client::Close() {
 // --- byte work ---------------------------------------------------------------
 
 void Client::RefuseLocked(uint64_t id, Origin origin) {
-  if (origin == Origin::kDaemonOrder || origin == Origin::kSyncOrder) {
+  if (origin == Origin::kDaemonOrder) {
     ++stats_.orders_refused;
     AddEventLocked(Kind::RELEASE_FAILED, id);
-  } else if (origin == Origin::kLocalPlan) {
+  } else {
     (void)local_.table().CancelRelease(id);
   }
 }
@@ -723,15 +729,12 @@ absl::StatusOr<bool> Client::MakeRoom(int64_t bytes, int64_t extra) {
       // Every batch sent so far is named, so the daemon applies them first.
       std::lock_guard<std::mutex> send_lock(send_mu_);
       v1::EventBatch batch;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        batch = TakeBatchLocked();
-      }
       // Memory held for rebuilds the daemon has not been told of yet is
       // asked for too, or its view of the GPU would be short by that much.
       int64_t unreported;
       {
         std::lock_guard<std::mutex> lock(mu_);
+        batch = TakeBatchLocked();
         unreported = unreported_bytes_;
       }
       response =
@@ -740,7 +743,7 @@ absl::StatusOr<bool> Client::MakeRoom(int64_t bytes, int64_t extra) {
     if (response.ok()) {
       std::vector<v1::ReleaseOrder> orders(response->release().begin(),
                                            response->release().end());
-      const bool done = CarryOut(orders, Origin::kSyncOrder);
+      const bool done = CarryOut(orders, Origin::kDaemonOrder);
       std::unique_lock<std::mutex> lock(mu_);
       ++stats_.sync_releases;
       stats_.sync_release_ns += NowNs() - start;
@@ -782,9 +785,7 @@ absl::Status Client::ReleaseInProcess(int64_t need, int64_t start_ns) {
   std::vector<v1::ReleaseOrder> orders;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const int64_t host_free = options_.fallback_host_bytes +
-                              arena_.capacity_bytes() - arena_.used_bytes();
-    auto plan = local_.Plan(need, NowNs(), host_free);
+    auto plan = local_.Plan(need, NowNs(), arena_.available_bytes());
     if (!plan.ok()) return plan.status();
     for (const policy::ReleaseOrder& o : *plan) {
       v1::ReleaseOrder order;
@@ -835,10 +836,12 @@ absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
     auto device = device_->Allocate(bytes);
     if (device.ok()) return device;
     int64_t budget;
+    int64_t held_bytes;  // by the tensors, as the daemon counts them
     std::shared_ptr<DaemonLink> link;
     {
       std::lock_guard<std::mutex> lock(mu_);
       device_bytes_ -= bytes;
+      held_bytes = device_bytes_;
       budget = budget_bytes_;
       if (stats_.connected) link = link_;
     }
@@ -868,7 +871,7 @@ absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
     if (round % 2 == 0) {
       const int64_t waste =
           std::max<int64_t>(0, device_->chunk_bytes_held() -
-                                   device_->chunk_bytes_free() - DeviceBytes());
+                                   device_->chunk_bytes_free() - held_bytes);
       auto made = MakeRoom(bytes, waste);
       if (made.ok()) {
         granted = *made;
@@ -886,11 +889,6 @@ int64_t Client::InWholeChunks(const DaemonLink& link, int64_t budget) {
   // Asking for a partial chunk's worth would round up past the budget.
   const int64_t chunk = link.session().chunk_bytes();
   return chunk > 0 ? budget / chunk * chunk : budget;
-}
-
-int64_t Client::DeviceBytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return device_bytes_;
 }
 
 absl::Status Client::SyncChunks(const std::shared_ptr<DaemonLink>& link,
@@ -928,15 +926,15 @@ absl::Status Client::SyncChunks(const std::shared_ptr<DaemonLink>& link,
     if (!chunks.ok()) return chunks.status();
     std::vector<uint64_t> unusable;
     absl::Status status;
-    for (ReceivedChunk& c : *chunks) {
+    for (const common::side::Grant& c : *chunks) {
       const uint64_t key = next_chunk_key_++;
       absl::Status s =
           status.ok() ? device_->AddChunk(key, c.fd.get(), c.bytes) : status;
       if (s.ok()) {
-        daemon_chunk_[key] = c.chunk_id;
+        daemon_chunk_[key] = c.id;
       } else {
         status = s;
-        unusable.push_back(c.chunk_id);
+        unusable.push_back(c.id);
       }
     }
     if (!unusable.empty()) (void)link->ReturnChunks(unusable);

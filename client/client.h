@@ -168,8 +168,9 @@ class Client {
     enum Kind { kOffload, kEvict, kPrefetch } kind;
     uint64_t id;
   };
-  // Who asked for a release: decides which events report it.
-  enum class Origin { kDaemonOrder, kLocalPlan, kSyncOrder };
+  // Who asked for a release, on the stream or in a synchronous answer, or
+  // the in-process policy: decides which events report it.
+  enum class Origin { kDaemonOrder, kLocalPlan };
 
   Client(ClientOptions options, std::unique_ptr<Device> device);
 
@@ -209,7 +210,6 @@ class Client {
   // GPU).
   absl::Status SyncChunks(const std::shared_ptr<DaemonLink>& link,
                           int64_t want);
-  int64_t DeviceBytes() const;  // mu_ not held
   static int64_t InWholeChunks(const DaemonLink& link, int64_t budget);
   // False when an order could not be carried out.
   bool CarryOut(const std::vector<v1::ReleaseOrder>& orders, Origin origin);

@@ -38,26 +38,11 @@ absl::StatusOr<std::unique_ptr<CudaChunkMapper>> CudaChunkMapper::Create(
                      " does not support virtual memory management (cuMemMap), "
                      "which chunk mapping needs"));
   }
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = context->device();
-  size_t granularity = 0;
-  if (absl::Status s = CudaCheck(
-          d,
-          d.cuMemGetAllocationGranularity(&granularity, &prop,
-                                          CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-          absl::StrCat("allocation granularity of CUDA device ", ordinal));
-      !s.ok()) {
-    return s;
-  }
-  if (granularity == 0) {
-    return absl::InternalError(absl::StrCat(
-        "CUDA device ", ordinal, " reports an allocation granularity of 0"));
-  }
-  return std::unique_ptr<CudaChunkMapper>(new CudaChunkMapper(
-      std::move(*context), static_cast<int64_t>(granularity)));
+  absl::StatusOr<int64_t> granularity = common::ChunkGranularity(
+      d, context->device(), absl::StrCat("CUDA device ", ordinal));
+  if (!granularity.ok()) return granularity.status();
+  return std::unique_ptr<CudaChunkMapper>(
+      new CudaChunkMapper(std::move(*context), *granularity));
 }
 
 absl::StatusOr<uintptr_t> CudaChunkMapper::Reserve(int64_t bytes,

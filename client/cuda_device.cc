@@ -1,9 +1,5 @@
 #include "client/cuda_device.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -243,11 +239,7 @@ absl::StatusOr<common::UniqueFd> CudaDevice::CreateLocalChunk(int64_t bytes) {
   const CudaDriver& d = context_.driver();
   ScopedContext scope(context_);
   if (!scope.status().ok()) return scope.status();
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = context_.device();
+  const CUmemAllocationProp prop = common::ChunkProperties(context_.device());
   CUmemGenericAllocationHandle handle = 0;
   if (absl::Status s = CudaCheck(
           d, d.cuMemCreate(&handle, static_cast<size_t>(bytes), &prop, 0),
@@ -256,23 +248,12 @@ absl::StatusOr<common::UniqueFd> CudaDevice::CreateLocalChunk(int64_t bytes) {
       !s.ok()) {
     return s;
   }
-  int fd = -1;
-  const absl::Status exported = CudaCheck(
-      d,
-      d.cuMemExportToShareableHandle(
-          &fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-      absl::StrCat("exporting a ", bytes, "-byte local chunk on CUDA device ",
-                   ordinal_, " as a file descriptor"));
+  absl::StatusOr<common::UniqueFd> fd = common::ExportChunk(
+      d, handle,
+      absl::StrCat("a ", bytes, "-byte local chunk on CUDA device ", ordinal_));
   // The fd (when there is one) holds the allocation now; see the header.
   (void)d.cuMemRelease(handle);
-  if (!exported.ok()) return exported;
-  common::UniqueFd owned(fd);
-  const int flags = fcntl(fd, F_GETFD);
-  if (flags < 0 || fcntl(fd, F_SETFD, flags | FD_CLOEXEC) != 0) {
-    return absl::ErrnoToStatus(errno,
-                               "setting FD_CLOEXEC on a local chunk's fd");
-  }
-  return owned;
+  return fd;
 }
 
 }  // namespace deltad::client

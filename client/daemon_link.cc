@@ -84,20 +84,10 @@ absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
       !s.ok()) {
     return s;
   }
-  for (;;) {
-    auto message =
-        common::RecvFds(link->side_.get(), 1, side::kMaxMessageBytes);
-    if (!message.ok()) return message.status();
-    if (message->tag == side::kSlabsDone) break;
-    auto record = side::DecodeSlab(message->payload);
-    if (message->tag != side::kSlab || !record || message->fds.size() != 1) {
-      for (int fd : message->fds) ::close(fd);
-      return absl::InternalError(absl::StrCat(
-          "deltad sent no slab where one was expected: ",
-          message->tag == side::kError ? message->payload : "bad message"));
-    }
-    link->slabs_.push_back({record->slab_id, record->bytes, message->fds[0]});
-  }
+  auto slabs =
+      side::ReceiveGrants(link->side_.get(), side::kSlab, side::kSlabsDone);
+  if (!slabs.ok()) return slabs.status();
+  link->slabs_ = std::move(*slabs);
   // The side socket stays open as the process's lifeline; chunk requests
   // reuse it, each bounded by the receive timeout set above.
 
@@ -112,7 +102,7 @@ absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
   return link;
 }
 
-absl::StatusOr<std::vector<ReceivedChunk>> DaemonLink::FetchChunks(
+absl::StatusOr<std::vector<side::Grant>> DaemonLink::FetchChunks(
     int64_t target_bytes) {
   std::lock_guard<std::mutex> lock(side_mu_);
   if (absl::Status s = common::SendFds(
@@ -122,27 +112,7 @@ absl::StatusOr<std::vector<ReceivedChunk>> DaemonLink::FetchChunks(
     return absl::UnavailableError(
         absl::StrCat("asking deltad for chunks: ", s.message()));
   }
-  std::vector<ReceivedChunk> chunks;
-  for (;;) {
-    auto message = common::RecvFds(side_.get(), 1, side::kMaxMessageBytes);
-    if (!message.ok()) {
-      return absl::UnavailableError(absl::StrCat(
-          "waiting for deltad's chunks: ", message.status().message()));
-    }
-    if (message->tag == side::kChunksDone) break;
-    auto record = side::DecodeChunk(message->payload);
-    if (message->tag != side::kChunk || !record || message->fds.size() != 1) {
-      for (int fd : message->fds) ::close(fd);
-      if (message->tag == side::kError) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("deltad granted no chunks: ", message->payload));
-      }
-      return absl::InternalError("deltad sent no chunk where one was expected");
-    }
-    chunks.push_back(
-        {record->chunk_id, record->bytes, common::UniqueFd(message->fds[0])});
-  }
-  return chunks;
+  return side::ReceiveGrants(side_.get(), side::kChunk, side::kChunksDone);
 }
 
 absl::Status DaemonLink::ReturnChunks(const std::vector<uint64_t>& chunk_ids) {
@@ -177,13 +147,10 @@ absl::Status DaemonLink::ReturnChunks(const std::vector<uint64_t>& chunk_ids) {
   return absl::OkStatus();
 }
 
-DaemonLink::~DaemonLink() {
-  Close();
-  for (const GrantedSlab& s : slabs_) ::close(s.fd);
-}
+DaemonLink::~DaemonLink() { Close(); }
 
-std::vector<GrantedSlab> DaemonLink::TakeSlabs() {
-  std::vector<GrantedSlab> out;
+std::vector<side::Grant> DaemonLink::TakeSlabs() {
+  std::vector<side::Grant> out;
   out.swap(slabs_);
   return out;
 }

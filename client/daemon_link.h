@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/side_protocol.h"
 #include "common/unix_socket.h"
 #include "deltad/v1/memory_manager.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -28,20 +29,6 @@ struct LinkOptions {
   // How long a connect or a synchronous call may take before the daemon
   // counts as unreachable (the client then decides by itself).
   int rpc_timeout_ms = 2000;
-};
-
-// A host slab the daemon granted: its descriptor, owned by the receiver.
-struct GrantedSlab {
-  uint64_t slab_id = 0;
-  int64_t bytes = 0;
-  int fd = -1;
-};
-
-// A device chunk the daemon granted: its descriptor, owned by the receiver.
-struct ReceivedChunk {
-  uint64_t chunk_id = 0;
-  int64_t bytes = 0;
-  common::UniqueFd fd;
 };
 
 // One session with the daemon: the side-socket connection that proves who
@@ -65,12 +52,14 @@ class DaemonLink {
 
   const v1::OpenSessionResponse& session() const { return session_; }
   // The slabs received at Open; the caller owns their descriptors.
-  std::vector<GrantedSlab> TakeSlabs();
+  std::vector<common::side::Grant> TakeSlabs();
 
-  // Device chunks until the session holds min(target_bytes, its budget);
-  // the new ones only. Each blocks the calling thread for at most the RPC
-  // timeout. UNAVAILABLE once the side connection is gone.
-  absl::StatusOr<std::vector<ReceivedChunk>> FetchChunks(int64_t target_bytes);
+  // Device chunks until the session holds target_bytes, as far as the
+  // daemon allows (see Node::GrantChunks); the new ones only. Each blocks the
+  // calling thread for at most the RPC timeout. UNAVAILABLE once the side
+  // connection is gone.
+  absl::StatusOr<std::vector<common::side::Grant>> FetchChunks(
+      int64_t target_bytes);
   // Chunks this process unmapped, for the daemon to release.
   absl::Status ReturnChunks(const std::vector<uint64_t>& chunk_ids);
 
@@ -100,7 +89,7 @@ class DaemonLink {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::MemoryManager::Stub> stub_;
   v1::OpenSessionResponse session_;
-  std::vector<GrantedSlab> slabs_;
+  std::vector<common::side::Grant> slabs_;
 
   grpc::ClientContext stream_context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionMessage, v1::Orders>>

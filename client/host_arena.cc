@@ -179,6 +179,15 @@ int64_t HostArena::capacity_bytes() const {
   return capacity;
 }
 
+int64_t HostArena::available_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t available = heap_allowance_ - heap_bytes_;
+  for (const Region& r : regions_) {
+    if (!r.retired) available += r.bytes - r.used;
+  }
+  return std::max<int64_t>(0, available);
+}
+
 int64_t HostArena::used_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return used_;

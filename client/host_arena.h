@@ -62,6 +62,10 @@ class HostArena {
 
   int64_t capacity_bytes() const;
   int64_t used_bytes() const;
+  // What new blocks can still take: the free bytes of regions that are not
+  // retired, and the heap allowance not yet used (not necessarily in one
+  // piece).
+  int64_t available_bytes() const;
 
  private:
   struct Region {

@@ -1,5 +1,8 @@
 #include "common/cuda_driver.h"
 
+#include <fcntl.h>
+
+#include <cerrno>
 #include <memory>
 #include <string>
 #include <utility>
@@ -239,6 +242,57 @@ absl::Status CudaRtCheck(cudaError_t error, absl::string_view what) {
   if (error == cudaSuccess) return absl::OkStatus();
   return absl::Status(CodeFor(error),
                       absl::StrCat(what, ": ", RtErrorText(error)));
+}
+
+CUmemAllocationProp ChunkProperties(CUdevice device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+
+absl::StatusOr<int64_t> ChunkGranularity(const CudaDriver& d, CUdevice device,
+                                         absl::string_view label) {
+  const CUmemAllocationProp prop = ChunkProperties(device);
+  size_t granularity = 0;
+  if (absl::Status s =
+          CudaCheck(d,
+                    d.cuMemGetAllocationGranularity(
+                        &granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                    absl::StrCat("allocation granularity of ", label));
+      !s.ok()) {
+    return s;
+  }
+  if (granularity == 0) {
+    return absl::InternalError(
+        absl::StrCat(label, " reports an allocation granularity of 0"));
+  }
+  return static_cast<int64_t>(granularity);
+}
+
+absl::StatusOr<UniqueFd> ExportChunk(const CudaDriver& d,
+                                     CUmemGenericAllocationHandle handle,
+                                     absl::string_view what) {
+  int fd = -1;
+  if (absl::Status s = CudaCheck(
+          d,
+          d.cuMemExportToShareableHandle(
+              &fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+          absl::StrCat("exporting ", what, " as a file descriptor"));
+      !s.ok()) {
+    return s;
+  }
+  UniqueFd owned(fd);
+  // Not inherited by anything the process execs; the chunk's holders get
+  // their copies over the side socket.
+  const int flags = fcntl(fd, F_GETFD);
+  if (flags < 0 || fcntl(fd, F_SETFD, flags | FD_CLOEXEC) != 0) {
+    return absl::ErrnoToStatus(
+        errno, absl::StrCat("setting FD_CLOEXEC on the fd of ", what));
+  }
+  return owned;
 }
 
 std::string FormatGpuUuid(const CUuuid& uuid) {

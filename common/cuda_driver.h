@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/unix_socket.h"
 
 namespace deltad::common {
 
@@ -118,6 +119,21 @@ absl::Status CudaRtCheck(cudaError_t error, absl::string_view what);
 // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi and NVML print
 // a GPU's UUID.
 std::string FormatGpuUuid(const CUuuid& uuid);
+
+// What every chunk is, wherever it is made (the daemon's backend, a client's
+// local chunks): device memory of `device`, exportable as a POSIX fd. The
+// granularity query must describe the same allocation as cuMemCreate.
+CUmemAllocationProp ChunkProperties(CUdevice device);
+// The minimum granularity of such allocations on `device`; `label` names
+// the device in errors.
+absl::StatusOr<int64_t> ChunkGranularity(const CudaDriver& driver,
+                                         CUdevice device,
+                                         absl::string_view label);
+// `handle` exported as a close-on-exec POSIX fd, owned by the caller; the
+// handle stays the caller's. `what` names the chunk in errors.
+absl::StatusOr<UniqueFd> ExportChunk(const CudaDriver& driver,
+                                     CUmemGenericAllocationHandle handle,
+                                     absl::string_view what);
 
 // A reference to a device's primary context (the one the runtime uses too),
 // which keeps the context alive while the object lives. The driver keeps

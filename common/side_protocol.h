@@ -7,7 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/unix_socket.h"
 
 // The side socket: the Unix socket beside the gRPC socket (its path plus
 // ".fds") over which a process proves who it is and receives file
@@ -164,6 +166,21 @@ inline std::optional<ChunksReturned> DecodeChunksReturned(
   }
   return r;
 }
+
+// A host slab or a device chunk as the receiving process holds it.
+struct Grant {
+  uint64_t id = 0;
+  int64_t bytes = 0;
+  UniqueFd fd;
+};
+
+// The answer to kSlabsWanted or kChunksWanted: `item` messages (a record
+// and one descriptor each) until `done`. A kError answer is
+// FAILED_PRECONDITION with the daemon's text; anything else INTERNAL; a
+// failed read (the socket's receive timeout, a closed connection) is
+// UNAVAILABLE.
+absl::StatusOr<std::vector<Grant>> ReceiveGrants(int socket, Tag item,
+                                                 Tag done);
 
 inline std::string SideSocketPath(absl::string_view grpc_socket_path) {
   return std::string(grpc_socket_path) + kSocketSuffix;

@@ -1,10 +1,8 @@
 #include "daemon/backend/cuda_backend.h"
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -44,17 +42,6 @@ absl::Status ValidateOptions(const CudaBackendOptions& o) {
                      o.fallback_bytes_per_s));
   }
   return absl::OkStatus();
-}
-
-// What every chunk is: device memory of `device`, exportable as a POSIX fd.
-// The granularity query must describe the same allocation as cuMemCreate.
-CUmemAllocationProp ChunkProperties(CUdevice device) {
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = device;
-  return prop;
 }
 
 // cuDeviceGetPCIBusId gives "dddd:bb:dd.f" (or a longer domain); nvidia-smi
@@ -311,21 +298,10 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
       }
     }
 
-    const CUmemAllocationProp prop = ChunkProperties(device);
-    size_t granularity = 0;
-    if (absl::Status s = CudaCheck(
-            d,
-            d.cuMemGetAllocationGranularity(&granularity, &prop,
-                                            CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-            absl::StrCat("allocation granularity of ", label));
-        !s.ok()) {
-      return s;
-    }
-    const auto g = static_cast<int64_t>(granularity);
-    if (g <= 0) {
-      return absl::InternalError(
-          absl::StrCat(label, " reports an allocation granularity of 0"));
-    }
+    absl::StatusOr<int64_t> granularity =
+        common::ChunkGranularity(d, device, label);
+    if (!granularity.ok()) return granularity.status();
+    const int64_t g = *granularity;
     if (options.chunk_bytes > info.memory_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
           "cuda backend: chunk_bytes ", options.chunk_bytes,
@@ -416,7 +392,7 @@ absl::Status CudaBackend::Allocate(int gpu, int64_t bytes, Chunk& chunk) {
     scope.emplace(*context);
     if (!scope->status().ok()) return scope->status();
   }
-  const CUmemAllocationProp prop = ChunkProperties(devices_[gpu]);
+  const CUmemAllocationProp prop = common::ChunkProperties(devices_[gpu]);
   CUmemGenericAllocationHandle handle = 0;
   CUresult r =
       driver_.cuMemCreate(&handle, static_cast<size_t>(bytes), &prop, 0);
@@ -433,29 +409,14 @@ absl::Status CudaBackend::Allocate(int gpu, int64_t bytes, Chunk& chunk) {
       !s.ok()) {
     return s;
   }
-  int fd = -1;
-  if (absl::Status s = CudaCheck(
-          driver_,
-          driver_.cuMemExportToShareableHandle(
-              &fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-          absl::StrCat("exporting a ", bytes, "-byte chunk on GPU ", gpu,
-                       " as a file descriptor"));
-      !s.ok()) {
+  absl::StatusOr<common::UniqueFd> fd = common::ExportChunk(
+      driver_, handle, absl::StrCat("a ", bytes, "-byte chunk on GPU ", gpu));
+  if (!fd.ok()) {
     (void)driver_.cuMemRelease(handle);
-    return s;
-  }
-  // Not inherited by anything the daemon might exec; the clients get their
-  // copies over the socket.
-  const int flags = fcntl(fd, F_GETFD);
-  if (flags < 0 || fcntl(fd, F_SETFD, flags | FD_CLOEXEC) != 0) {
-    const int error = errno;
-    close(fd);
-    (void)driver_.cuMemRelease(handle);
-    return absl::ErrnoToStatus(
-        error, absl::StrCat("setting FD_CLOEXEC on a chunk's fd on GPU ", gpu));
+    return fd.status();
   }
   chunk.handle = handle;
-  chunk.info.fd = fd;
+  chunk.info.fd = fd->release();
   return absl::OkStatus();
 }
 

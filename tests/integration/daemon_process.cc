@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 
 #include <cerrno>
 #include <chrono>
@@ -289,28 +290,11 @@ absl::Status Peer::ReturnChunks(const std::string& session_token,
 }
 
 absl::StatusOr<std::vector<Peer::Grant>> Peer::ReceiveGrants(
-    uint64_t item, uint64_t done, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  std::vector<Grant> grants;
-  for (;;) {
-    auto message = Receive(deadline - absl::Now(), 1);
-    if (!message.ok()) return message.status();
-    std::vector<common::UniqueFd> fds;
-    for (int fd : message->fds) fds.emplace_back(fd);
-    if (message->tag == done) return grants;
-    if (message->tag == side::kError) {
-      return absl::UnknownError(message->payload);
-    }
-    // Slab and chunk records share one layout.
-    auto record = side::DecodeSlab(message->payload);
-    if (message->tag != item || !record || fds.size() != 1) {
-      return absl::InternalError(
-          absl::StrCat("unexpected side-socket message: tag ", message->tag,
-                       ", ", message->payload.size(), " payload bytes, ",
-                       fds.size(), " descriptors"));
-    }
-    grants.push_back({record->slab_id, record->bytes, std::move(fds[0])});
-  }
+    side::Tag item, side::Tag done, absl::Duration timeout) {
+  if (!fd_.valid()) return absl::FailedPreconditionError("peer is closed");
+  const timeval tv = absl::ToTimeval(timeout);
+  ::setsockopt(fd_.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  return side::ReceiveGrants(fd_.get(), item, done);
 }
 
 // --- PeerProcess ------------------------------------------------------------

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/side_protocol.h"
 #include "common/unix_socket.h"
 #include "deltad/v1/memory_manager.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -142,14 +143,10 @@ class Peer {
 
   // What the daemon granted over the side socket: a host slab or a device
   // chunk, its id, size and descriptor.
-  struct Grant {
-    uint64_t id = 0;
-    int64_t bytes = 0;
-    common::UniqueFd fd;
-  };
+  using Grant = common::side::Grant;
   // kSlabsWanted for a session: the slabs in the order sent. A kError
-  // answer becomes a status whose message is the daemon's text (the code
-  // is UNKNOWN: the side protocol carries text).
+  // answer is FAILED_PRECONDITION with the daemon's text (the side
+  // protocol carries text, not codes); see common::side::ReceiveGrants.
   absl::StatusOr<std::vector<Grant>> FetchSlabs(
       const std::string& session_token,
       absl::Duration timeout = absl::Seconds(30));
@@ -169,8 +166,9 @@ class Peer {
  private:
   Peer(common::UniqueFd fd, std::string token)
       : fd_(std::move(fd)), token_(std::move(token)) {}
-  // Reads `item` messages (one descriptor each) until `done`.
-  absl::StatusOr<std::vector<Grant>> ReceiveGrants(uint64_t item, uint64_t done,
+  // ReceiveGrants, each read bounded by `timeout`.
+  absl::StatusOr<std::vector<Grant>> ReceiveGrants(common::side::Tag item,
+                                                   common::side::Tag done,
                                                    absl::Duration timeout);
 
   common::UniqueFd fd_;

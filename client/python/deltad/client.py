@@ -10,6 +10,8 @@ from deltad import _capi
 _lib = None
 _lib_lock = threading.Lock()
 
+DEFAULT_SOCKET = "/run/deltad/deltad.sock"  # as the C++ ClientOptions
+
 
 def _library():
     global _lib
@@ -65,25 +67,32 @@ class Client:
     process standing in for the GPU's, `device_memory_bytes` of it.
     """
 
-    def __init__(self, socket="/run/deltad/deltad.sock", budget_bytes=0,
-                 host_bytes=0, gpu=0, label="python", priority=1,
-                 fallback_budget_bytes=1 << 30, fallback_host_bytes=4 << 30,
+    def __init__(self, socket=DEFAULT_SOCKET, budget_bytes=0,
+                 host_bytes=0, gpu=None, label="python", priority=None,
+                 fallback_budget_bytes=None, fallback_host_bytes=None,
                  device_memory_bytes=80 << 30, link_bytes_per_second=0.0):
         lib = _library()
         o = _capi.Options()
+        # The library's defaults; only what is given here changes them.
         lib.deltad_client_options_init(ctypes.byref(o))
-        # Kept referenced: the C API reads the strings during connect only,
-        # but ctypes must not free them before.
+        # Kept referenced: ctypes must not free them before connect reads
+        # them.
         self._strings = [s.encode() for s in (socket or "", label or "")]
         o.socket_path = self._strings[0]
         o.use_daemon = 1 if socket else 0
-        o.gpu = gpu
         o.requested_budget_bytes = budget_bytes
         o.requested_host_bytes = host_bytes
-        o.priority = priority
         o.label = self._strings[1]
-        o.fallback_budget_bytes = budget_bytes or fallback_budget_bytes
-        o.fallback_host_bytes = fallback_host_bytes
+        if gpu is not None:
+            o.gpu = gpu
+        if priority is not None:
+            o.priority = priority
+        if fallback_budget_bytes is not None:
+            o.fallback_budget_bytes = fallback_budget_bytes
+        elif budget_bytes:
+            o.fallback_budget_bytes = budget_bytes
+        if fallback_host_bytes is not None:
+            o.fallback_host_bytes = fallback_host_bytes
         o.sim_memory_bytes = device_memory_bytes
         # <= 0 copies at memcpy speed: this is the CPU.
         o.sim_d2h_bytes_per_second = link_bytes_per_second
@@ -92,13 +101,24 @@ class Client:
         _check(lib.deltad_client_connect(ctypes.byref(o), ctypes.byref(handle)))
         self._lib = lib
         self._handle = handle
-        self._callbacks = {}  # id -> ctypes callback, alive while tracked
+        # One C callback for every tensor, which looks the tensor's own up.
+        # They stay until close: the library keeps a freed tensor's record
+        # while a descendant may need it rebuilt, and may call back then.
+        self._recomputes = {}
+        self._trampoline = _capi.RecomputeFn(self._recompute)
+
+    def _recompute(self, _user, tensor_id, out):
+        try:
+            self._recomputes[tensor_id](tensor_id, out)
+            return 0
+        except Exception:  # reported to the library as a failed recompute
+            return 1
 
     def close(self):
         if self._handle:
             self._lib.deltad_client_close(self._handle)
             self._handle = None
-            self._callbacks.clear()
+            self._recomputes.clear()
 
     def __enter__(self):
         return self
@@ -127,16 +147,10 @@ class Client:
         info.offload_pinned = int(offload_pinned)
         info.uncomputable = int(recompute is None)
         info.stable_key = stable_key
-        callback = _capi.RecomputeFn()
+        callback = _capi.RecomputeFn()  # NULL: not recomputable
         if recompute is not None:
-            def call(_user, tid, out):
-                try:
-                    recompute(tid, out)
-                    return 0
-                except Exception:  # reported as a failed recompute
-                    return 1
-            callback = _capi.RecomputeFn(call)
-            self._callbacks[tensor_id] = callback
+            self._recomputes[tensor_id] = recompute
+            callback = self._trampoline
         out = ctypes.c_void_p()
         _check(self._lib.deltad_track(self._handle, ctypes.byref(info),
                                       callback, None, ctypes.byref(out)))
@@ -160,7 +174,6 @@ class Client:
     def free(self, tensor_id):
         self._open()
         _check(self._lib.deltad_free(self._handle, tensor_id))
-        self._callbacks.pop(tensor_id, None)
 
     def stats(self):
         self._open()

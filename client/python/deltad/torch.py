@@ -23,7 +23,7 @@ import threading
 
 import torch as _torch
 
-from deltad.client import Client
+from deltad.client import DEFAULT_SOCKET, Client
 
 
 class _Saved:
@@ -99,7 +99,7 @@ class Manager:
 
 
 @contextlib.contextmanager
-def managed(model=None, budget_bytes=1 << 30, socket="/run/deltad/deltad.sock",
+def managed(model=None, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
             min_bytes=64 << 10, host_bytes=0, label="pytorch", client=None):
     """Hands the activations autograd saves inside the block to deltad.
 
@@ -124,8 +124,7 @@ def managed(model=None, budget_bytes=1 << 30, socket="/run/deltad/deltad.sock",
     own = client is None
     if own:
         client = Client(socket=socket, budget_bytes=budget_bytes,
-                        host_bytes=host_bytes, label=label,
-                        fallback_budget_bytes=budget_bytes)
+                        host_bytes=host_bytes, label=label)
     manager = Manager(client, min_bytes)
     try:
         with _torch.autograd.graph.saved_tensors_hooks(manager.pack,

@@ -140,5 +140,22 @@ TEST(HostArena, ARegionThatCannotBePinnedIsStillUsedAndNeverUnpinned) {
   EXPECT_TRUE(log.unpinned.empty());
 }
 
+TEST(HostArena, AvailableBytesCountTheHeapOnceAndLeaveRetiredSlabsOut) {
+  HostArena arena;
+  ASSERT_TRUE(arena.AddSlab(Memfd(1 << 20), 1 << 20, /*owner=*/1).ok());
+  arena.SetHeapAllowance(int64_t{128} << 20);
+  EXPECT_EQ(arena.available_bytes(), (1 << 20) + (int64_t{128} << 20));
+  // A block that opens a 64 MiB heap region: the region's free part and
+  // the rest of the allowance, the region not counted twice.
+  auto block = arena.Allocate(2 << 20);
+  ASSERT_TRUE(block.ok()) << block.status();
+  EXPECT_EQ(arena.available_bytes(),
+            (1 << 20) + (int64_t{128} << 20) - (2 << 20));
+  // A retired slab takes no new blocks.
+  arena.Retire(1);
+  EXPECT_EQ(arena.available_bytes(), (int64_t{128} << 20) - (2 << 20));
+  arena.Free(*block);
+}
+
 }  // namespace
 }  // namespace deltad::client
