@@ -21,15 +21,14 @@ absl::StatusOr<std::vector<Grant>> ReceiveGrants(int socket, Tag item,
     if (message->tag == kError) {
       return absl::FailedPreconditionError(message->payload);
     }
-    // Slab and chunk records share one layout.
-    auto record = DecodeSlab(message->payload);
+    auto record = DecodeRecord(message->payload);
     if (message->tag != item || !record || fds.size() != 1) {
       return absl::InternalError(
           absl::StrCat("unexpected side-socket message: tag ", message->tag,
                        ", ", message->payload.size(), " payload bytes, ",
                        fds.size(), " descriptors"));
     }
-    grants.push_back({record->slab_id, record->bytes, std::move(fds[0])});
+    grants.push_back({record->id, record->bytes, std::move(fds[0])});
   }
 }
 

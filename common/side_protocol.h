@@ -20,14 +20,14 @@
 //   daemon  -> process  kPeerToken   payload: the peer token, sent once,
 //                                    right after the connection is accepted
 //   process -> daemon   kSlabsWanted payload: a session token
-//   daemon  -> process  kSlab        payload: SlabRecord; one descriptor
+//   daemon  -> process  kSlab        payload: Record; one descriptor
 //                                    (repeated, one message per slab)
 //   daemon  -> process  kSlabsDone   payload: empty; the list is complete
 //   daemon  -> process  kError       payload: what was wrong (text)
 //   process -> daemon   kChunksWanted payload: ChunksWanted (the session
 //                                    and how many device bytes it wants to
 //                                    hold in chunks, capped by its budget)
-//   daemon  -> process  kChunk       payload: ChunkRecord; one descriptor
+//   daemon  -> process  kChunk       payload: Record;    one descriptor
 //                                    (repeated, one message per new chunk)
 //   daemon  -> process  kChunksDone  payload: empty; the grant is complete,
 //                                    or the return below was accepted
@@ -59,45 +59,28 @@ enum Tag : uint64_t {
 // below it.
 inline constexpr size_t kMaxMessageBytes = 4096;
 
-// One host slab as kSlab describes it; the descriptor rides along.
-struct SlabRecord {
-  uint64_t slab_id = 0;
+// One host slab (kSlab) or device chunk (kChunk); its descriptor rides
+// along.
+struct Record {
+  uint64_t id = 0;
   int64_t bytes = 0;
 };
 
-inline std::string EncodeSlab(const SlabRecord& r) {
-  std::string out(sizeof(r.slab_id) + sizeof(r.bytes), '\0');
-  std::memcpy(out.data(), &r.slab_id, sizeof(r.slab_id));
-  std::memcpy(out.data() + sizeof(r.slab_id), &r.bytes, sizeof(r.bytes));
+inline std::string EncodeRecord(const Record& r) {
+  std::string out(sizeof(r.id) + sizeof(r.bytes), '\0');
+  std::memcpy(out.data(), &r.id, sizeof(r.id));
+  std::memcpy(out.data() + sizeof(r.id), &r.bytes, sizeof(r.bytes));
   return out;
 }
 
-// Empty when the payload is not a slab record.
-inline std::optional<SlabRecord> DecodeSlab(absl::string_view payload) {
-  SlabRecord r;
-  if (payload.size() != sizeof(r.slab_id) + sizeof(r.bytes)) {
-    return std::nullopt;
-  }
-  std::memcpy(&r.slab_id, payload.data(), sizeof(r.slab_id));
-  std::memcpy(&r.bytes, payload.data() + sizeof(r.slab_id), sizeof(r.bytes));
+// Empty when the payload is not a record.
+inline std::optional<Record> DecodeRecord(absl::string_view payload) {
+  Record r;
+  if (payload.size() != sizeof(r.id) + sizeof(r.bytes)) return std::nullopt;
+  std::memcpy(&r.id, payload.data(), sizeof(r.id));
+  std::memcpy(&r.bytes, payload.data() + sizeof(r.id), sizeof(r.bytes));
   if (r.bytes <= 0) return std::nullopt;
   return r;
-}
-
-// One device chunk as kChunk describes it; the descriptor rides along.
-struct ChunkRecord {
-  uint64_t chunk_id = 0;
-  int64_t bytes = 0;
-};
-
-inline std::string EncodeChunk(const ChunkRecord& r) {
-  return EncodeSlab({r.chunk_id, r.bytes});
-}
-
-inline std::optional<ChunkRecord> DecodeChunk(absl::string_view payload) {
-  auto r = DecodeSlab(payload);
-  if (!r.has_value()) return std::nullopt;
-  return ChunkRecord{r->slab_id, r->bytes};
 }
 
 struct ChunksWanted {
@@ -167,7 +150,9 @@ inline std::optional<ChunksReturned> DecodeChunksReturned(
   return r;
 }
 
-// A host slab or a device chunk as the receiving process holds it.
+// A host slab or a device chunk with a descriptor of its own: as the
+// daemon sends it (a duplicate, so that a concurrent release cannot turn it
+// into another file's number) and as the process receives it.
 struct Grant {
   uint64_t id = 0;
   int64_t bytes = 0;

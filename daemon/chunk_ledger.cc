@@ -13,9 +13,7 @@ namespace deltad::daemon {
 ChunkLedger::~ChunkLedger() {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [session, holder] : holders_) {
-    for (const auto& [id, bytes] : holder.chunks) {
-      (void)backend_.ReleaseChunk(id);
-    }
+    for (uint64_t id : holder.chunks) (void)backend_.ReleaseChunk(id);
   }
 }
 
@@ -24,7 +22,7 @@ void ChunkLedger::AddSession(SessionId session, int gpu) {
   holders_[session].gpu = gpu;
 }
 
-absl::StatusOr<std::vector<GrantedChunk>> ChunkLedger::Grant(
+absl::StatusOr<std::vector<common::side::Grant>> ChunkLedger::Grant(
     SessionId session, int64_t target_bytes, int64_t budget_bytes) {
   int gpu;
   int64_t held = 0;
@@ -36,31 +34,29 @@ absl::StatusOr<std::vector<GrantedChunk>> ChunkLedger::Grant(
           absl::StrCat("session ", session, " holds no chunks any more"));
     }
     gpu = it->second.gpu;
-    for (const auto& [id, bytes] : it->second.chunks) held += bytes;
+    held = it->second.held;
   }
-  const std::vector<GpuInfo>& gpus = backend_.gpus();
-  if (gpu < 0 || gpu >= static_cast<int>(gpus.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("no GPU ", gpu));
-  }
-  const int64_t chunk = gpus[gpu].chunk_granularity;
-  std::vector<GrantedChunk> out;
+  const int64_t chunk = ChunkBytes(gpu);
+  std::vector<common::side::Grant> out;
   // Requests for one session come one at a time (the process's side
   // connection is served by one thread), so `held` stays true meanwhile.
   while (held < target_bytes && held + chunk <= budget_bytes) {
     auto made = backend_.CreateChunk(gpu, chunk);
     if (!made.ok()) {
       if (absl::IsResourceExhausted(made.status())) break;
-      for (const GrantedChunk& c : out) (void)backend_.ReleaseChunk(c.id);
+      for (const common::side::Grant& c : out)
+        (void)backend_.ReleaseChunk(c.id);
       return made.status();
     }
-    GrantedChunk granted;
+    common::side::Grant granted;
     granted.id = made->id;
     granted.bytes = made->bytes;
     granted.fd.reset(fcntl(made->fd, F_DUPFD_CLOEXEC, 0));
     if (!granted.fd.valid()) {
       const int error = errno;
       (void)backend_.ReleaseChunk(made->id);
-      for (const GrantedChunk& c : out) (void)backend_.ReleaseChunk(c.id);
+      for (const common::side::Grant& c : out)
+        (void)backend_.ReleaseChunk(c.id);
       return absl::ErrnoToStatus(error, "duplicating a chunk's descriptor");
     }
     held += made->bytes;
@@ -70,11 +66,14 @@ absl::StatusOr<std::vector<GrantedChunk>> ChunkLedger::Grant(
   auto it = holders_.find(session);
   if (it == holders_.end()) {
     // Reclaimed while the chunks were being made: they go straight back.
-    for (const GrantedChunk& c : out) (void)backend_.ReleaseChunk(c.id);
+    for (const common::side::Grant& c : out) (void)backend_.ReleaseChunk(c.id);
     return absl::NotFoundError(
         absl::StrCat("session ", session, " was closed during its grant"));
   }
-  for (const GrantedChunk& c : out) it->second.chunks[c.id] = c.bytes;
+  for (const common::side::Grant& c : out) {
+    it->second.chunks.insert(c.id);
+    it->second.held += c.bytes;
+  }
   return out;
 }
 
@@ -96,7 +95,10 @@ absl::Status ChunkLedger::Return(SessionId session,
   }
   for (uint64_t id : ids) {
     // Named twice in one list: released once.
-    if (chunks.erase(id) == 1) (void)backend_.ReleaseChunk(id);
+    if (chunks.erase(id) == 1) {
+      it->second.held -= ChunkBytes(it->second.gpu);
+      (void)backend_.ReleaseChunk(id);
+    }
   }
   return absl::OkStatus();
 }
@@ -110,20 +112,24 @@ int64_t ChunkLedger::ReleaseSession(SessionId session) {
     holder = std::move(it->second);
     holders_.erase(it);
   }
-  int64_t released = 0;
-  for (const auto& [id, bytes] : holder.chunks) {
-    if (backend_.ReleaseChunk(id).ok()) released += bytes;
-  }
-  return released;
+  for (uint64_t id : holder.chunks) (void)backend_.ReleaseChunk(id);
+  return holder.held;
 }
 
 int64_t ChunkLedger::held_bytes(SessionId session) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = holders_.find(session);
-  if (it == holders_.end()) return 0;
-  int64_t held = 0;
-  for (const auto& [id, bytes] : it->second.chunks) held += bytes;
-  return held;
+  return it == holders_.end() ? 0 : it->second.held;
+}
+
+std::vector<std::pair<SessionId, int64_t>> ChunkLedger::HeldOnGpu(
+    int gpu) const {
+  std::vector<std::pair<SessionId, int64_t>> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [session, holder] : holders_) {
+    if (holder.gpu == gpu) out.emplace_back(session, holder.held);
+  }
+  return out;
 }
 
 }  // namespace deltad::daemon

@@ -4,26 +4,19 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "common/unix_socket.h"
+#include "common/side_protocol.h"
 #include "daemon/backend/device_backend.h"
 #include "daemon/session_id.h"
 
 namespace deltad::daemon {
-
-// A chunk on its way to the process that will map it.
-struct GrantedChunk {
-  uint64_t id = 0;
-  int64_t bytes = 0;
-  // A duplicate of the backend's descriptor, owned here: the backend's own
-  // may be closed by a concurrent release while this one is being sent.
-  common::UniqueFd fd;
-};
 
 // Which session holds which device chunks: a session's budget is made of
 // physical chunks (DeviceBackend::CreateChunk) that its process maps. Grants
@@ -40,7 +33,8 @@ class ChunkLedger {
   ChunkLedger& operator=(const ChunkLedger&) = delete;
   ~ChunkLedger();  // releases every chunk still held
 
-  // A session that may hold chunks on `gpu` from now on.
+  // A session that may hold chunks on `gpu` (a GPU of the backend) from
+  // now on.
   void AddSession(SessionId session, int gpu);
 
   // New chunks for `session` until it holds at least target_bytes, never
@@ -48,9 +42,9 @@ class ChunkLedger {
   // already. Stops early, with what it made, when the GPU is out of
   // memory (the others have not returned theirs yet). NOT_FOUND for a
   // session not added or already released.
-  absl::StatusOr<std::vector<GrantedChunk>> Grant(SessionId session,
-                                                  int64_t target_bytes,
-                                                  int64_t budget_bytes);
+  absl::StatusOr<std::vector<common::side::Grant>> Grant(SessionId session,
+                                                         int64_t target_bytes,
+                                                         int64_t budget_bytes);
 
   // The process let go of these chunks (unmapped them): back to the
   // backend. NOT_FOUND, and nothing returned, when one of them is not the
@@ -62,12 +56,18 @@ class ChunkLedger {
   int64_t ReleaseSession(SessionId session);
 
   int64_t held_bytes(SessionId session) const;
+  // What each session on `gpu` holds, in one look.
+  std::vector<std::pair<SessionId, int64_t>> HeldOnGpu(int gpu) const;
 
  private:
   struct Holder {
     int gpu = 0;
-    std::map<uint64_t, int64_t> chunks;  // id -> bytes
+    std::set<uint64_t> chunks;
+    int64_t held = 0;  // bytes: the chunks, all of the GPU's chunk size
   };
+  int64_t ChunkBytes(int gpu) const {
+    return backend_.gpus()[gpu].chunk_granularity;
+  }
 
   DeviceBackend& backend_;
   mutable std::mutex mu_;

@@ -772,18 +772,27 @@ GpuPolicy::MakeRoom(SessionId session, int64_t bytes, int64_t now_ns) {
         "pinned, or needs host memory their quotas lack)"));
   }
   for (const policy::ReleaseOrder& o : chosen) {
-    auto [owner, wire] = ToWire(o);
+    // The asking session gets its own orders in the answer; the others'
+    // go on their streams.
+    auto [owner, wire] = Order(o, /*on_stream_unless=*/session);
     out[owner].push_back(std::move(wire));
-    Session& victim = sessions_.at(owner);
-    ++victim.releases_ordered;
-    if (owner != session) NoteStreamRelease(victim, o.id);
   }
   return out;
 }
 
-std::optional<policy::ReleaseAction> GpuPolicy::Outstanding(
-    TensorId id, SessionId session) const {
-  const Tensor* t = table_.Find(id);
+std::pair<SessionId, v1::ReleaseOrder> GpuPolicy::Order(
+    const policy::ReleaseOrder& order, SessionId on_stream_unless) {
+  auto ordered = ToWire(order);
+  Session& owner = sessions_.at(ordered.first);
+  ++owner.releases_ordered;
+  if (ordered.first != on_stream_unless) {
+    NoteStreamRelease(owner, ordered.first, order.id);
+  }
+  return ordered;
+}
+
+std::optional<policy::ReleaseAction> GpuPolicy::Outstanding(const Tensor* t,
+                                                            SessionId session) {
   if (t == nullptr || t->session != session) return std::nullopt;
   if (t->state == TensorState::kOffloading) {
     return policy::ReleaseAction::kOffload;
@@ -794,12 +803,12 @@ std::optional<policy::ReleaseAction> GpuPolicy::Outstanding(
   return std::nullopt;
 }
 
-void GpuPolicy::NoteStreamRelease(Session& owner, TensorId id) {
+void GpuPolicy::NoteStreamRelease(Session& owner, SessionId owner_id,
+                                  TensorId id) {
   owner.stream_releases.push_back(id);
   if (owner.stream_releases.size() < owner.stream_releases_cap) return;
-  const SessionId session = table_.Find(id)->session;
   std::erase_if(owner.stream_releases, [&](TensorId t) {
-    return !Outstanding(t, session).has_value();
+    return !Outstanding(table_.Find(t), owner_id).has_value();
   });
   // Doubling keeps the pruning amortised O(1) per order.
   owner.stream_releases_cap =
@@ -814,10 +823,10 @@ std::vector<v1::ReleaseOrder> GpuPolicy::TakeStreamReleases(SessionId session) {
   ids.swap(it->second.stream_releases);
   it->second.stream_releases_cap = 4096;
   for (TensorId id : ids) {
-    const std::optional<policy::ReleaseAction> action =
-        Outstanding(id, session);
+    const Tensor* t = table_.Find(id);
+    const std::optional<policy::ReleaseAction> action = Outstanding(t, session);
     if (!action) continue;
-    out.push_back(ToWire({id, *action, table_.Find(id)->bytes}).second);
+    out.push_back(ToWire({id, *action, t->bytes}).second);
   }
   return out;
 }
@@ -843,10 +852,9 @@ std::map<SessionId, v1::Orders> GpuPolicy::Plan(SessionId session,
             OffloadOneAhead(session, tier, now_ns);
         if (!order) break;
         freed += order->bytes;
-        auto [owner, wire] = ToWire(*order);
+        // Every one on a stream, the session's own included.
+        auto [owner, wire] = Order(*order, /*on_stream_unless=*/0);
         *out[owner].add_release() = std::move(wire);
-        ++sessions_.at(owner).releases_ordered;
-        NoteStreamRelease(sessions_.at(owner), order->id);
       }
     }
   }

@@ -212,11 +212,17 @@ class GpuPolicy {
                                                       int64_t now_ns);
   // The order as its owner must read it: owner's id and its own tensor id.
   // Records a release ordered on `owner`'s stream (see TakeStreamReleases).
-  void NoteStreamRelease(Session& owner, policy::TensorId id);
-  // The release still outstanding on `id` (offload in flight, or evicted
-  // from the device), if any.
-  std::optional<policy::ReleaseAction> Outstanding(policy::TensorId id,
-                                                   SessionId session) const;
+  void NoteStreamRelease(Session& owner, SessionId owner_id,
+                         policy::TensorId id);
+  // `order` in its owner's terms, counted, and noted as a stream release
+  // unless its owner is `on_stream_unless` (who gets it in an answer; 0,
+  // which no session is, for none).
+  std::pair<SessionId, v1::ReleaseOrder> Order(
+      const policy::ReleaseOrder& order, SessionId on_stream_unless);
+  // The release still outstanding on `t` (offload in flight, or evicted
+  // from the device), if it is `session`'s; none for a null `t`.
+  static std::optional<policy::ReleaseAction> Outstanding(
+      const policy::Tensor* t, SessionId session);
   std::pair<SessionId, v1::ReleaseOrder> ToWire(
       const policy::ReleaseOrder& order) const;
   int64_t HostLeft(SessionId session, const Session& s) const;

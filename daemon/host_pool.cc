@@ -234,16 +234,16 @@ std::vector<Slab> HostPool::SlabsOf(uint64_t session) const {
   return out;
 }
 
-absl::StatusOr<std::vector<OwnedSlab>> HostPool::DuplicateSlabsOf(
+absl::StatusOr<std::vector<common::side::Grant>> HostPool::DuplicateSlabsOf(
     uint64_t session) const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<OwnedSlab> out;
+  std::vector<common::side::Grant> out;
   auto it = by_session_.find(session);
   if (it == by_session_.end()) return out;
   std::vector<uint64_t> ids = it->second;
   std::sort(ids.begin(), ids.end());
   for (uint64_t id : ids) {
-    OwnedSlab slab;
+    common::side::Grant slab;
     slab.id = id;
     slab.bytes = slab_bytes_;
     slab.fd.reset(::fcntl(slabs_[id].fd.get(), F_DUPFD_CLOEXEC, 0));

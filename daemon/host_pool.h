@@ -10,6 +10,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/side_protocol.h"
 #include "common/unix_socket.h"
 
 namespace deltad::daemon {
@@ -21,15 +22,6 @@ struct Slab {
   // until the session holding the slab is released or the pool destroyed.
   int fd = -1;
   int64_t bytes = 0;
-};
-
-// A slab with a descriptor of its own, for sending: unlike Slab::fd it stays
-// valid (and names the same file) even if the session releases the slab
-// meanwhile, so it can never become another file's descriptor number.
-struct OwnedSlab {
-  uint64_t id = 0;
-  int64_t bytes = 0;
-  common::UniqueFd fd;
 };
 
 struct HostPoolStats {
@@ -100,7 +92,9 @@ class HostPool {
 
   // As SlabsOf, each with a duplicate descriptor made under the pool's lock.
   // INTERNAL when a descriptor cannot be duplicated (out of descriptors).
-  absl::StatusOr<std::vector<OwnedSlab>> DuplicateSlabsOf(
+  // (common::side::Grant: unlike Slab::fd, such a descriptor stays valid
+  // and names the same file even if the session releases the slab.)
+  absl::StatusOr<std::vector<common::side::Grant>> DuplicateSlabsOf(
       uint64_t session) const;
 
   int64_t slab_bytes() const { return slab_bytes_; }

@@ -174,17 +174,22 @@ int main(int argc, char** argv) {
   auto server = Server::Start(config);
   if (!server.ok()) return Fail(server.status().ToString());
   Server& s = **server;
+  // With port 0 in the configuration, the port the kernel chose.
+  std::string tcp;
+  if (!config.tcp_address().empty()) {
+    const std::string& a = config.tcp_address();
+    tcp = absl::StrCat(" and ", a.substr(0, a.rfind(':')), ":", s.tcp_port());
+  }
   std::fprintf(stderr,
                "deltad %s: %s backend, %zu GPUs x %s (%.0f%% as budgets)\n"
-               "deltad: gRPC on unix:%s%s%s, side socket %s\n"
+               "deltad: gRPC on unix:%s%s, side socket %s\n"
                "deltad: metrics on http://%s/metrics (port %d)\n",
                DELTAD_VERSION, std::string(s.backend_name()).c_str(),
                s.gpus().size(),
                GiB(s.gpus().empty() ? 0 : s.gpus()[0].memory_bytes).c_str(),
-               100 * config.gpu_share(), s.socket_path().c_str(),
-               config.tcp_address().empty() ? "" : " and ",
-               config.tcp_address().c_str(), s.side_socket_path().c_str(),
-               config.metrics_address().c_str(), s.metrics_port());
+               100 * config.gpu_share(), s.socket_path().c_str(), tcp.c_str(),
+               s.side_socket_path().c_str(), config.metrics_address().c_str(),
+               s.metrics_port());
   sd_notify(0, "READY=1\nSTATUS=serving");
 
   int signal_number = 0;
@@ -196,13 +201,15 @@ int main(int argc, char** argv) {
   const auto deadline =
       std::chrono::steady_clock::now() +
       std::chrono::seconds(absl::GetFlag(FLAGS_drain_seconds));
+  // The registry's count, not a full status report: the sessions still
+  // draining need the GPU locks that a report would take.
   while (std::chrono::steady_clock::now() < deadline &&
-         s.node().Status().sessions_size() > 0) {
+         s.node().registry().sessions() > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  const int left = s.node().Status().sessions_size();
+  const size_t left = s.node().registry().sessions();
   s.Shutdown();
-  std::fprintf(stderr, "deltad: stopped (%d sessions still open at exit)\n",
+  std::fprintf(stderr, "deltad: stopped (%zu sessions still open at exit)\n",
                left);
   return 0;
 }

@@ -210,7 +210,7 @@ absl::StatusOr<OrdersBySession> Node::CloseSession(absl::string_view token) {
   return Reclaim(*session);
 }
 
-absl::StatusOr<std::vector<OwnedSlab>> Node::HostSlabs(
+absl::StatusOr<std::vector<common::side::Grant>> Node::HostSlabs(
     absl::string_view session_token, absl::string_view peer_token) const {
   auto session = registry_.AuthorizeForPeer(session_token, peer_token);
   if (!session.ok()) return session.status();
@@ -242,12 +242,13 @@ absl::StatusOr<Node::Granted> Node::GrantChunks(absl::string_view session_token,
   const int64_t held = chunks_.held_bytes(session->id);
   if (held >= std::min(target_bytes, most)) return granted;
   // Short: whoever holds more than its budget is reminded of it.
+  const auto holders = chunks_.HeldOnGpu(session->gpu);
   std::lock_guard<std::mutex> lock(gpu.mu);
-  for (const SessionInfo& other : registry_.List()) {
-    if (other.gpu != session->gpu || other.id == session->id) continue;
-    const int64_t budget = gpu.arbiter.BudgetOf(other.id);
-    if (budget > 0 && chunks_.held_bytes(other.id) > budget) {
-      granted.others[other.id].set_new_budget_bytes(budget);
+  for (const auto& [other, other_held] : holders) {
+    if (other == session->id) continue;
+    const int64_t budget = gpu.arbiter.BudgetOf(other);
+    if (budget > 0 && other_held > budget) {
+      granted.others[other].set_new_budget_bytes(budget);
     }
   }
   return granted;

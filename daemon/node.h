@@ -77,7 +77,7 @@ class Node {
 
   // The host slabs of a session, for the process that holds `peer_token`
   // only (see SessionRegistry::AuthorizeForPeer).
-  absl::StatusOr<std::vector<OwnedSlab>> HostSlabs(
+  absl::StatusOr<std::vector<common::side::Grant>> HostSlabs(
       absl::string_view session_token, absl::string_view peer_token) const;
 
   // Device chunks for a session, for the process that holds `peer_token`
@@ -88,7 +88,7 @@ class Node {
   // are told their budget again (in `others`), which makes them return
   // what they hold past it once it is free.
   struct Granted {
-    std::vector<GrantedChunk> chunks;
+    std::vector<common::side::Grant> chunks;
     OrdersBySession others;
   };
   absl::StatusOr<Granted> GrantChunks(absl::string_view session_token,

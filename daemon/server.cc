@@ -47,6 +47,9 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeCudaBackend(
   cuda.measure_bandwidth = config.cuda().measure_bandwidth();
   auto backend = CudaBackend::Create(cuda);
   if (!backend.ok()) return backend.status();
+  for (const std::string& note : (*backend)->notes()) {
+    std::fprintf(stderr, "deltad: %s\n", note.c_str());
+  }
   return std::unique_ptr<DeviceBackend>(std::move(*backend));
 #else
   (void)config;

@@ -171,6 +171,11 @@ std::vector<SessionInfo> SessionRegistry::List() const {
   return out;
 }
 
+size_t SessionRegistry::sessions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sessions_.size();
+}
+
 size_t SessionRegistry::SessionsOnGpu(int gpu) const {
   std::lock_guard<std::mutex> lock(mu_);
   return std::count_if(sessions_.begin(), sessions_.end(),

@@ -70,6 +70,7 @@ class SessionRegistry {
 
   std::vector<SessionInfo> List() const;
   size_t SessionsOnGpu(int gpu) const;
+  size_t sessions() const;
 
  private:
   static absl::StatusOr<std::string> NewToken();

@@ -48,13 +48,6 @@ void SideChannel::Stop() {
   ::unlink(path_.c_str());
 }
 
-size_t SideChannel::connections() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  size_t live = 0;
-  for (const auto& [id, c] : connections_) live += c->done ? 0 : 1;
-  return live;
-}
-
 void SideChannel::JoinFinished() {
   std::vector<std::unique_ptr<Connection>> finished;
   {
@@ -142,10 +135,10 @@ bool SideChannel::Answer(int fd, const std::string& peer_token,
     case side::kSlabsWanted: {
       auto slabs = node_.HostSlabs(message.payload, peer_token);
       if (!slabs.ok()) return error(slabs.status());
-      for (const OwnedSlab& slab : *slabs) {
+      for (const side::Grant& slab : *slabs) {
         const int slab_fd = slab.fd.get();
         if (!common::SendFds(fd, side::kSlab, {&slab_fd, 1},
-                             side::EncodeSlab({slab.id, slab.bytes}))
+                             side::EncodeRecord({slab.id, slab.bytes}))
                  .ok()) {
           return false;
         }
@@ -163,10 +156,10 @@ bool SideChannel::Answer(int fd, const std::string& peer_token,
                                       wanted->target_bytes);
       if (!chunks.ok()) return error(chunks.status());
       if (!chunks->others.empty() && deliver_) deliver_(chunks->others);
-      for (const GrantedChunk& chunk : chunks->chunks) {
+      for (const side::Grant& chunk : chunks->chunks) {
         const int chunk_fd = chunk.fd.get();
         if (!common::SendFds(fd, side::kChunk, {&chunk_fd, 1},
-                             side::EncodeChunk({chunk.id, chunk.bytes}))
+                             side::EncodeRecord({chunk.id, chunk.bytes}))
                  .ok()) {
           return false;  // the process is gone; PeerGone takes them back
         }

@@ -46,8 +46,6 @@ class SideChannel {
   // and waits for the threads. Idempotent.
   void Stop();
 
-  size_t connections() const;
-
  private:
   struct Connection {
     common::UniqueFd fd;

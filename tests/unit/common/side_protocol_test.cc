@@ -9,14 +9,14 @@
 namespace deltad::common::side {
 namespace {
 
-TEST(SideProtocol, ChunkRecordsRoundTripAndRejectBadSizes) {
-  auto r = DecodeChunk(EncodeChunk({.chunk_id = 42, .bytes = 2 << 20}));
+TEST(SideProtocol, RecordsRoundTripAndRejectBadSizes) {
+  auto r = DecodeRecord(EncodeRecord({.id = 42, .bytes = 2 << 20}));
   ASSERT_TRUE(r.has_value());
-  EXPECT_EQ(r->chunk_id, 42u);
+  EXPECT_EQ(r->id, 42u);
   EXPECT_EQ(r->bytes, 2 << 20);
-  EXPECT_FALSE(DecodeChunk(EncodeChunk({.chunk_id = 1, .bytes = 0})));
-  EXPECT_FALSE(DecodeChunk(EncodeChunk({.chunk_id = 1, .bytes = -5})));
-  EXPECT_FALSE(DecodeChunk("short"));
+  EXPECT_FALSE(DecodeRecord(EncodeRecord({.id = 1, .bytes = 0})));
+  EXPECT_FALSE(DecodeRecord(EncodeRecord({.id = 1, .bytes = -5})));
+  EXPECT_FALSE(DecodeRecord("short"));
 }
 
 TEST(SideProtocol, ChunksWantedNeedsATokenAndNoNegativeTarget) {

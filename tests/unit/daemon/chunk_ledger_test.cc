@@ -145,7 +145,7 @@ TEST_F(ChunkLedgerTest, ConcurrentSessionsNeverPassTheGpusMemory) {
         auto got = ledger_->Grant(s, 16 * kMiB, 16 * kMiB);
         if (!got.ok()) continue;
         std::vector<uint64_t> ids;
-        for (const GrantedChunk& c : *got) ids.push_back(c.id);
+        for (const common::side::Grant& c : *got) ids.push_back(c.id);
         EXPECT_TRUE(ledger_->Return(s, ids).ok());
       }
     });
