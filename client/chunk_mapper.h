@@ -5,7 +5,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 
 namespace deltad::client {
 
@@ -22,7 +21,6 @@ class ChunkMapper {
  public:
   virtual ~ChunkMapper() = default;
 
-  virtual absl::string_view name() const = 0;
   // Reserves `bytes` of address space aligned to `alignment` (both
   // multiples of the chunk size). Nothing is mapped in it yet.
   virtual absl::StatusOr<uintptr_t> Reserve(int64_t bytes,

@@ -142,7 +142,12 @@ void Client::ReplayTensorsLocked() {
   pending_freed_.clear();
   for (const auto& [id, r] : records_) AddCreated(pending_, r->info);
   for (const auto& [id, r] : records_) {
-    switch (r->where) {
+    // One being restored is reported as where it comes from, so that the
+    // event that ends it (RELOADED, RECOMPUTED, or none for a freed one)
+    // is legal.
+    const Where where =
+        r->where == Where::kReloading ? r->restoring_from : r->where;
+    switch (where) {
       case Where::kOffloaded:
         AddEventLocked(Kind::OFFLOADED, id);
         break;
@@ -152,23 +157,13 @@ void Client::ReplayTensorsLocked() {
       case Where::kFreed:
         AddEventLocked(Kind::FREED, id);
         break;
-      case Where::kReloading:
-        // Reported as where it comes from, so that the event that ends it
-        // (RELOADED, RECOMPUTED, or none for a freed one) is legal.
-        if (r->restoring_from == Where::kOffloaded) {
-          AddEventLocked(Kind::OFFLOADED, id);
-        } else {
-          AddEventLocked(
-              r->restoring_from == Where::kFreed ? Kind::FREED : Kind::EVICTED,
-              id);
-        }
-        break;
       case Where::kResident:
         // A freed tensor rebuilt for a child's recompute is freed to the
         // daemon.
         if (r->rebuilt_freed) AddEventLocked(Kind::FREED, id);
         break;
       case Where::kOffloading:  // ends with OFFLOADED, legal from resident
+      case Where::kReloading:   // restoring_from is never kReloading
         break;
     }
   }
@@ -176,11 +171,9 @@ void Client::ReplayTensorsLocked() {
 
 bool Client::EvacuateSlabsOf(uint64_t session) {
   std::unique_lock<std::mutex> lock(mu_);
-  // The session's orders not yet carried out are moot, and a compute
-  // thread waiting for them (MakeRoom) must not wait on this thread.
-  jobs_.clear();
-  queued_releases_ = 0;
-  changed_.notify_all();
+  // A compute thread waiting for them (MakeRoom) must not wait on this
+  // thread.
+  DropOrdersLocked();
   arena_.Retire(session);
   bool all_moved = true;
   // By id, not by iterator: the waits below let other threads add and drop
@@ -252,13 +245,18 @@ void Client::OnOrders(const v1::Orders& orders) {
 void Client::OnLost(const std::string& /*why*/) {
   std::lock_guard<std::mutex> lock(mu_);
   stats_.connected = false;
-  // Orders not yet carried out are moot: the daemon's state went with it.
-  jobs_.clear();
-  queued_releases_ = 0;
-  changed_.notify_all();
+  DropOrdersLocked();  // the daemon's state went with it
   next_reconnect_ns_ =
       NowNs() + int64_t{options_.reconnect_interval_ms} * 1000000;
   work_.notify_all();
+}
+
+void Client::DropOrdersLocked() {
+  // Orders of a session that ended are moot; whoever waits for them to be
+  // carried out waits no more.
+  jobs_.clear();
+  queued_releases_ = 0;
+  changed_.notify_all();
 }
 
 bool Client::connected() const {
@@ -1023,8 +1021,7 @@ void Client::ExecutorLoop() {
         arena_.UnmapRetired();
         std::lock_guard<std::mutex> relock(mu_);
         stats_.connected = false;
-        jobs_.clear();
-        queued_releases_ = 0;
+        DropOrdersLocked();
       } else {
         // Keep the diverged session rather than lose bytes; the daemon's
         // view heals as the tensors are freed.

@@ -178,6 +178,7 @@ class Client {
   absl::Status TryConnect();  // mu_ not held
   void OnOrders(const v1::Orders& orders);
   void OnLost(const std::string& why);
+  void DropOrdersLocked();
   void ReplayTensorsLocked();  // reports every tracked tensor to a new session
   // Moves offloaded bytes out of a session's slabs before it is closed.
   // False when some could not be moved (no heap left).

@@ -10,7 +10,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "client/chunk_mapper.h"
 #include "common/cuda_driver.h"
 
@@ -39,7 +38,6 @@ class CudaChunkMapper final : public ChunkMapper {
   CudaChunkMapper& operator=(const CudaChunkMapper&) = delete;
   ~CudaChunkMapper() override = default;
 
-  absl::string_view name() const override { return "cuda"; }
   // `alignment` need not be a power of two; when it is not, a larger range
   // is reserved and the aligned part handed out.
   absl::StatusOr<uintptr_t> Reserve(int64_t bytes, int64_t alignment) override;

@@ -6,7 +6,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "client/chunk_mapper.h"
 
 namespace deltad::client {
@@ -32,7 +31,6 @@ class SimChunkMapper final : public ChunkMapper {
   SimChunkMapper(const SimChunkMapper&) = delete;
   SimChunkMapper& operator=(const SimChunkMapper&) = delete;
 
-  absl::string_view name() const override { return "sim (memfd)"; }
   // INVALID_ARGUMENT unless both are positive multiples of the page size.
   absl::StatusOr<uintptr_t> Reserve(int64_t bytes, int64_t alignment) override;
   void Unreserve(uintptr_t base, int64_t bytes) override;

@@ -25,7 +25,6 @@ class FakeMapper : public ChunkMapper {
  public:
   static constexpr uintptr_t kBase = uintptr_t{1} << 44;
 
-  absl::string_view name() const override { return "fake"; }
   absl::StatusOr<uintptr_t> Reserve(int64_t bytes, int64_t alignment) override {
     reserved_bytes = bytes;
     reserved_alignment = alignment;
