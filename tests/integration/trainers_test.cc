@@ -105,7 +105,9 @@ TEST(Trainers, TwoJobsOnOneGpuSplitItsBudgetAndKeepTheirBytes) {
     alone = s.sessions(0).budget_bytes();
     return true;
   }));
-  Job b = StartTrainer(daemon.dir(), daemon.socket_path(), "b", 0, kResnet, 2);
+  // Long enough for a to give back what its smaller share no longer
+  // covers while b still runs, on a loaded machine too.
+  Job b = StartTrainer(daemon.dir(), daemon.socket_path(), "b", 0, kResnet, 8);
   ASSERT_NE(b.process, nullptr);
   // Rebalanced: a's share shrinks for b, and the two never exceed the GPU.
   ASSERT_TRUE(StatusBecomes(daemon, [&](const v1::NodeStatusResponse& s) {
