@@ -1,10 +1,15 @@
-// The side-by-side policy table: every trace (the measured DTR logs and the
-// model traces) at every budget ratio under every policy, in one run; the
-// fidelity of the simulated DTR against DTR's measurements; and, with
-// --max_batch, the largest batch each policy fits for a model.
+// The side-by-side policy table: every trace (the measured DTR logs, the
+// model traces and any recorded trace files) at every budget ratio under
+// every policy, in one run; the fidelity of the simulated DTR against DTR's
+// measurements; and, with --max_batch, the largest batch each policy fits for
+// a model.
 //
 //   build/bench/policy_bench --csv=docs/bench/policy.csv
 //       --plots=docs/bench --update_doc=docs/BENCHMARKS.md
+//
+// A model recorded with deltad.torch.record_trace replays beside them:
+//
+//   build/bench/policy_bench --trace_files=mymodel.trace --models=
 
 #include <algorithm>
 #include <chrono>
@@ -21,6 +26,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -35,6 +41,7 @@
 #include "policies/sim/program.h"
 #include "policies/sim/simulator.h"
 #include "policies/sim/static_policies.h"
+#include "policies/sim/trace_io.h"
 
 ABSL_FLAG(std::string, traces, "",
           "folder of the measured DTR logs (default: $DELTAD_DTR_TRACES or "
@@ -43,6 +50,10 @@ ABSL_FLAG(std::string, models, "resnet50,densenet121,vgg16,unet,gpt",
           "model traces to generate (empty: none)");
 ABSL_FLAG(std::string, model_device, "a100-80gb", "device for model traces");
 ABSL_FLAG(int, model_batch, 32, "batch of the model traces");
+ABSL_FLAG(std::string, trace_files, "",
+          "comma-separated trace files in the project's text format "
+          "(policies/sim/trace_io.h, e.g. from deltad.torch.record_trace), "
+          "run on the --model_device profile");
 ABSL_FLAG(std::string, policies, "", "policies to run (default: all)");
 ABSL_FLAG(std::string, ratios, "0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0",
           "budgets as fractions of each trace's unlimited peak");
@@ -64,7 +75,7 @@ namespace {
 
 struct BenchTrace {
   std::string name;
-  std::string source;     // "dtr-log" or "model"
+  std::string source;     // "dtr-log", "model" or "recorded"
   std::string device;     // profile name
   std::string dtr_model;  // key into the measured data, for the fidelity
   int dtr_batch = 0;
@@ -116,7 +127,42 @@ absl::StatusOr<SimResult> RunOne(const Program& program,
   return r.status();
 }
 
-std::vector<BenchTrace> LoadTraces() {
+// The traces of --trace_files, in their order. A file that does not parse,
+// validate or compile is an error that names it.
+absl::StatusOr<std::vector<BenchTrace>> LoadTraceFiles() {
+  std::vector<BenchTrace> traces;
+  const std::vector<std::string> paths = List(absl::GetFlag(FLAGS_trace_files));
+  if (paths.empty()) return traces;
+  auto device = FindDeviceProfile(absl::GetFlag(FLAGS_model_device));
+  if (!device.ok()) return device.status();
+  for (const std::string& path : paths) {
+    // Its message names the file (and the line, for a parse error).
+    auto trace = ReadTraceFile(path);
+    if (!trace.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--trace_files: ", trace.status().message()));
+    }
+    auto program = Compile(*trace);
+    if (!program.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--trace_files: ", path, ": ", program.status().message()));
+    }
+    if (program->steps.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--trace_files: ", path, ": the trace has no ops"));
+    }
+    BenchTrace t;
+    t.name = trace->name;
+    t.source = "recorded";
+    t.device = device->name;
+    t.program = std::move(*program);
+    traces.push_back(std::move(t));
+  }
+  return traces;
+}
+
+// The measured DTR logs and the model traces.
+std::vector<BenchTrace> LoadBuiltInTraces() {
   std::vector<BenchTrace> traces;
   std::string dir = absl::GetFlag(FLAGS_traces);
   if (dir.empty()) dir = DefaultDtrTraceDir();
@@ -124,7 +170,7 @@ std::vector<BenchTrace> LoadTraces() {
   if (logs.empty()) {
     std::fprintf(stderr,
                  "policy_bench: no DTR logs in %s (set --traces or "
-                 "DELTAD_DTR_TRACES): running the model traces only\n",
+                 "DELTAD_DTR_TRACES): running the other traces only\n",
                  dir.c_str());
   } else {
     std::fprintf(stderr, "policy_bench: DTR logs from %s\n", dir.c_str());
@@ -179,6 +225,26 @@ std::vector<BenchTrace> LoadTraces() {
     t.device = device->name;
     t.cnn = m != "gpt";
     t.program = std::move(*program);
+    traces.push_back(std::move(t));
+  }
+  return traces;
+}
+
+absl::StatusOr<std::vector<BenchTrace>> LoadTraces() {
+  // The recorded files first, so that a bad one fails before the rest loads.
+  auto recorded = LoadTraceFiles();
+  if (!recorded.ok()) return recorded.status();
+  std::vector<BenchTrace> traces = LoadBuiltInTraces();
+  // Rows are found by trace name: a recorded trace named like another one
+  // gets a suffix.
+  for (BenchTrace& t : *recorded) {
+    const std::string base = t.name;
+    for (int n = 2;
+         std::any_of(traces.begin(), traces.end(),
+                     [&](const BenchTrace& o) { return o.name == t.name; });
+         ++n) {
+      t.name = absl::StrCat(base, "-", n);
+    }
     traces.push_back(std::move(t));
   }
   return traces;
@@ -540,7 +606,13 @@ int RunTable(const std::string& command) {
   for (const std::string& r : List(absl::GetFlag(FLAGS_ratios))) {
     ratios.push_back(std::strtod(r.c_str(), nullptr));
   }
-  const std::vector<BenchTrace> traces = LoadTraces();
+  auto loaded = LoadTraces();
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "policy_bench: %s\n",
+                 std::string(loaded.status().message()).c_str());
+    return 2;
+  }
+  const std::vector<BenchTrace> traces = std::move(*loaded);
   if (traces.empty()) {
     std::fprintf(stderr, "policy_bench: no traces to run\n");
     return 2;
@@ -593,8 +665,12 @@ int RunTable(const std::string& command) {
         "trace's unlimited peak; `-` means it does not fit. Measured DTR "
         "logs run on the Titan V profile, model traces on "
      << absl::GetFlag(FLAGS_model_device) << " at batch "
-     << absl::GetFlag(FLAGS_model_batch)
-     << " (GPT at a quarter of it). The last column is the offloading "
+     << absl::GetFlag(FLAGS_model_batch) << " (GPT at a quarter of it)"
+     << (absl::GetFlag(FLAGS_trace_files).empty()
+             ? ""
+             : absl::StrCat(", recorded traces (`--trace_files`) on ",
+                            absl::GetFlag(FLAGS_model_device)))
+     << ". The last column is the offloading "
         "paper's lower bound for any swap-only schedule, max(compute, excess "
         "out + excess back), as a slowdown. Every row is in "
         "`docs/bench/policy.csv`.\n\n";

@@ -2,13 +2,20 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "client/client.h"
 #include "client/deltad_client.h"
 #include "client/sim_device.h"
+#ifdef DELTAD_HAVE_CUDA
+#include "client/cuda_device.h"
+#endif
 
 struct deltad_client {
   std::unique_ptr<deltad::client::Client> impl;
+#ifdef DELTAD_HAVE_CUDA
+  deltad::client::CudaDevice* cuda = nullptr;  // owned by impl
+#endif
 };
 
 namespace {
@@ -45,6 +52,7 @@ void deltad_client_options_init(deltad_client_options* o) {
   o->sim_memory_bytes = int64_t{80} << 30;
   o->sim_d2h_bytes_per_second = 25e9;
   o->sim_h2d_bytes_per_second = 25e9;
+  o->cuda_device = 0;
 }
 
 int deltad_client_connect(const deltad_client_options* o,
@@ -52,9 +60,27 @@ int deltad_client_connect(const deltad_client_options* o,
   if (o == nullptr || client == nullptr) {
     return InvalidArgument("options and client must not be NULL");
   }
-  if (o->device != nullptr && std::string(o->device) != "sim") {
+  const std::string device_name = o->device == nullptr ? "sim" : o->device;
+  std::unique_ptr<deltad::client::Device> device;
+  deltad_client made;
+  if (device_name == "sim") {
+    device = std::make_unique<deltad::client::SimDevice>(
+        o->sim_memory_bytes, o->sim_d2h_bytes_per_second,
+        o->sim_h2d_bytes_per_second);
+  } else if (device_name == "cuda") {
+#ifdef DELTAD_HAVE_CUDA
+    auto cuda = deltad::client::CudaDevice::Create(o->cuda_device);
+    if (!cuda.ok()) return Report(cuda.status());
+    made.cuda = cuda->get();
+    device = std::move(*cuda);
+#else
     return Report(absl::UnimplementedError(
-        "this build's client has only the \"sim\" device"));
+        "this libdeltad_client was built without the CUDA toolkit: only the "
+        "\"sim\" device"));
+#endif
+  } else {
+    return Report(absl::InvalidArgumentError("unknown device \"" + device_name +
+                                             "\" (\"sim\" or \"cuda\")"));
   }
   deltad::client::ClientOptions options;
   if (o->socket_path != nullptr) options.link.socket_path = o->socket_path;
@@ -66,13 +92,11 @@ int deltad_client_connect(const deltad_client_options* o,
   options.use_daemon = o->use_daemon != 0;
   options.fallback_budget_bytes = o->fallback_budget_bytes;
   options.fallback_host_bytes = o->fallback_host_bytes;
-  auto device = std::make_unique<deltad::client::SimDevice>(
-      o->sim_memory_bytes, o->sim_d2h_bytes_per_second,
-      o->sim_h2d_bytes_per_second);
   auto impl =
       deltad::client::Client::Connect(std::move(options), std::move(device));
   if (!impl.ok()) return Report(impl.status());
-  *client = new deltad_client{std::move(*impl)};
+  made.impl = std::move(*impl);
+  *client = new deltad_client(std::move(made));
   return 0;
 }
 
@@ -143,7 +167,30 @@ int deltad_stats(deltad_client* client, deltad_client_stats* stats) {
   stats->recompute_ns = s.recompute_ns;
   stats->stall_ns = s.stall_ns;
   stats->connected = s.connected ? 1 : 0;
+  stats->prefetches = s.prefetches;
   return 0;
+}
+
+void deltad_prefetch(deltad_client* client, const uint64_t* ids, size_t n) {
+  if (client == nullptr || ids == nullptr || n == 0) return;
+  client->impl->Prefetch(std::vector<uint64_t>(ids, ids + n));
+}
+
+int deltad_resident(deltad_client* client, uint64_t id) {
+  return client != nullptr && client->impl->Resident(id) ? 1 : 0;
+}
+
+int deltad_set_compute_stream(deltad_client* client, void* stream) {
+  if (client == nullptr) return InvalidArgument("client must not be NULL");
+#ifdef DELTAD_HAVE_CUDA
+  if (client->cuda != nullptr) {
+    client->cuda->SetComputeStream(stream);
+    return 0;
+  }
+#endif
+  (void)stream;
+  return Report(absl::FailedPreconditionError(
+      "a compute stream is for the \"cuda\" device only"));
 }
 
 const char* deltad_last_error(void) { return last_error.c_str(); }

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 
 namespace deltad::client {
@@ -388,7 +389,7 @@ absl::StatusOr<void*> Client::Pin(uint64_t id, bool* restored) {
       }
     }
     absl::Status s =
-        where == Where::kOffloaded ? Reload(id, false) : Recompute(id);
+        where == Where::kOffloaded ? Reload(id, Need::kNow) : Recompute(id);
     if (!s.ok()) return s;
     if (restored != nullptr) *restored = true;
   }
@@ -445,6 +446,25 @@ absl::Status Client::Free(uint64_t id) {
   AddEventLocked(Kind::FREED, id);
   if (r->live_children == 0) DropLocked(id);
   return absl::OkStatus();
+}
+
+void Client::Prefetch(const std::vector<uint64_t>& ids) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (uint64_t id : ids) {
+    auto it = records_.find(id);
+    // Checked again when the job runs; this only keeps the queue short.
+    if (it == records_.end() || it->second->where != Where::kOffloaded) {
+      continue;
+    }
+    jobs_.push_back({Job::kPrefetchHint, id});
+  }
+  work_.notify_all();
+}
+
+bool Client::Resident(uint64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = records_.find(id);
+  return it != records_.end() && it->second->where == Where::kResident;
 }
 
 void Client::DropLocked(uint64_t id) {
@@ -588,7 +608,13 @@ absl::Status Client::Evict(uint64_t id, Origin origin) {
   return absl::OkStatus();
 }
 
-absl::Status Client::Reload(uint64_t id, bool prefetch) {
+absl::Status Client::Reload(uint64_t id, Need need) {
+  const bool prefetch = need != Need::kNow;
+  // A daemon's prefetch order is answered (RELEASE_FAILED) when declined;
+  // a hint is just dropped.
+  auto decline = [&] {
+    if (need == Need::kPrefetchOrder) RefuseLocked(id, Origin::kDaemonOrder);
+  };
   Record* r;
   int64_t bytes;
   {
@@ -602,12 +628,20 @@ absl::Status Client::Reload(uint64_t id, bool prefetch) {
       // order too), or it is on its way.
       return absl::OkStatus();
     }
-    if (prefetch && device_bytes_ + bytes > budget_bytes_) {
-      // A prefetch must not push others out: it is only a head start.
-      RefuseLocked(id, Origin::kDaemonOrder);
+    if (prefetch &&
+        (making_room_ > 0 || device_bytes_ + bytes > budget_bytes_)) {
+      // A prefetch must not push others out, nor take room an allocation
+      // is being made for: it is only a head start.
+      decline();
       return absl::OkStatus();
     }
-    // Claimed before the allocation, so a second Pin waits on this one.
+    // Claimed before the allocation, so a second Pin waits on this one;
+    // a prefetch reserves its bytes with the check, so that an allocation
+    // meanwhile cannot take the same room.
+    if (prefetch) {
+      ++prefetching_;
+      device_bytes_ += bytes;
+    }
     r->where = Where::kReloading;
     r->restoring_from = Where::kOffloaded;
     (void)local_.table().SetState(id, policy::TensorState::kReloading);
@@ -617,11 +651,14 @@ absl::Status Client::Reload(uint64_t id, bool prefetch) {
   if (!device.ok()) {
     r->where = Where::kOffloaded;
     (void)local_.table().SetState(id, policy::TensorState::kOffloaded);
-    if (prefetch) RefuseLocked(id, Origin::kDaemonOrder);
+    if (prefetch) {
+      decline();
+      --prefetching_;
+      device_bytes_ -= bytes;
+    }
     changed_.notify_all();
     return prefetch ? absl::OkStatus() : device.status();
   }
-  if (prefetch) device_bytes_ += bytes;
   lock.unlock();
   device_->CopyToDevice(*device, r->host.data, bytes);
   lock.lock();
@@ -632,7 +669,10 @@ absl::Status Client::Reload(uint64_t id, bool prefetch) {
   (void)local_.table().SetState(id, policy::TensorState::kResident);
   AddEventLocked(Kind::RELOADED, id);
   ++stats_.reloads;
-  if (prefetch) ++stats_.prefetches;
+  if (prefetch) {
+    ++stats_.prefetches;
+    --prefetching_;
+  }
   stats_.reloaded_bytes += bytes;
   stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, device_bytes_);
   changed_.notify_all();
@@ -718,9 +758,18 @@ absl::StatusOr<bool> Client::MakeRoom(int64_t bytes, int64_t extra) {
   const int64_t start = NowNs();
   std::shared_ptr<DaemonLink> link;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    // A prefetch in flight holds bytes that neither plan could release
+    // and that the daemon does not know are taken (its RELOADED is not
+    // sent yet): the choice waits for it, a copy's time.
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait(lock, [&] { return prefetching_ == 0; });
+    ++making_room_;  // and no new one starts until the room is made
     if (stats_.connected && !draining_seen_) link = link_;
   }
+  absl::Cleanup done_making_room = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    --making_room_;
+  };
   if (link != nullptr) {
     absl::StatusOr<v1::ReleaseResponse> response;
     {
@@ -765,10 +814,14 @@ absl::StatusOr<bool> Client::MakeRoom(int64_t bytes, int64_t extra) {
       OnLost(std::string(response.status().message()));
     }
   }
-  // In-process: the same policy over this process's tensors.
+  // In-process: the same policy over this process's tensors, once the
+  // releases already under way (the daemon's orders) have freed their
+  // bytes, which no plan can choose again.
   int64_t need;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait(
+        lock, [&] { return offloading_bytes_ == 0 && queued_releases_ == 0; });
     need = device_bytes_ + bytes + extra - budget_bytes_;
   }
   if (need <= 0) return false;
@@ -974,11 +1027,15 @@ void Client::ExecutorLoop() {
           (void)Evict(job.id, Origin::kDaemonOrder);
           break;
         case Job::kPrefetch:
-          (void)Reload(job.id, /*prefetch=*/true);
+          (void)Reload(job.id, Need::kPrefetchOrder);
+          break;
+        case Job::kPrefetchHint:
+          (void)Reload(job.id, Need::kPrefetchHint);
           break;
       }
       lock.lock();
-      if (job.kind != Job::kPrefetch && queued_releases_ > 0) {
+      const bool release = job.kind == Job::kOffload || job.kind == Job::kEvict;
+      if (release && queued_releases_ > 0) {
         --queued_releases_;
         changed_.notify_all();
       }

@@ -132,6 +132,14 @@ class Client {
   // that an evicted descendant may need to be recomputed keeps its record
   // (no bytes) until then.
   absl::Status Free(uint64_t id);
+  // A hint from the framework, which knows its order of use (backward
+  // unpacks saved tensors in reverse): reload these offloaded tensors ahead
+  // of use, in this order, on the executor. Only within the budget, never
+  // pushing another tensor out; anything not offloaded is skipped.
+  void Prefetch(const std::vector<uint64_t>& ids);
+  // Whether the tensor's bytes are on the device now (a framework can then
+  // read them instead of rebuilding them its own way).
+  bool Resident(uint64_t id) const;
 
   // Ends the session with the daemon and stops the executor; tensors still
   // tracked are freed. Idempotent.
@@ -165,7 +173,8 @@ class Client {
     Where restoring_from = Where::kOffloaded;
   };
   struct Job {
-    enum Kind { kOffload, kEvict, kPrefetch } kind;
+    // kPrefetch: the daemon's order; kPrefetchHint: the framework's.
+    enum Kind { kOffload, kEvict, kPrefetch, kPrefetchHint } kind;
     uint64_t id;
   };
   // Who asked for a release, on the stream or in a synchronous answer, or
@@ -192,7 +201,8 @@ class Client {
   // --- byte work; mu_ not held on entry
   absl::Status Offload(uint64_t id, Origin origin);
   absl::Status Evict(uint64_t id, Origin origin);
-  absl::Status Reload(uint64_t id, bool prefetch);
+  enum class Need { kNow, kPrefetchOrder, kPrefetchHint };
+  absl::Status Reload(uint64_t id, Need need);
   absl::Status Recompute(uint64_t id);
   absl::StatusOr<void*> AllocateDevice(int64_t bytes);
   // Releases so that `bytes` more fit, and `extra` beyond them (device
@@ -231,6 +241,8 @@ class Client {
   int64_t device_bytes_ = 0;      // reserved or held on the device
   int64_t offloading_bytes_ = 0;  // of tensors whose copy out is in flight
   int64_t queued_releases_ = 0;   // the daemon's release orders not yet run
+  int prefetching_ = 0;           // prefetches between claim and copy done
+  int making_room_ = 0;           // MakeRoom calls under way: no prefetch
   // Device bytes the daemon does not know are held: tensors being
   // recomputed (reported once rebuilt) and freed ones rebuilt for a child.
   int64_t unreported_bytes_ = 0;

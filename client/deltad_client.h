@@ -25,12 +25,15 @@ typedef struct {
   int32_t use_daemon;             /* default 1; 0: in-process policy only */
   int64_t fallback_budget_bytes;  /* budget without a daemon; default 1 GiB */
   int64_t fallback_host_bytes;    /* heap for offloads without a daemon */
-  /* The device. Only "sim" exists in this build: device memory from the
-   * heap, up to sim_memory_bytes, copies throttled to the bandwidths. */
+  /* The device. "sim": device memory from the heap, up to
+   * sim_memory_bytes, copies throttled to the bandwidths (0: memcpy speed).
+   * "cuda" (in a build with the CUDA toolkit): the GPU `cuda_device`, with
+   * memory from the daemon's chunks (or the process's own without one). */
   const char* device;              /* default "sim" */
   int64_t sim_memory_bytes;        /* default 80 GiB */
   double sim_d2h_bytes_per_second; /* default 25e9 */
   double sim_h2d_bytes_per_second; /* default 25e9 */
+  int32_t cuda_device;             /* CUDA ordinal; default 0 */
 } deltad_client_options;
 
 typedef struct {
@@ -57,6 +60,7 @@ typedef struct {
   int64_t recompute_ns;
   int64_t stall_ns;
   int32_t connected;
+  int64_t prefetches; /* reloads done ahead of use */
 } deltad_client_stats;
 
 /* Rebuilds tensor `id` into `out`; returns 0 on success. Runs on the thread
@@ -78,6 +82,20 @@ int deltad_pin(deltad_client* client, uint64_t id, void** out);
 void deltad_unpin(deltad_client* client, uint64_t id);
 int deltad_free(deltad_client* client, uint64_t id);
 int deltad_stats(deltad_client* client, deltad_client_stats* stats);
+
+/* Reload these offloaded tensors ahead of their use, in this order, as far
+ * as the budget allows (a hint: unknown or resident ids are skipped). */
+void deltad_prefetch(deltad_client* client, const uint64_t* ids, size_t n);
+
+/* 1 when the tensor's bytes are on the device now, 0 otherwise (offloaded,
+ * evicted, on its way, unknown). */
+int deltad_resident(deltad_client* client, uint64_t id);
+
+/* "cuda" device only: the cudaStream_t the framework computes on, so that
+ * offloads wait for the work queued there and reloads are waited for by it
+ * (NULL: the legacy default stream). FAILED_PRECONDITION on another
+ * device. */
+int deltad_set_compute_stream(deltad_client* client, void* stream);
 
 /* The message of the calling thread's last failed call; "" if none. */
 const char* deltad_last_error(void);

@@ -1,6 +1,7 @@
 """deltad.torch.managed on the CPU: training under a budget well below the
-unmanaged peak gives the same losses and parameters as without deltad, with
-the in-process policy and with a daemon."""
+unmanaged peak gives the same losses, parameters and buffers as without
+deltad, whether saved activations are offloaded or evicted and recomputed,
+with the in-process policy and with a daemon."""
 
 import os
 import shutil
@@ -13,62 +14,56 @@ import torch
 
 import deltad
 import deltad.torch
+from models import CASES, small_cnn, small_mlp
 
 STEPS = 3
 
 
-def small_cnn():
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
-        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU(),
-        torch.nn.Flatten(), torch.nn.Linear(32 * 16 * 16, 10))
-
-
-def small_transformer():
-    # No dropout, so that every step is deterministic.
-    return torch.nn.Sequential(
-        torch.nn.TransformerEncoderLayer(d_model=64, nhead=4,
-                                         dim_feedforward=256, dropout=0.0,
-                                         batch_first=True),
-        torch.nn.TransformerEncoderLayer(d_model=64, nhead=4,
-                                         dim_feedforward=256, dropout=0.0,
-                                         batch_first=True),
-        torch.nn.Flatten(), torch.nn.Linear(64 * 64, 10))
-
-
-CASES = {
-    "cnn": (small_cnn, lambda: torch.randn(16, 3, 32, 32)),
-    "transformer": (small_transformer, lambda: torch.randn(16, 64, 64)),
-}
-
-
 class _Counted:
-    __slots__ = ("tensor", "counter")
+    """A saved tensor, counted while autograd holds it: activations only
+    (parameters and their views are not memory autograd adds), each
+    storage once however many ops save it."""
+
+    __slots__ = ("tensor", "counter", "key")
 
     def __init__(self, tensor, counter):
         self.tensor = tensor
         self.counter = counter
-        counter.add(tensor.numel() * tensor.element_size())
+        base = tensor if tensor._base is None else tensor._base
+        self.key = None
+        if not (base.is_leaf and base.requires_grad):
+            self.key = base.data_ptr()
+            counter.add(self.key, base.numel() * base.element_size())
 
     def __del__(self):
-        self.counter.add(-self.tensor.numel() * self.tensor.element_size())
+        if self.key is not None:
+            self.counter.remove(self.key)
 
 
 class _Counter:
     def __init__(self):
         self.live = 0
         self.peak = 0
+        self.held = {}  # data_ptr -> [bytes, references]
 
-    def add(self, n):
-        self.live += n
-        self.peak = max(self.peak, self.live)
+    def add(self, key, nbytes):
+        entry = self.held.setdefault(key, [nbytes, 0])
+        if entry[1] == 0:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        entry[1] += 1
+
+    def remove(self, key):
+        entry = self.held[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live -= entry[0]
+            del self.held[key]
 
 
 def train(case, manage=None):
-    """STEPS steps of SGD from a fixed seed: (losses, parameters, peak
-    bytes of saved activations held by PyTorch at once)."""
+    """STEPS steps of SGD from a fixed seed: (losses, parameters and
+    buffers, peak bytes of saved activations held by PyTorch at once)."""
     make_model, make_input = CASES[case]
     torch.manual_seed(0)
     model = make_model()
@@ -89,31 +84,37 @@ def train(case, manage=None):
                 loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return losses, [p.detach().clone() for p in model.parameters()], \
-        counter.peak
+    state = [p.detach().clone() for p in model.parameters()]
+    state += [b.clone() for b in model.buffers()]
+    return losses, state, counter.peak
 
 
 class ManagedTrainingTest(unittest.TestCase):
 
-    def check_case(self, case, socket, connected=False):
-        losses, params, peak = train(case)
+    def check_case(self, case, socket, connected=False, **options):
+        """Trains `case` unmanaged and managed with 40% of its unmanaged
+        peak; returns the managed steps' stats."""
+        losses, state, peak = train(case)
         budget = int(peak * 0.4)
         stats = []
 
         def manage(model):
             return _Recording(deltad.torch.managed(
                 model, budget_bytes=budget, socket=socket,
-                min_bytes=4 << 10), stats)
+                min_bytes=4 << 10, **options), stats)
 
-        m_losses, m_params, _ = train(case, manage)
+        m_losses, m_state, _ = train(case, manage)
         self.assertEqual(losses, m_losses)
-        for a, b in zip(params, m_params):
-            self.assertTrue(torch.equal(a, b))
+        self.assertEqual(len(state), len(m_state))
+        for i, (a, b) in enumerate(zip(state, m_state)):
+            self.assertTrue(torch.equal(a, b), f"parameter/buffer {i}")
         managed_peak = max(s.peak_device_bytes for s in stats)
         self.assertLessEqual(managed_peak, peak * 0.5,
                              f"managed peak {managed_peak} of {peak}")
-        self.assertGreater(sum(s.offloaded_bytes for s in stats), 0)
+        self.assertGreater(sum(s.offloaded_bytes + s.evictions
+                               for s in stats), 0)
         self.assertEqual(all(s.connected for s in stats), connected)
+        return stats
 
     def test_cnn_in_process(self):
         self.check_case("cnn", socket=None)
@@ -121,10 +122,36 @@ class ManagedTrainingTest(unittest.TestCase):
     def test_transformer_in_process(self):
         self.check_case("transformer", socket=None)
 
-    def test_cnn_and_transformer_with_the_daemon(self):
-        with Daemon() as socket:
-            self.check_case("cnn", socket=socket, connected=True)
-            self.check_case("transformer", socket=socket, connected=True)
+    def test_offloaded_tensors_are_prefetched_in_backward_order(self):
+        stats = self.check_case("mlp", socket=None, policy="offload")
+        self.assertGreater(sum(s.offloaded_bytes for s in stats), 0)
+        self.assertEqual(sum(s.evictions for s in stats), 0)
+        self.assertGreater(sum(s.prefetches for s in stats), 0)
+        off = self.check_case("mlp", socket=None, policy="offload",
+                              prefetch_bytes=0)
+        self.assertEqual(sum(s.prefetches for s in off), 0)
+
+    def test_evicted_tensors_are_recomputed_with_rng_and_buffers_kept(self):
+        stats = self.check_case("mlp", socket=None, policy="recompute")
+        self.assertGreater(sum(s.evictions for s in stats), 0)
+        self.assertGreater(sum(s.recomputes for s in stats), 0)
+
+    def test_cnn_and_transformer_recompute_what_they_can(self):
+        for case in ("cnn", "transformer"):
+            self.check_case(case, socket=None, policy="recompute")
+
+    def test_every_case_with_the_daemon(self):
+        for case, policy in (("cnn", "auto"), ("transformer", "auto"),
+                             ("mlp", "recompute")):
+            # The daemon lends a session room beyond its budget while the
+            # GPU has some: a GPU whose budget (half of it) is 45% of the
+            # case's peak keeps that below half of the peak too.
+            gpu_bytes = int(train(case)[2] * 0.9) // (64 << 10) * (64 << 10)
+            with Daemon(gpu_bytes) as socket:
+                stats = self.check_case(case, socket=socket, connected=True,
+                                        policy=policy)
+            if policy == "recompute":
+                self.assertGreater(sum(s.recomputes for s in stats), 0)
 
     def test_a_daemon_socket_with_no_daemon_falls_back_in_process(self):
         with tempfile.TemporaryDirectory() as d:
@@ -138,6 +165,17 @@ class ManagedTrainingTest(unittest.TestCase):
             with deltad.torch.managed(small_cnn(), budget_bytes=0,
                                       socket=None):
                 pass
+        with self.assertRaisesRegex(ValueError, "policy"):
+            with deltad.torch.managed(small_cnn(), socket=None,
+                                      policy="swap"):
+                pass
+
+    def test_the_model_is_left_as_it_was(self):
+        model = small_mlp()
+        with deltad.torch.managed(model, socket=None):
+            self.assertIn("forward", model[0].__dict__)
+        for m in model.modules():
+            self.assertNotIn("forward", m.__dict__)
 
     def test_a_graph_unpacked_after_the_block_raises(self):
         model = small_cnn()
@@ -165,7 +203,11 @@ class _Recording:
 
 
 class Daemon:
-    """deltad ($DELTAD_BINARY) on simulated GPUs, on a socket of its own."""
+    """deltad ($DELTAD_BINARY) with one simulated GPU of `gpu_bytes`, on a
+    socket of its own."""
+
+    def __init__(self, gpu_bytes):
+        self.gpu_bytes = gpu_bytes
 
     def __enter__(self):
         binary = os.environ.get("DELTAD_BINARY")
@@ -175,14 +217,15 @@ class Daemon:
         self.socket = os.path.join(self.dir, "d.sock")
         config = os.path.join(self.dir, "deltad.conf")
         with open(config, "w") as f:
-            # A GPU whose budget (4 MiB) is below half of each model's
-            # unmanaged peak: the daemon lends a session room beyond its
-            # own budget while the GPU has some, so the GPU must be small.
-            f.write("min_session_bytes: 1048576\ngpu_share: 0.5\n")
+            # Chunks small enough that rounding the GPU's budget down to
+            # whole ones leaves it about as it is.
+            f.write("min_session_bytes: 262144\ngpu_share: 0.5\n"
+                    "sim { chunk_bytes: 65536 }\n")
         self.proc = subprocess.Popen(
             [binary, f"--config={config}", "--backend=sim", "--sim_gpus=1",
-             "--sim_memory=8MiB", "--host_pool=256MiB", "--host_slab=16MiB",
-             f"--socket={self.socket}", "--metrics=127.0.0.1:0"],
+             f"--sim_memory={self.gpu_bytes}", "--host_pool=256MiB",
+             "--host_slab=16MiB", f"--socket={self.socket}",
+             "--metrics=127.0.0.1:0"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.time() + 30
         while not os.path.exists(self.socket + ".fds"):

@@ -22,6 +22,7 @@ class Options(ctypes.Structure):
         ("sim_memory_bytes", ctypes.c_int64),
         ("sim_d2h_bytes_per_second", ctypes.c_double),
         ("sim_h2d_bytes_per_second", ctypes.c_double),
+        ("cuda_device", ctypes.c_int32),
     ]
 
 
@@ -52,6 +53,7 @@ class Stats(ctypes.Structure):
         ("recompute_ns", ctypes.c_int64),
         ("stall_ns", ctypes.c_int64),
         ("connected", ctypes.c_int32),
+        ("prefetches", ctypes.c_int64),
     ]
 
 
@@ -102,6 +104,15 @@ def load():
     lib.deltad_free.restype = ctypes.c_int
     lib.deltad_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(Stats)]
     lib.deltad_stats.restype = ctypes.c_int
+    lib.deltad_prefetch.argtypes = [ctypes.c_void_p,
+                                    ctypes.POINTER(ctypes.c_uint64),
+                                    ctypes.c_size_t]
+    lib.deltad_prefetch.restype = None
+    lib.deltad_resident.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+    lib.deltad_resident.restype = ctypes.c_int
+    lib.deltad_set_compute_stream.argtypes = [ctypes.c_void_p,
+                                              ctypes.c_void_p]
+    lib.deltad_set_compute_stream.restype = ctypes.c_int
     lib.deltad_last_error.argtypes = []
     lib.deltad_last_error.restype = ctypes.c_char_p
     return lib

@@ -53,6 +53,7 @@ class ClientStats:
     recompute_ns: int
     stall_ns: int
     connected: bool
+    prefetches: int
 
 
 class Client:
@@ -63,22 +64,29 @@ class Client:
     socket: the daemon's socket; None for the in-process policy only.
     budget_bytes: asked of the daemon (0: a fair share); also the budget
     while no daemon is reachable (then it must be positive).
-    The device is the client library's simulated one: memory of this
-    process standing in for the GPU's, `device_memory_bytes` of it.
+    device: "sim", the client library's simulated device (memory of this
+    process standing in for the GPU's, `device_memory_bytes` of it, copies
+    at `link_bytes_per_second`, 0 for memcpy speed), or "cuda", the GPU
+    `cuda_device` (addresses are then device pointers). `gpu` is the
+    daemon's index of the GPU (default: 0).
     """
 
     def __init__(self, socket=DEFAULT_SOCKET, budget_bytes=0,
                  host_bytes=0, gpu=None, label="python", priority=None,
                  fallback_budget_bytes=None, fallback_host_bytes=None,
-                 device_memory_bytes=80 << 30, link_bytes_per_second=0.0):
+                 device_memory_bytes=80 << 30, link_bytes_per_second=0.0,
+                 device="sim", cuda_device=0):
         lib = _library()
         o = _capi.Options()
         # The library's defaults; only what is given here changes them.
         lib.deltad_client_options_init(ctypes.byref(o))
         # Kept referenced: ctypes must not free them before connect reads
         # them.
-        self._strings = [s.encode() for s in (socket or "", label or "")]
+        self._strings = [s.encode() for s in (socket or "", label or "",
+                                              device)]
         o.socket_path = self._strings[0]
+        o.device = self._strings[2]
+        o.cuda_device = cuda_device
         o.use_daemon = 1 if socket else 0
         o.requested_budget_bytes = budget_bytes
         o.requested_host_bytes = host_bytes
@@ -106,13 +114,27 @@ class Client:
         # while a descendant may need it rebuilt, and may call back then.
         self._recomputes = {}
         self._trampoline = _capi.RecomputeFn(self._recompute)
+        self._failed = threading.local()
 
     def _recompute(self, _user, tensor_id, out):
         try:
             self._recomputes[tensor_id](tensor_id, out)
             return 0
-        except Exception:  # reported to the library as a failed recompute
+        except Exception as e:  # reported to the library as a failure
+            # ... and kept, so that the pin that needed it raises with it.
+            self._failed.error = e
             return 1
+
+    def _check_call(self, rc):
+        """_check, chaining a recompute callback's exception when one made
+        the call fail."""
+        cause = getattr(self._failed, "error", None)
+        self._failed.error = None
+        if rc != 0 and cause is not None:
+            raise DeltadError(rc, _library().deltad_last_error().decode()
+                              + f" ({type(cause).__name__}: {cause})") \
+                from cause
+        _check(rc)
 
     def close(self):
         if self._handle:
@@ -152,8 +174,9 @@ class Client:
             self._recomputes[tensor_id] = recompute
             callback = self._trampoline
         out = ctypes.c_void_p()
-        _check(self._lib.deltad_track(self._handle, ctypes.byref(info),
-                                      callback, None, ctypes.byref(out)))
+        self._check_call(self._lib.deltad_track(
+            self._handle, ctypes.byref(info), callback, None,
+            ctypes.byref(out)))
         return out.value
 
     def _open(self):
@@ -164,16 +187,40 @@ class Client:
     def pin(self, tensor_id):
         self._open()
         out = ctypes.c_void_p()
-        _check(self._lib.deltad_pin(self._handle, tensor_id,
-                                    ctypes.byref(out)))
+        self._check_call(self._lib.deltad_pin(self._handle, tensor_id,
+                                              ctypes.byref(out)))
         return out.value
 
     def unpin(self, tensor_id):
         self._lib.deltad_unpin(self._open(), tensor_id)
 
-    def free(self, tensor_id):
+    def free(self, tensor_id, forget_recompute=False):
+        """Drops the tensor. Its recompute callback stays until close (the
+        library may rebuild a freed tensor for a descendant's recompute)
+        unless `forget_recompute`, for a caller that keeps parents alive
+        while their descendants live."""
         self._open()
+        if forget_recompute:
+            self._recomputes.pop(tensor_id, None)
         _check(self._lib.deltad_free(self._handle, tensor_id))
+
+    def prefetch(self, tensor_ids):
+        """Reload these offloaded tensors ahead of use, in this order, as
+        far as the budget allows (a hint)."""
+        ids = list(tensor_ids)
+        if ids:
+            array = (ctypes.c_uint64 * len(ids))(*ids)
+            self._lib.deltad_prefetch(self._open(), array, len(ids))
+
+    def resident(self, tensor_id):
+        """Whether the tensor's bytes are on the device now."""
+        return bool(self._lib.deltad_resident(self._open(), tensor_id))
+
+    def set_compute_stream(self, stream):
+        """The cudaStream_t (an int) the framework computes on ("cuda"
+        device only)."""
+        _check(self._lib.deltad_set_compute_stream(self._open(),
+                                                   ctypes.c_void_p(stream)))
 
     def stats(self):
         self._open()

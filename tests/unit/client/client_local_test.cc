@@ -1,8 +1,10 @@
 // The client with no daemon: the in-process policy keeps the process within
 // its budget by offloading and evicting, with the bytes intact afterwards.
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "client/client.h"
@@ -48,6 +50,19 @@ TensorInfo Info(uint64_t id, int64_t bytes, std::vector<uint64_t> parents = {},
   t.parents = std::move(parents);
   t.compute_cost_ns = cost_ns;
   return t;
+}
+
+// Tracks uncomputable 1 MiB tensors `first`..`last`, each filled with its
+// id and unpinned.
+void TrackFilled(Client& client, uint64_t first, uint64_t last) {
+  for (uint64_t id = first; id <= last; ++id) {
+    TensorInfo t = Info(id, kMiB);
+    t.uncomputable = true;
+    auto p = client.Track(t, nullptr);
+    ASSERT_TRUE(p.ok()) << p.status();
+    FillWith(*p, kMiB, static_cast<unsigned char>(id));
+    client.Unpin(id);
+  }
 }
 
 TEST(ClientLocal, StaysWithinTheBudgetAndKeepsEveryTensorsBytes) {
@@ -181,12 +196,7 @@ TEST(ClientLocal, AFreedParentIsRebuiltForAChildsRecomputeAndDroppedAgain) {
   client->Unpin(3);
   ASSERT_TRUE(client->Free(2).ok());  // kept: 3 may need it
   // Fill the budget so that 3 is evicted.
-  for (uint64_t id = 10; id < 13; ++id) {
-    TensorInfo t = Info(id, kMiB);
-    t.uncomputable = true;
-    ASSERT_TRUE(client->Track(t, nullptr).ok());
-    client->Unpin(id);
-  }
+  TrackFilled(*client, 10, 12);
   auto again = client->Pin(3);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_TRUE(AllBytesAre(*again, kMiB, 3));
@@ -195,6 +205,34 @@ TEST(ClientLocal, AFreedParentIsRebuiltForAChildsRecomputeAndDroppedAgain) {
     EXPECT_EQ(parent_rebuilds, 1);
   }
   EXPECT_LE(client->Stats().peak_device_bytes, 3 * kMiB);
+}
+
+TEST(ClientLocal, APrefetchHintReloadsWithinTheBudgetAheadOfThePin) {
+  auto client = LocalClient(8 * kMiB);
+  TrackFilled(*client, 1, 16);
+  ASSERT_GE(client->Stats().offloads, 8);
+  // Make room for two, then hint all the offloaded ones, oldest first: only
+  // what fits the budget comes back, and nothing resident is pushed out.
+  for (uint64_t id = 16; id > 12; --id) ASSERT_TRUE(client->Free(id).ok());
+  const ClientStats before = client->Stats();
+  client->Prefetch({1, 2, 3, 4, 5, 6, 7, 8, 12, 999});
+  ClientStats after;
+  for (int i = 0; i < 500; ++i) {
+    after = client->Stats();
+    if (after.prefetches >= 4) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ(after.prefetches - before.prefetches, 4);
+  EXPECT_EQ(after.offloads, before.offloads) << "a hint pushed a tensor out";
+  EXPECT_LE(after.peak_device_bytes, 8 * kMiB);
+  for (uint64_t id = 1; id <= 4; ++id) {
+    bool restored = true;
+    auto p = client->Pin(id, &restored);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_FALSE(restored) << "tensor " << id << " was not prefetched";
+    EXPECT_TRUE(AllBytesAre(*p, kMiB, static_cast<unsigned char>(id)));
+    client->Unpin(id);
+  }
 }
 
 }  // namespace
