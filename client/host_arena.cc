@@ -100,7 +100,10 @@ absl::StatusOr<HostArena::Block> HostArena::Allocate(int64_t bytes) {
     auto block = AllocateIn(i, need);
     if (block.ok()) return block;
   }
-  const int64_t region_bytes = std::max(need, kHeapRegionBytes);
+  // 64 MiB pieces, or what is left of a smaller allowance: an allowance
+  // below one piece still holds offloads.
+  const int64_t region_bytes =
+      std::max(need, std::min(kHeapRegionBytes, heap_allowance_ - heap_bytes_));
   if (heap_bytes_ + region_bytes <= heap_allowance_) {
     void* p = std::aligned_alloc(kAlign, static_cast<size_t>(region_bytes));
     if (p != nullptr) {

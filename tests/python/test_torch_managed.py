@@ -3,9 +3,12 @@ unmanaged peak gives the same losses, parameters and buffers as without
 deltad, whether saved activations are offloaded or evicted and recomputed,
 with the in-process policy and with a daemon."""
 
+import ctypes
+import gc
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import unittest
@@ -184,6 +187,36 @@ class ManagedTrainingTest(unittest.TestCase):
         # Autograd wraps the hook's DeltadError in a RuntimeError.
         with self.assertRaisesRegex(RuntimeError, "client is closed"):
             loss.backward()
+
+
+class ClientTest(unittest.TestCase):
+
+    def test_a_client_that_cannot_connect_raises_and_leaves_nothing(self):
+        unraisable = []
+        hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+        try:
+            with self.assertRaisesRegex(deltad.DeltadError, "tpu"):
+                deltad.Client(socket=None, budget_bytes=1 << 20,
+                              device="tpu")
+            gc.collect()
+        finally:
+            sys.unraisablehook = hook
+        self.assertEqual(unraisable, [])
+
+    def test_tensors_round_trip_and_report_residency(self):
+        with deltad.Client(socket=None, budget_bytes=1 << 20) as c:
+            address = c.track(1, 4096)
+            ctypes.memset(address, 7, 4096)
+            c.unpin(1)
+            self.assertTrue(c.resident(1))
+            self.assertFalse(c.resident(2))
+            c.prefetch([1, 2])  # a hint: nothing to do, nothing fails
+            self.assertEqual(ctypes.string_at(c.pin(1), 4), b"\x07" * 4)
+            c.unpin(1)
+            c.free(1)
+            with self.assertRaises(deltad.DeltadError) as e:
+                c.free(1)
+            self.assertEqual(e.exception.code, 5)  # NOT_FOUND
 
 
 class _Recording:

@@ -76,6 +76,7 @@ class Client:
                  fallback_budget_bytes=None, fallback_host_bytes=None,
                  device_memory_bytes=80 << 30, link_bytes_per_second=0.0,
                  device="sim", cuda_device=0):
+        self._handle = None  # until connected: close() has nothing to do
         lib = _library()
         o = _capi.Options()
         # The library's defaults; only what is given here changes them.

@@ -109,7 +109,7 @@ class _Saved:
         if not self.tracked:
             return
         try:
-            self.manager.client.free(self.tensor_id, forget_recompute=True)
+            self.manager.drop(self.tensor_id)
         except Exception:  # the client may be closed already at exit
             pass
 
@@ -132,7 +132,7 @@ class _Call:
     ("value", object)."""
 
     __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng",
-                 "own_ns", "events", "depth", "out_shape", "out_dtype")
+                 "own_ns", "events", "depth")
 
     def cost_ns(self):
         """This run's time plus that of the runs it rebuilds its arguments
@@ -260,6 +260,7 @@ class Manager:
 
     def _produced_by(self, module, call, out, args, kwargs, before):
         if (not isinstance(out, _torch.Tensor) or self.policy == "offload"
+                or out.layout != _torch.strided
                 or _nbytes(out) < self.min_bytes):
             return
         key = _key(out, out._version)
@@ -280,8 +281,6 @@ class Manager:
                               if k == "call"), default=0)
         if call.depth > self.max_depth:
             return
-        call.out_shape = out.shape
-        call.out_dtype = out.dtype
         with self._lock:
             self._produced[key] = call
         weakref.finalize(out, self._forget, self._produced, key, call)
@@ -292,6 +291,8 @@ class Manager:
                     isinstance(v, _torch.Tensor) for v in _flatten(value)):
                 raise _NotRecomputable()
             return ("value", value)
+        if value.layout != _torch.strided:
+            raise _NotRecomputable()
         version = versions.get(id(value), value._version)
         key = _key(value, version)
         with self._lock:
@@ -325,8 +326,8 @@ class Manager:
         if (nbytes == 0 or nbytes < self.min_bytes or
                 tensor.device != self.device or
                 (base.is_leaf and base.requires_grad) or
-                tensor.is_sparse or getattr(self._local, "recomputing",
-                                            False)):
+                tensor.layout != _torch.strided or
+                getattr(self._local, "recomputing", False)):
             return tensor
         key = _key(tensor, tensor._version)
         with self._lock:
@@ -380,11 +381,11 @@ class Manager:
             recompute = (lambda _id, address, proxy=proxy:
                          self._recompute(proxy, address))
         self._settle_unpins()
-        address = self.client.track(
+        address = self._with_room(lambda: self.client.track(
             saved.tensor_id, saved.nbytes, parents=parents,
             compute_cost_ns=call.cost_ns() if call is not None else 0,
             recompute=recompute,
-            offload_pinned=(self.policy == "recompute" and call is not None))
+            offload_pinned=(self.policy == "recompute" and call is not None)))
         saved.call = call
         saved.tracked = True
         try:
@@ -401,9 +402,11 @@ class Manager:
         if saved.pending is not None:
             self._flush()
         self._prefetch_before(saved)
+        self._settle_unpins()
         out = _torch.empty(saved.shape, dtype=saved.dtype,
                            device=saved.device)
-        address = self.client.pin(saved.tensor_id)  # reloaded, recomputed
+        # Reloaded or recomputed if it has to be.
+        address = self._with_room(lambda: self.client.pin(saved.tensor_id))
         try:
             _as_bytes(out).copy_(_bytes_at(address, saved.nbytes,
                                            saved.device))
@@ -487,10 +490,8 @@ class Manager:
             # A copy: the module may work in place on its argument.
             _as_bytes(out).copy_(_bytes_at(address, saved.nbytes,
                                            saved.device))
-            if saved.device.type == "cuda":
-                _torch.cuda.current_stream(saved.device).synchronize()
         finally:
-            self.client.unpin(saved.tensor_id)
+            self._unpin_after_copy(saved.tensor_id)
         return out.view(shape)
 
     # --- prefetch
@@ -534,6 +535,24 @@ class Manager:
         event = _torch.cuda.Event()
         event.record()
         self._pending_unpins.append((event, tensor_id))
+
+    def drop(self, tensor_id):
+        """Frees a saved tensor's bytes, once no copy still reads them."""
+        for event, pending_id in self._pending_unpins:
+            if pending_id == tensor_id:
+                event.synchronize()
+        self.client.free(tensor_id, forget_recompute=True)
+
+    def _with_room(self, request):
+        """Runs a track or pin; if it finds no room while copies still
+        hold tensors pinned, waits for those and tries once more."""
+        try:
+            return request()
+        except DeltadError as e:
+            if e.code != _RESOURCE_EXHAUSTED or not self._pending_unpins:
+                raise
+        self._settle_unpins(wait=True)
+        return request()
 
     def _settle_unpins(self, wait=False):
         keep = []

@@ -54,6 +54,20 @@ TEST(HostArena, UsesTheHeapAllowanceOnlyWhenSlabsAreFull) {
   arena.Free(*a);
 }
 
+TEST(HostArena, AnAllowanceBelowOneHeapRegionIsUsedWhole) {
+  HostArena arena;
+  arena.SetHeapAllowance(int64_t{8} << 20);
+  auto a = arena.Allocate(int64_t{3} << 20);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = arena.Allocate(int64_t{5} << 20);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(arena.Allocate(4096).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(arena.capacity_bytes(), int64_t{8} << 20);
+  arena.Free(*a);
+  arena.Free(*b);
+}
+
 TEST(HostArena, RetiredSlabsTakeNoNewBlocksAndUnmapWhenEmpty) {
   HostArena arena;
   ASSERT_TRUE(arena.AddSlab(Memfd(1 << 20), 1 << 20, 7).ok());

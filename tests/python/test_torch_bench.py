@@ -1,0 +1,153 @@
+"""bench/torch_bench.py --smoke on the CPU: tiny models through every mode
+(none, checkpoint, save_on_cpu, deltad), the largest-batch search, the
+timed runs, and, when $DELTAD_POLICY_BENCH is set, the recorded traces
+replayed in the simulator; the Markdown section it writes into a document
+between its markers."""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import torch
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                      "bench", "torch_bench.py")
+BEGIN = "<!-- torch_bench:begin -->"
+END = "<!-- torch_bench:end -->"
+MODES = ("none", "checkpoint", "save_on_cpu", "deltad")
+
+
+def run(*args, timeout=240):
+    return subprocess.run([sys.executable, SCRIPT, *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def model_section(text, model):
+    """The ### section of one model, up to the next heading."""
+    match = re.search(rf"^### {model}\n(.*?)(?=^### |\Z)", text,
+                      re.S | re.M)
+    return match.group(1) if match else None
+
+
+class TorchBenchSmokeTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.TemporaryDirectory(prefix="torch_bench-")
+        cls.doc = os.path.join(cls.dir.name, "BENCHMARKS.md")
+        with open(cls.doc, "w") as f:
+            f.write(f"# Benchmarks\n\nabove\n\n{BEGIN}\nan old run\n{END}\n"
+                    f"\nbelow\n")
+        cls.policy_bench = os.environ.get("DELTAD_POLICY_BENCH")
+        args = ["--device", "cpu", "--smoke", "--update_doc", cls.doc]
+        if cls.policy_bench:
+            args += ["--policy_bench", cls.policy_bench]
+        cls.proc = run(*args)
+        with open(cls.doc) as f:
+            cls.text = f.read()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.dir.cleanup()
+
+    def test_exits_zero(self):
+        self.assertEqual(self.proc.returncode, 0,
+                         self.proc.stdout[-3000:] + self.proc.stderr[-3000:])
+
+    def test_the_section_replaces_the_old_one_between_markers(self):
+        self.assertEqual(self.text.count(BEGIN), 1)
+        self.assertEqual(self.text.count(END), 1)
+        self.assertLess(self.text.index(BEGIN), self.text.index(END))
+        self.assertNotIn("an old run", self.text)
+        self.assertTrue(self.text.startswith("# Benchmarks\n\nabove\n"))
+        self.assertTrue(self.text.endswith("\nbelow\n"))
+        section = self.text[self.text.index(BEGIN):self.text.index(END)]
+        self.assertIn("## torch_bench", section)
+        self.assertRegex(section, r"\nCommand: `bench/torch_bench\.py "
+                         r"[^`]*--smoke[^`]*`")
+        self.assertRegex(section, r"\nMachine: CPU: ")
+        self.assertRegex(section, r"\nDate: \d{4}-\d\d-\d\d")
+        self.assertIn(f"torch {torch.__version__}", section)
+        # What it printed is what it wrote.
+        self.assertIn(section[len(BEGIN) + 1:], self.proc.stdout)
+
+    def test_a_row_per_model_and_mode(self):
+        for model in ("resnet50", "gpt2"):
+            with self.subTest(model):
+                part = model_section(self.text, model)
+                self.assertIsNotNone(part, f"no ### {model} section")
+                if model == "resnet50" and part.lstrip().startswith(
+                        "skipped:"):
+                    self.assertRegex(part, r"skipped: torchvision")
+                    continue
+                for mode in MODES:
+                    row = re.search(rf"^\| {mode} \| (\d+) \|.*\|$", part,
+                                    re.M)
+                    self.assertIsNotNone(row, f"{model}: no {mode} row in\n"
+                                         f"{part}")
+                    self.assertGreaterEqual(int(row.group(1)), 1,
+                                            row.group(0))
+                # Every mode ran the common batch, beside none.
+                for mode in MODES:
+                    self.assertRegex(
+                        part, rf"\n\| {mode} \| \d+ \| [^|]* \| [\d.]+ \| "
+                        rf"[^|]* \| [\d.]+ \| [\d.]+ \|")
+
+    def test_deltad_released_memory_and_the_search_bisected(self):
+        # The smoke budget (3 MiB) holds the smoke GPT's activations at
+        # small batches only: deltad offloads or evicts, and by batch 16 a
+        # logits tensor alone is over it.
+        part = model_section(self.text, "gpt2")
+        row = re.search(r"^\| deltad \| (\d+) \| ([^|]*) \|", part, re.M)
+        self.assertIsNotNone(row, part)
+        stopped = re.match(r"out of memory at batch (\d+)$", row.group(2))
+        self.assertIsNotNone(stopped, row.group(0))
+        # Bisected down to the next batch.
+        self.assertEqual(int(stopped.group(1)), int(row.group(1)) + 1)
+        stats = re.search(r"deltad at batch \d+, over \d+ steps: ([\d.]+) "
+                          r"\w+ offloaded, [^,]*, (\d+) evictions", part)
+        self.assertIsNotNone(stats, part)
+        self.assertTrue(float(stats.group(1)) > 0 or int(stats.group(2)) > 0,
+                        stats.group(0))
+        self.assertIn("out of memory", self.proc.stderr)
+
+    def test_traces_replayed_or_the_table_says_why(self):
+        sim = self.text[self.text.index("### Simulator"):]
+        row = re.search(r"^\| gpt2 \| (.*)\|$", sim, re.M)
+        self.assertIsNotNone(row, sim)
+        if not self.policy_bench:
+            self.assertIn("no --policy_bench given", row.group(1))
+            return
+        cells = [c.strip() for c in row.group(1).split("|")]
+        # batch, ops, peak, ratio, at the ratio, at 1.0, measured.
+        self.assertRegex(cells[0], r"^\d+$")
+        self.assertGreater(int(cells[1]), 0)
+        self.assertRegex(cells[3], r"^(0\.\d\d|1\.00)$")
+        self.assertRegex(cells[4], r"^([\d.]+|does not fit .*)$")
+        self.assertRegex(cells[5], r"^1\.\d{3}$")
+        self.assertRegex(cells[6], r"^[\d.]+$")
+
+
+class TorchBenchArgumentsTest(unittest.TestCase):
+
+    def test_bad_arguments_exit_2(self):
+        for args in (["--modes", "none,bogus"], ["--models", "vgg"],
+                     ["--max_batch", "gpt2=x"], ["--deltad_share", "1.5"]):
+            with self.subTest(args):
+                r = run("--device", "cpu", "--smoke", *args, timeout=60)
+                self.assertEqual(r.returncode, 2, r.stderr)
+                self.assertIn("error:", r.stderr)
+
+    def test_no_gpu_exits_77(self):
+        if torch.cuda.is_available():
+            raise unittest.SkipTest("a GPU is here: it would run")
+        r = run("--device", "cuda", timeout=60)
+        self.assertEqual(r.returncode, 77, r.stderr)
+        self.assertIn("CUDA is not available", r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
