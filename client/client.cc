@@ -924,10 +924,13 @@ absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
           std::max<int64_t>(0, device_->chunk_bytes_held() -
                                    device_->chunk_bytes_free() - held_bytes);
       auto made = MakeRoom(bytes, waste);
-      if (made.ok()) {
-        granted = *made;
+      if (made.ok() && *made) {
+        granted = true;
         continue;
       }
+      // Refused or short: the daemon's choice was pinned here (it does not
+      // see pins), and asking again picks the same. This process knows
+      // what it pins: it chooses below.
     }
     if (absl::Status s = ReleaseInProcess(bytes, NowNs()); !s.ok()) {
       return absl::ResourceExhaustedError(

@@ -76,6 +76,10 @@ absl::StatusOr<std::unique_ptr<Node>> Node::Create(DeviceBackend& backend,
     node->gpus_.push_back(std::move(gpu));
     if (metrics != nullptr) metrics->SetGpuBudget(info.index, budget);
   }
+  if (metrics != nullptr) {  // the pool from the start, not the first session
+    const HostPoolStats stats = pool.Stats();
+    metrics->SetHostPool(stats.free_bytes, stats.granted_bytes);
+  }
   return node;
 }
 

@@ -183,6 +183,12 @@ TEST_F(NodeTest, AProcessThatDiesIsReclaimedAndTheOthersGrow) {
       absl::StatusCode::kUnauthenticated);
 }
 
+TEST_F(NodeTest, TheHostPoolIsInTheMetricsBeforeAnySession) {
+  const std::string scrape = metrics_->Scrape();
+  EXPECT_THAT(scrape, HasSubstr("deltad_host_pool_bytes{state=\"free\"} " +
+                                std::to_string(kGiB)));
+}
+
 TEST_F(NodeTest, MetricsFollowSessionsAndUse) {
   const Node::Opened a = Open(Peer(100), 1);
   ASSERT_TRUE(node_->Apply(a.response.session_token(), Create(1, kMiB)).ok());
