@@ -71,6 +71,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
         "client options: the fallback budget, batch size and flush interval "
         "must be positive, the reconnect interval not negative");
   }
+  if (options.link.gpu < 0 && options.link.gpu_uuid.empty()) {
+    options.link.gpu_uuid = device->gpu_uuid();
+  }
   std::unique_ptr<Client> client(
       new Client(std::move(options), std::move(device)));
   if (client->options_.use_daemon) {
@@ -796,7 +799,7 @@ absl::StatusOr<bool> Client::MakeRoom(int64_t bytes, int64_t extra) {
       stats_.sync_release_ns += NowNs() - start;
       if (!response->room_available()) {
         return absl::ResourceExhaustedError(absl::StrCat(
-            "GPU ", options_.link.gpu, " has no room for ", bytes,
+            "GPU ", link->gpu(), " has no room for ", bytes,
             " bytes: every session's releasable tensors are not enough"));
       }
       // A refused order (its tensor got pinned) leaves the room short: the
@@ -971,8 +974,8 @@ absl::Status Client::SyncChunks(const std::shared_ptr<DaemonLink>& link,
   if (const std::string uuid = device_->gpu_uuid();
       !uuid.empty() && uuid != session.gpu_uuid()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("deltad's GPU ", options_.link.gpu, " is ",
-                     session.gpu_uuid(), " but this process's device is ", uuid,
+        absl::StrCat("deltad's GPU ", link->gpu(), " is ", session.gpu_uuid(),
+                     " but this process's device is ", uuid,
                      " (check CUDA_VISIBLE_DEVICES)"));
   }
   if (device_->chunk_bytes_held() < want) {

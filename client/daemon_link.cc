@@ -35,6 +35,27 @@ void SetReceiveTimeout(int fd, int ms) {
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
 }
 
+// The GPU to open the session on: the one named, or the daemon's GPU with
+// the device's UUID, or GPU 0 when the device has none (simulated).
+absl::StatusOr<int> ResolveGpu(v1::MemoryManager::Stub& stub,
+                               const LinkOptions& options) {
+  if (options.gpu >= 0 || options.gpu_uuid.empty()) {
+    return std::max(options.gpu, 0);
+  }
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(options.rpc_timeout_ms));
+  v1::NodeStatusResponse status;
+  if (grpc::Status s = stub.NodeStatus(&context, {}, &status); !s.ok()) {
+    return FromGrpc(s, "NodeStatus");
+  }
+  for (const v1::GpuStatus& g : status.gpus()) {
+    if (g.uuid() == options.gpu_uuid) return g.gpu();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "deltad manages no GPU ", options.gpu_uuid,
+      " (this process's device); set the client's gpu to choose one"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
@@ -63,8 +84,11 @@ absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
       "unix:" + options.socket_path, grpc::InsecureChannelCredentials(), args);
   link->stub_ = v1::MemoryManager::NewStub(link->channel_);
 
+  auto gpu = ResolveGpu(*link->stub_, options);
+  if (!gpu.ok()) return gpu.status();
   v1::OpenSessionRequest request;
-  request.set_gpu(options.gpu);
+  request.set_gpu(*gpu);
+  link->gpu_ = *gpu;
   request.set_requested_budget_bytes(options.requested_budget_bytes);
   request.set_requested_host_bytes(options.requested_host_bytes);
   request.set_priority(options.priority);

@@ -21,7 +21,11 @@ namespace deltad::client {
 
 struct LinkOptions {
   std::string socket_path = "/run/deltad/deltad.sock";
-  int gpu = 0;
+  // The daemon's index of the GPU; -1: the one whose UUID is `gpu_uuid`
+  // (a process in a container, or with CUDA_VISIBLE_DEVICES, sees its GPU
+  // as device 0 whatever the node's index), or GPU 0 without a UUID.
+  int gpu = -1;
+  std::string gpu_uuid;
   int64_t requested_budget_bytes = 0;  // 0: a fair share
   int64_t requested_host_bytes = 0;    // 0: the daemon's default
   uint32_t priority = 1;
@@ -51,6 +55,7 @@ class DaemonLink {
   ~DaemonLink();  // Close()
 
   const v1::OpenSessionResponse& session() const { return session_; }
+  int gpu() const { return gpu_; }  // the daemon's index of the session's GPU
   // The slabs received at Open; the caller owns their descriptors.
   std::vector<common::side::Grant> TakeSlabs();
 
@@ -89,6 +94,7 @@ class DaemonLink {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::MemoryManager::Stub> stub_;
   v1::OpenSessionResponse session_;
+  int gpu_ = 0;
   std::vector<common::side::Grant> slabs_;
 
   grpc::ClientContext stream_context_;

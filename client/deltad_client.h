@@ -16,8 +16,9 @@ extern "C" {
 typedef struct deltad_client deltad_client;
 
 typedef struct {
-  const char* socket_path;        /* default "/run/deltad/deltad.sock" */
-  int32_t gpu;                    /* default 0 */
+  const char* socket_path; /* default "/run/deltad/deltad.sock" */
+  int32_t gpu; /* the daemon's GPU index; default -1: the GPU with the
+                  device's UUID ("cuda"), else 0 */
   int64_t requested_budget_bytes; /* 0: a fair share */
   int64_t requested_host_bytes;   /* 0: the daemon's default */
   uint32_t priority;              /* default 1 */

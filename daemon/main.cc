@@ -5,14 +5,10 @@
 #include <signal.h>
 #include <systemd/sd-daemon.h>
 
-#include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
@@ -25,9 +21,8 @@
 #include "common/fd_limit.h"
 #include "daemon/config.h"
 #include "daemon/server.h"
-#include "deltad/v1/memory_manager.grpc.pb.h"
+#include "daemon/systemd_watchdog.h"
 #include "google/protobuf/text_format.h"
-#include "grpcpp/grpcpp.h"
 
 ABSL_FLAG(std::string, config, "/etc/deltad/deltad.conf",
           "configuration file (protobuf text format, see "
@@ -134,108 +129,6 @@ std::string GiB(int64_t bytes) {
   return absl::StrFormat("%.1f GiB", static_cast<double>(bytes) / (1 << 30));
 }
 
-// systemd's watchdog (WatchdogSec= in deltad.service). Every half of its
-// timeout a NodeStatus call over the daemon's own Unix socket, answered
-// within a quarter of it, earns one WATCHDOG=1. The call goes through the
-// gRPC server's threads and takes the registry's, every GPU's and the host
-// pool's locks, so a daemon wedged in any of them stops petting and systemd
-// kills and restarts it.
-class Watchdog {
- public:
-  // Starts the thread when systemd asked this process for a watchdog
-  // (WATCHDOG_USEC, and WATCHDOG_PID naming this process when it is set);
-  // nullptr otherwise.
-  static std::unique_ptr<Watchdog> StartIfEnabled(
-      const std::string& socket_path) {
-    uint64_t usec = 0;
-    const int enabled = sd_watchdog_enabled(0, &usec);
-    if (enabled < 0) {
-      std::fprintf(stderr, "deltad: ignoring the watchdog settings: %s\n",
-                   std::strerror(-enabled));
-      return nullptr;
-    }
-    if (enabled == 0 || usec == 0) return nullptr;
-    // The constructor is private, hence no make_unique.
-    return std::unique_ptr<Watchdog>(
-        new Watchdog(socket_path, std::chrono::microseconds(usec)));
-  }
-
-  Watchdog(const Watchdog&) = delete;
-  Watchdog& operator=(const Watchdog&) = delete;
-  ~Watchdog() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    thread_.join();
-  }
-
- private:
-  Watchdog(const std::string& socket_path, std::chrono::microseconds timeout)
-      : period_(timeout / 2), deadline_(timeout / 4) {
-    grpc::ChannelArguments args;
-    // A connection of its own, which comes back quickly after a failure:
-    // one failed check must not make the next ones fail by backing off.
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    stub_ = v1::MemoryManager::NewStub(grpc::CreateCustomChannel(
-        "unix:" + socket_path, grpc::InsecureChannelCredentials(), args));
-    std::fprintf(stderr,
-                 "deltad: systemd watchdog: a NodeStatus check every %.1f s\n",
-                 std::chrono::duration<double>(period_).count());
-    thread_ = std::thread([this] { Run(); });
-  }
-
-  grpc::Status Check() {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + deadline_);
-    context.set_wait_for_ready(true);
-    v1::NodeStatusRequest request;
-    v1::NodeStatusResponse response;
-    return stub_->NodeStatus(&context, request, &response);
-  }
-
-  void Run() {
-    bool healthy = true;
-    auto next = std::chrono::steady_clock::now();
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      lock.unlock();
-      const grpc::Status status = Check();
-      if (status.ok()) {
-        sd_notify(0, "WATCHDOG=1");
-        if (!healthy) {
-          std::fprintf(stderr, "deltad: watchdog: serving again\n");
-          sd_notify(0, "STATUS=serving");
-        }
-      } else if (healthy) {
-        // Said once per failing spell; systemd acts on the missing pets.
-        const std::string why =
-            absl::StrCat("NodeStatus on its own socket failed (",
-                         static_cast<int>(status.error_code()), ": ",
-                         status.error_message(), ")");
-        std::fprintf(stderr, "deltad: watchdog: %s; not petting systemd\n",
-                     why.c_str());
-        sd_notify(0, absl::StrCat("STATUS=unhealthy: ", why).c_str());
-      }
-      healthy = status.ok();
-      lock.lock();
-      next = std::max(next + period_, std::chrono::steady_clock::now());
-      wake_.wait_until(lock, next, [this] { return stop_; });
-    }
-  }
-
-  const std::chrono::microseconds period_;
-  const std::chrono::microseconds deadline_;
-  std::unique_ptr<v1::MemoryManager::Stub> stub_;
-  std::mutex mu_;
-  std::condition_variable wake_;
-  bool stop_ = false;
-  std::thread thread_;
-};
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -301,8 +194,8 @@ int main(int argc, char** argv) {
                s.metrics_port());
   sd_notify(0, "READY=1\nSTATUS=serving");
   // Started after READY=1: systemd's watchdog runs from then on.
-  std::unique_ptr<Watchdog> watchdog =
-      Watchdog::StartIfEnabled(s.socket_path());
+  std::unique_ptr<deltad::daemon::SystemdWatchdog> watchdog =
+      deltad::daemon::SystemdWatchdog::StartIfEnabled(s.socket_path());
 
   int signal_number = 0;
   sigwait(&stop, &signal_number);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -258,6 +259,47 @@ class CudaLikeDevice final : public Device {
   void CopyToHost(void*, const void*, int64_t) override {}
   void CopyToDevice(void*, const void*, int64_t) override {}
 };
+
+// A device that knows its GPU's UUID, as a CUDA one does, with heap memory.
+class UuidDevice final : public Device {
+ public:
+  explicit UuidDevice(std::string uuid) : uuid_(std::move(uuid)) {}
+  absl::string_view name() const override { return "uuid"; }
+  std::string gpu_uuid() const override { return uuid_; }
+  absl::StatusOr<void*> Allocate(int64_t bytes) override {
+    return std::malloc(static_cast<size_t>(bytes));
+  }
+  void Free(void* p, int64_t) override { std::free(p); }
+  void CopyToHost(void* h, const void* d, int64_t n) override {
+    std::memcpy(h, d, static_cast<size_t>(n));
+  }
+  void CopyToDevice(void* d, const void* h, int64_t n) override {
+    std::memcpy(d, h, static_cast<size_t>(n));
+  }
+
+ private:
+  std::string uuid_;
+};
+
+// A process that sees its GPU as device 0 (a container given one GPU) is
+// placed on the daemon's GPU with that device's UUID.
+TEST_F(ClientDaemonTest, AClientWithoutAGpuIndexOpensOnTheGpuWithItsUuid) {
+  const std::string uuid = server_->node().Status().gpus(1).uuid();
+  ASSERT_FALSE(uuid.empty());
+  ClientOptions o;
+  o.link.socket_path = socket_;
+  o.reconnect_interval_ms = 0;
+  auto c = Client::Connect(o, std::make_unique<UuidDevice>(uuid));
+  ASSERT_TRUE(c.ok()) << c.status();
+  const v1::NodeStatusResponse st = server_->node().Status();
+  ASSERT_EQ(st.sessions_size(), 1);
+  EXPECT_EQ(st.sessions(0).gpu(), 1);
+  c->reset();
+  auto unknown =
+      Client::Connect(o, std::make_unique<UuidDevice>("GPU-not-on-this-node"));
+  ASSERT_TRUE(unknown.ok()) << unknown.status();
+  EXPECT_FALSE((*unknown)->connected());  // refused: goes on alone
+}
 
 TEST_F(ClientDaemonTest, ADeviceThatCannotMapTheDaemonsChunksGoesOnAlone) {
   Connect(8 * kMiB, std::make_unique<CudaLikeDevice>());
