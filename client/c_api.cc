@@ -2,7 +2,6 @@
 #include <memory>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "client/client.h"
 #include "client/deltad_client.h"
@@ -173,7 +172,7 @@ int deltad_stats(deltad_client* client, deltad_client_stats* stats) {
 
 void deltad_prefetch(deltad_client* client, const uint64_t* ids, size_t n) {
   if (client == nullptr || ids == nullptr || n == 0) return;
-  client->impl->Prefetch(std::vector<uint64_t>(ids, ids + n));
+  client->impl->Prefetch({ids, n});
 }
 
 int deltad_resident(deltad_client* client, uint64_t id) {

@@ -451,7 +451,7 @@ absl::Status Client::Free(uint64_t id) {
   return absl::OkStatus();
 }
 
-void Client::Prefetch(const std::vector<uint64_t>& ids) {
+void Client::Prefetch(absl::Span<const uint64_t> ids) {
   std::lock_guard<std::mutex> lock(mu_);
   for (uint64_t id : ids) {
     auto it = records_.find(id);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "client/daemon_link.h"
 #include "client/device.h"
 #include "client/host_arena.h"
@@ -136,7 +137,7 @@ class Client {
   // unpacks saved tensors in reverse): reload these offloaded tensors ahead
   // of use, in this order, on the executor. Only within the budget, never
   // pushing another tensor out; anything not offloaded is skipped.
-  void Prefetch(const std::vector<uint64_t>& ids);
+  void Prefetch(absl::Span<const uint64_t> ids);
   // Whether the tensor's bytes are on the device now (a framework can then
   // read them instead of rebuilding them its own way).
   bool Resident(uint64_t id) const;

@@ -1,7 +1,6 @@
 #include "client/daemon_link.h"
 
 #include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>

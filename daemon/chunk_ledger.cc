@@ -34,7 +34,7 @@ absl::StatusOr<std::vector<common::side::Grant>> ChunkLedger::Grant(
           absl::StrCat("session ", session, " holds no chunks any more"));
     }
     gpu = it->second.gpu;
-    held = it->second.held;
+    held = Held(it->second);
   }
   const int64_t chunk = ChunkBytes(gpu);
   std::vector<common::side::Grant> out;
@@ -72,7 +72,6 @@ absl::StatusOr<std::vector<common::side::Grant>> ChunkLedger::Grant(
   }
   for (const common::side::Grant& c : out) {
     it->second.chunks.insert(c.id);
-    it->second.held += c.bytes;
   }
   return out;
 }
@@ -95,10 +94,7 @@ absl::Status ChunkLedger::Return(SessionId session,
   }
   for (uint64_t id : ids) {
     // Named twice in one list: released once.
-    if (chunks.erase(id) == 1) {
-      it->second.held -= ChunkBytes(it->second.gpu);
-      (void)backend_.ReleaseChunk(id);
-    }
+    if (chunks.erase(id) == 1) (void)backend_.ReleaseChunk(id);
   }
   return absl::OkStatus();
 }
@@ -113,13 +109,13 @@ int64_t ChunkLedger::ReleaseSession(SessionId session) {
     holders_.erase(it);
   }
   for (uint64_t id : holder.chunks) (void)backend_.ReleaseChunk(id);
-  return holder.held;
+  return Held(holder);
 }
 
 int64_t ChunkLedger::held_bytes(SessionId session) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = holders_.find(session);
-  return it == holders_.end() ? 0 : it->second.held;
+  return it == holders_.end() ? 0 : Held(it->second);
 }
 
 std::vector<std::pair<SessionId, int64_t>> ChunkLedger::HeldOnGpu(
@@ -127,7 +123,7 @@ std::vector<std::pair<SessionId, int64_t>> ChunkLedger::HeldOnGpu(
   std::vector<std::pair<SessionId, int64_t>> out;
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [session, holder] : holders_) {
-    if (holder.gpu == gpu) out.emplace_back(session, holder.held);
+    if (holder.gpu == gpu) out.emplace_back(session, Held(holder));
   }
   return out;
 }

@@ -62,11 +62,13 @@ class ChunkLedger {
  private:
   struct Holder {
     int gpu = 0;
-    std::set<uint64_t> chunks;
-    int64_t held = 0;  // bytes: the chunks, all of the GPU's chunk size
+    std::set<uint64_t> chunks;  // all of the GPU's chunk size
   };
   int64_t ChunkBytes(int gpu) const {
     return backend_.gpus()[gpu].chunk_granularity;
+  }
+  int64_t Held(const Holder& h) const {
+    return static_cast<int64_t>(h.chunks.size()) * ChunkBytes(h.gpu);
   }
 
   DeviceBackend& backend_;

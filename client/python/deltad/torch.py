@@ -44,6 +44,7 @@ import weakref
 import torch as _torch
 
 from deltad.client import DEFAULT_SOCKET, Client, DeltadError
+from deltad.trace import _tensors_in, record_trace  # record_trace: API
 
 _POLICIES = ("auto", "offload", "recompute")
 _RESOURCE_EXHAUSTED = 8
@@ -93,14 +94,14 @@ class _Saved:
                  "nbytes", "call", "seq", "pending", "tracked",
                  "__weakref__")
 
-    def __init__(self, manager, tensor_id, tensor, call, seq):
+    def __init__(self, manager, tensor_id, tensor, seq):
         self.manager = manager
         self.tensor_id = tensor_id
         self.shape = tensor.shape
         self.dtype = tensor.dtype
         self.device = tensor.device
         self.nbytes = _nbytes(tensor)
-        self.call = call  # the module run that rebuilds it, or None
+        self.call = None  # the module run that rebuilds it, once known
         self.seq = seq
         self.pending = None  # the tensor, until its bytes are the client's
         self.tracked = False
@@ -235,7 +236,7 @@ class Manager:
     def _timed(self, forward, args, kwargs):
         """Runs a module's forward: its output, the _Call that can run it
         again, and the arguments' versions before it ran."""
-        before = [(t, t._version) for t in _tensors(args, kwargs)]
+        before = [(t, t._version) for t in _tensors_in((args, kwargs), [])]
         call = _Call()
         call.cpu_rng = _torch.get_rng_state()
         cuda = self.device.type == "cuda"
@@ -259,8 +260,7 @@ class Manager:
         return out, call, before
 
     def _produced_by(self, module, call, out, args, kwargs, before):
-        if (not isinstance(out, _torch.Tensor) or self.policy == "offload"
-                or out.layout != _torch.strided
+        if (not isinstance(out, _torch.Tensor) or out.layout != _torch.strided
                 or _nbytes(out) < self.min_bytes):
             return
         key = _key(out, out._version)
@@ -287,8 +287,7 @@ class Manager:
 
     def _source(self, value, versions):
         if not isinstance(value, _torch.Tensor):
-            if isinstance(value, (list, tuple, dict, set)) and any(
-                    isinstance(v, _torch.Tensor) for v in _flatten(value)):
+            if _tensors_in(value, []):
                 raise _NotRecomputable()
             return ("value", value)
         if value.layout != _torch.strided:
@@ -337,12 +336,12 @@ class Manager:
                 if saved.shape == tensor.shape:
                     return saved
                 return _SavedView(saved, tensor.shape)
-            saved = _Saved(self, next(self._ids), tensor, None,
-                           next(self._seqs))
+            saved = _Saved(self, next(self._ids), tensor, next(self._seqs))
             self.managed_tensors += 1
-            self._packed[key] = weakref.ref(saved)
+            ref = weakref.ref(saved)
+            self._packed[key] = ref
             self._order_seqs.append(saved.seq)
-            self._order[saved.seq] = weakref.ref(saved)
+            self._order[saved.seq] = ref
             # An op that saves its own output (ReLU does) saves it before
             # the module returns it, so before anyone knows which module
             # made it: the bytes go to the client when the module returns.
@@ -351,8 +350,7 @@ class Manager:
             self._pending_bytes += nbytes
             flush = (getattr(self._local, "depth", 0) == 0 or
                      self._pending_bytes > self.pending_limit)
-        weakref.finalize(tensor, self._forget, self._packed, key,
-                         self._packed[key])
+        weakref.finalize(tensor, self._forget, self._packed, key, ref)
         if flush:
             self._flush()
         return saved
@@ -403,11 +401,16 @@ class Manager:
             self._flush()
         self._prefetch_before(saved)
         self._settle_unpins()
-        out = _torch.empty(saved.shape, dtype=saved.dtype,
-                           device=saved.device)
         # Reloaded or recomputed if it has to be.
-        address = self._with_room(lambda: self.client.pin(saved.tensor_id))
+        return self._copy_out(
+            saved, self._with_room(lambda: self.client.pin(saved.tensor_id)))
+
+    def _copy_out(self, saved, address):
+        """A new tensor with the bytes of `saved`, pinned at `address`;
+        unpins it once the copy ran."""
         try:
+            out = _torch.empty(saved.shape, dtype=saved.dtype,
+                               device=saved.device)
             _as_bytes(out).copy_(_bytes_at(address, saved.nbytes,
                                            saved.device))
         finally:
@@ -474,25 +477,18 @@ class Manager:
             # in turn, and a chain of evicted tensors would then need room
             # for all of them at once.
             return self._run(saved.call).reshape(shape)
-        out = _torch.empty(saved.shape, dtype=saved.dtype,
-                           device=saved.device)
         try:
             address = self.client.pin(saved.tensor_id)
         except DeltadError as e:
             # No room to rebuild it within the budget while its descendants
-            # being rebuilt hold theirs (a chain of evicted tensors): it is
-            # made here once more, outside the budget, for this use only.
+            # being rebuilt hold theirs (evicted since the look above): it
+            # is made here once more, outside the budget, for this use only.
             if e.code != _RESOURCE_EXHAUSTED or saved.call is None:
                 raise
             self.budget_overflows += 1
             return self._run(saved.call).reshape(shape)
-        try:
-            # A copy: the module may work in place on its argument.
-            _as_bytes(out).copy_(_bytes_at(address, saved.nbytes,
-                                           saved.device))
-        finally:
-            self._unpin_after_copy(saved.tensor_id)
-        return out.view(shape)
+        # A copy: the module may work in place on its argument.
+        return self._copy_out(saved, address).view(shape)
 
     # --- prefetch
 
@@ -585,21 +581,6 @@ class _NotRecomputable(Exception):
     pass
 
 
-def _flatten(value):
-    if isinstance(value, dict):
-        value = value.values()
-    for v in value:
-        if isinstance(v, (list, tuple, dict, set)):
-            yield from _flatten(v)
-        else:
-            yield v
-
-
-def _tensors(args, kwargs):
-    return [v for v in itertools.chain(_flatten(args), _flatten(kwargs))
-            if isinstance(v, _torch.Tensor)]
-
-
 def _device_of(model):
     devices = {p.device for p in itertools.chain(model.parameters(),
                                                  model.buffers())}
@@ -657,7 +638,10 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
         prefetch_bytes = budget_bytes // 4
     manager = Manager(client, min_bytes, policy, prefetch_bytes, max_depth,
                       device, pending_limit=budget_bytes // 4)
-    manager.wrap(model)
+    if policy != "offload":
+        # The wrappers find what recompute needs; offload alone needs none
+        # of it, so its modules run as they are.
+        manager.wrap(model)
     try:
         with _torch.autograd.graph.saved_tensors_hooks(manager.pack,
                                                        manager.unpack):
@@ -667,13 +651,6 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
         # unpacked any more: its unpack raises DeltadError rather than
         # return bytes that are gone.
         manager._close(own)
-
-
-def record_trace(model, example_inputs, path, **options):
-    """Records one training iteration of `model` as a trace the simulator
-    replays; see deltad.trace.record_trace."""
-    from deltad.trace import record_trace as record
-    return record(model, example_inputs, path, **options)
 
 
 __all__ = ["managed", "Manager", "DeltadError", "record_trace"]
