@@ -376,6 +376,10 @@ class Bench:
         self.args = args
         self.device = torch.device(args.device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:
+            # PyTorch's memory-fraction call wants an index: "cuda" means
+            # the current device.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.deltad = deltad_module
         self.deltad_reason = deltad_reason
         self.deltad_error = deltad_module.DeltadError if deltad_module \
