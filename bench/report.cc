@@ -1,7 +1,10 @@
 #include "bench/report.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -44,6 +47,19 @@ std::string CpuModel() {
     }
   }
   return "unknown CPU";
+}
+
+double MachineBusySeconds() {
+  std::ifstream in("/proc/stat");
+  std::string cpu;
+  in >> cpu;
+  int64_t ticks[8] = {};  // user nice system idle iowait irq softirq steal
+  for (int64_t& t : ticks) in >> t;
+  int64_t busy = 0;
+  for (int i = 0; i < 8; ++i) {
+    if (i != 3 && i != 4) busy += ticks[i];
+  }
+  return static_cast<double>(busy) / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
 std::string Today() {

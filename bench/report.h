@@ -25,6 +25,9 @@ std::string CommandLine(const std::string& binary, int argc, char** argv);
 
 // "AMD EPYC ..." from /proc/cpuinfo, for the machine line of a report.
 std::string CpuModel();
+// CPU seconds the whole machine has spent busy, all cores (/proc/stat):
+// beside a run's own CPU time, what other work on a shared machine took.
+double MachineBusySeconds();
 // Today's date, UTC, as YYYY-MM-DD.
 std::string Today();
 // Replaces the text between `<!-- tag:begin -->` and `<!-- tag:end -->` in

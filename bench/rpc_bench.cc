@@ -116,22 +116,6 @@ void Note(const std::string& what) {
                Seconds(Clock::now() - kStart), what.c_str());
 }
 
-// CPU seconds the whole machine has spent busy (all cores, /proc/stat):
-// less this process's own, what other work on a shared machine took from
-// the run.
-double MachineBusySeconds() {
-  std::ifstream in("/proc/stat");
-  std::string cpu;
-  in >> cpu;
-  int64_t ticks[8] = {};  // user nice system idle iowait irq softirq steal
-  for (int64_t& t : ticks) in >> t;
-  int64_t busy = 0;
-  for (int i = 0; i < 8; ++i) {
-    if (i != 3 && i != 4) busy += ticks[i];
-  }
-  return static_cast<double>(busy) / static_cast<double>(sysconf(_SC_CLK_TCK));
-}
-
 // The temporary directory of the daemon's sockets, removed on the way out
 // whichever way the run ends.
 std::string& TempDir() {

@@ -75,6 +75,12 @@ ChunkArena::~ChunkArena() {
                           chunk_bytes_);
     }
   }
+  for (const auto& [first, run] : kept_) {
+    for (size_t i = 0; i < run.chunks.size(); ++i) {
+      (void)mapper_.Unmap(SlotAddress(first + static_cast<int64_t>(i)),
+                          chunk_bytes_);
+    }
+  }
   for (const auto& [slot, page] : pages_) {
     (void)mapper_.Unmap(SlotAddress(slot), chunk_bytes_);
   }
@@ -123,12 +129,29 @@ absl::StatusOr<void*> ChunkArena::Allocate(int64_t bytes) {
 
 absl::StatusOr<void*> ChunkArena::AllocateRun(int64_t bytes) {
   const int64_t count = (bytes - 1) / chunk_bytes_ + 1;
+  if (auto kept = kept_by_count_.find(count); kept != kept_by_count_.end()) {
+    const int64_t first = kept->second;
+    kept_by_count_.erase(kept);
+    auto it = kept_.find(first);
+    Run run = std::move(it->second);
+    kept_.erase(it);
+    kept_chunks_ -= count;
+    run.requested = bytes;
+    runs_[first] = std::move(run);
+    return reinterpret_cast<void*>(SlotAddress(first));
+  }
+  UnkeepUntil(count);
   if (static_cast<int64_t>(free_chunks_.size()) < count) {
     return absl::ResourceExhaustedError(
         absl::StrCat("device memory is full: ", bytes, " bytes need ", count,
                      " chunks; ", Describe()));
   }
-  const int64_t first = TakeSlots(count);
+  int64_t first = TakeSlots(count);
+  if (first < 0 && !kept_.empty()) {
+    // Kept runs hold addresses too; unmapped, theirs coalesce.
+    UnkeepUntil(std::numeric_limits<int64_t>::max());
+    first = TakeSlots(count);
+  }
   if (first < 0) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "no run of ", count, " free chunk addresses is left for ", bytes,
@@ -164,6 +187,7 @@ absl::StatusOr<void*> ChunkArena::AllocateBlock(int64_t bytes) {
   if (!partial.empty()) {
     slot = *partial.begin();
   } else {
+    UnkeepUntil(1);
     if (free_chunks_.empty()) {
       return absl::ResourceExhaustedError(
           absl::StrCat("device memory is full: ", bytes,
@@ -222,9 +246,10 @@ void ChunkArena::Free(void* p, int64_t bytes) {
     Run run = std::move(it->second);
     runs_.erase(it);
     allocated_ -= run.requested;
-    for (size_t i = 0; i < run.chunks.size(); ++i) {
-      UnmapToFree(slot + static_cast<int64_t>(i), run.chunks[i]);
-    }
+    const auto count = static_cast<int64_t>(run.chunks.size());
+    kept_chunks_ += count;
+    kept_by_count_.emplace(count, slot);
+    kept_[slot] = std::move(run);
     return;
   }
   auto it = pages_.find(slot);
@@ -257,6 +282,9 @@ void ChunkArena::Free(void* p, int64_t bytes) {
 std::vector<uint64_t> ChunkArena::ShrinkTo(int64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<uint64_t> released;
+  const int64_t over =
+      static_cast<int64_t>(handles_.size()) - bytes / chunk_bytes_;
+  if (over > 0) UnkeepUntil(over);
   while (static_cast<int64_t>(handles_.size()) * chunk_bytes_ > bytes &&
          !free_chunks_.empty()) {
     const uint64_t chunk = free_chunks_.back();
@@ -276,7 +304,8 @@ int64_t ChunkArena::held_bytes() const {
 
 int64_t ChunkArena::free_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int64_t>(free_chunks_.size()) * chunk_bytes_;
+  return (static_cast<int64_t>(free_chunks_.size()) + kept_chunks_) *
+         chunk_bytes_;
 }
 
 int64_t ChunkArena::allocated_bytes() const {
@@ -331,10 +360,26 @@ void ChunkArena::UnmapToFree(int64_t slot, uint64_t chunk) {
   ReturnSlots(slot, 1);
 }
 
+void ChunkArena::UnkeepUntil(int64_t chunks) {
+  while (static_cast<int64_t>(free_chunks_.size()) < chunks &&
+         !kept_by_count_.empty()) {
+    auto largest = std::prev(kept_by_count_.end());
+    const int64_t first = largest->second;
+    kept_by_count_.erase(largest);
+    auto it = kept_.find(first);
+    const Run run = std::move(it->second);
+    kept_.erase(it);
+    kept_chunks_ -= static_cast<int64_t>(run.chunks.size());
+    for (size_t i = 0; i < run.chunks.size(); ++i) {
+      UnmapToFree(first + static_cast<int64_t>(i), run.chunks[i]);
+    }
+  }
+}
+
 std::string ChunkArena::Describe() const {
-  return absl::StrCat(free_chunks_.size(), " of ", handles_.size(), " chunks (",
-                      chunk_bytes_, " bytes each) free, ", allocated_,
-                      " bytes allocated");
+  return absl::StrCat(free_chunks_.size() + kept_chunks_, " of ",
+                      handles_.size(), " chunks (", chunk_bytes_,
+                      " bytes each) free, ", allocated_, " bytes allocated");
 }
 
 }  // namespace deltad::client

@@ -25,6 +25,14 @@ namespace deltad::client {
 // any request, and the waste per allocation is under one chunk (internal
 // fragmentation only).
 //
+// A freed large allocation keeps its chunks mapped where they are: the next
+// allocation of as many chunks takes them as they lie, with no mapping at
+// all. Mapping and unmapping cost tens of microseconds per chunk on a GPU
+// (docs/BENCHMARKS.md, gpu_bench), once per saved tensor, and training
+// allocates the same sizes every iteration. Kept chunks count as free: an
+// allocation of another size, or ShrinkTo, unmaps them first (the largest
+// kept run first).
+//
 // Smaller allocations share chunks: a chunk mapped for one size class
 // (multiples of 256 bytes, four classes per power of two from 1 KiB, so
 // the waste is under 256 bytes or 25%) is cut into equal blocks; when its
@@ -129,6 +137,9 @@ class ChunkArena {
   // lists; when the mapper cannot unmap, both stay out of use until the
   // destructor (a chunk still mapped must not be mapped elsewhere).
   void UnmapToFree(int64_t slot, uint64_t chunk);
+  // Unmaps kept runs, the largest first, until `chunks` chunks are on the
+  // free list or none is kept.
+  void UnkeepUntil(int64_t chunks);
   std::string Describe() const;  // sizes for error messages
 
   ChunkMapper& mapper_;  // not owned; every call to it is made under mu_
@@ -150,6 +161,11 @@ class ChunkArena {
   // Per block size, the slots of its pages that have a free block; the
   // lowest is used first, so that the others can empty out and go back.
   std::map<int64_t, std::set<int64_t>> partial_;
+  // Freed large allocations still mapped, by first slot, and their first
+  // slots by chunk count; kept_chunks_ counts their chunks.
+  std::unordered_map<int64_t, Run> kept_;
+  std::multimap<int64_t, int64_t> kept_by_count_;
+  int64_t kept_chunks_ = 0;
   // Slot -> chunk for mappings the mapper failed to undo.
   std::unordered_map<int64_t, uint64_t> stuck_;
   int64_t allocated_ = 0;

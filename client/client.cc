@@ -119,6 +119,11 @@ absl::Status Client::TryConnect() {
     (void)arena_.AddSlab(slab.fd.release(), slab.bytes,
                          shared->session().session_id());
   }
+  // With a session, host memory for offloads is what the daemon granted:
+  // more heap would pass the node's host quota, and with none granted (the
+  // pool exhausted) the in-process policy must evict as the daemon does.
+  // Heap taken while the daemon was away stays until its tensors leave.
+  arena_.SetHeapAllowance(0);
   const v1::OpenSessionResponse& session = shared->session();
   budget_bytes_ = session.granted_budget_bytes();
   chunks_due_ =
@@ -178,6 +183,8 @@ bool Client::EvacuateSlabsOf(uint64_t session) {
   // A compute thread waiting for them (MakeRoom) must not wait on this
   // thread.
   DropOrdersLocked();
+  // The slabs' tensors move to the heap.
+  arena_.SetHeapAllowance(options_.fallback_host_bytes);
   arena_.Retire(session);
   bool all_moved = true;
   // By id, not by iterator: the waits below let other threads add and drop
@@ -250,6 +257,7 @@ void Client::OnLost(const std::string& /*why*/) {
   std::lock_guard<std::mutex> lock(mu_);
   stats_.connected = false;
   DropOrdersLocked();  // the daemon's state went with it
+  arena_.SetHeapAllowance(options_.fallback_host_bytes);
   next_reconnect_ns_ =
       NowNs() + int64_t{options_.reconnect_interval_ms} * 1000000;
   work_.notify_all();
@@ -866,6 +874,8 @@ absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
   // yet, or memory lost to rounding).
   bool granted = false;  // the daemon made room beyond the budget
   constexpr int kRounds = 16;
+  const int64_t wait_deadline_ns =
+      NowNs() + int64_t{options_.owed_chunks_wait_ms} * 1000000;
   for (int round = 0;; ++round) {
     bool reserved = false;
     {
@@ -885,6 +895,12 @@ absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
       auto made = MakeRoom(bytes);
       if (!made.ok()) return made.status();
       granted = *made;
+      if (!granted) {
+        // An order was refused: its tensor is pinned by an op still
+        // running. Asking again at once would find it pinned again, and
+        // the rounds would be gone within a millisecond on a busy machine.
+        std::this_thread::sleep_for(std::chrono::milliseconds(round + 1));
+      }
       continue;
     }
     auto device = device_->Allocate(bytes);
@@ -899,10 +915,21 @@ absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
       budget = budget_bytes_;
       if (stats_.connected) link = link_;
     }
-    if (!absl::IsResourceExhausted(device.status()) || round >= kRounds ||
+    if (!absl::IsResourceExhausted(device.status()) ||
         device_->chunk_backend().empty()) {
       return device.status();
     }
+    // The budget covers chunks this process does not hold yet: other
+    // sessions are still giving them back (their budgets came down for
+    // this one, and they release at their own pace, or once their pinned
+    // tensors are let go). Wait for those rather than fail a step the
+    // budget allows; the wait uses up no round.
+    if (link != nullptr &&
+        WaitForOwedChunks(link, budget, bytes, wait_deadline_ns)) {
+      --round;
+      continue;
+    }
+    if (round >= kRounds) return device.status();
     // Short of chunks: the budget's may not all have come yet, or the
     // daemon made room beyond the budget, which takes more chunks; others
     // may still be giving theirs back (see ExecutorLoop).
@@ -940,6 +967,43 @@ absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
           absl::StrCat(device.status().message(), "; ", s.message()));
     }
   }
+}
+
+bool Client::WaitForOwedChunks(const std::shared_ptr<DaemonLink>& link,
+                               int64_t budget, int64_t bytes,
+                               int64_t deadline_ns) {
+  const int64_t owed = InWholeChunks(*link, budget);
+  for (int i = 1; NowNs() < deadline_ns; ++i) {
+    {
+      // A session that ended (the daemon died, or this process reconnected
+      // meanwhile) owes nothing: its link would fail every call until the
+      // deadline, and every allocation would wait that long.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!stats_.connected || link_ != link) return false;
+    }
+    // Owed only while both counts are short: the device's (the budget
+    // covers every chunk this process maps, those of an earlier session
+    // that its tensors still use included) and the daemon's (which grants
+    // up to the budget in its session's chunks, and knows nothing of an
+    // earlier session's). Either one full, no chunk will come.
+    const int64_t held = device_->chunk_bytes_held();
+    if (held >= owed || SessionChunkBytes(*link) >= owed) return false;
+    // The sessions holding them release only when told: an idle one, or
+    // one whose tensors were pinned when it was last told, hears it again.
+    (void)MakeRoom(bytes);
+    if (!SyncChunks(link, owed).ok()) return false;
+    if (device_->chunk_bytes_held() > held) return true;
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(std::min(5 * i, 100)));
+  }
+  return false;
+}
+
+int64_t Client::SessionChunkBytes(const DaemonLink& link) {
+  std::lock_guard<std::mutex> lock(chunk_mu_);
+  if (&link != chunk_link_) return 0;
+  return static_cast<int64_t>(daemon_chunk_.size()) *
+         link.session().chunk_bytes();
 }
 
 int64_t Client::InWholeChunks(const DaemonLink& link, int64_t budget) {

@@ -48,13 +48,18 @@ struct ClientOptions {
   // before it granted any); a daemon's last grant is kept when it goes.
   int64_t fallback_budget_bytes = int64_t{1} << 30;
   // Heap the client may use for offloads while the daemon is out of reach,
-  // beside the slabs it already holds.
+  // beside the slabs it already holds. With a session, offloads go to the
+  // daemon's slabs only (its host quota).
   int64_t fallback_host_bytes = int64_t{4} << 30;
   // Events are sent when this many are waiting, or after flush_interval_ms.
   int batch_events = 256;
   int flush_interval_ms = 2;
   // How often to try the daemon again after it was lost; 0: never.
   int reconnect_interval_ms = 1000;
+  // How long an allocation may wait for device chunks the daemon owes this
+  // process (its budget covers them, but other sessions have yet to give
+  // them back) before it fails with RESOURCE_EXHAUSTED.
+  int owed_chunks_wait_ms = 10000;
   // The in-process policy: the daemon's defaults (delta_cost, sampled).
   policy::FilterOptions local_filter = DefaultLocalFilter();
 
@@ -223,6 +228,14 @@ class Client {
   absl::Status SyncChunks(const std::shared_ptr<DaemonLink>& link,
                           int64_t want);
   static int64_t InWholeChunks(const DaemonLink& link, int64_t budget);
+  // Bytes of the chunks `link`'s session granted that this process holds.
+  int64_t SessionChunkBytes(const DaemonLink& link);
+  // Waits until `deadline_ns` for chunks the daemon owes (the budget covers
+  // more than this process holds), asking it again and again to have the
+  // sessions above their share release for `bytes`: true when some came,
+  // false when none is owed or none came in time.
+  bool WaitForOwedChunks(const std::shared_ptr<DaemonLink>& link,
+                         int64_t budget, int64_t bytes, int64_t deadline_ns);
   // False when an order could not be carried out.
   bool CarryOut(const std::vector<v1::ReleaseOrder>& orders, Origin origin);
   void RefuseLocked(uint64_t id, Origin origin);

@@ -184,7 +184,9 @@ int64_t HostArena::capacity_bytes() const {
 
 int64_t HostArena::available_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
-  int64_t available = heap_allowance_ - heap_bytes_;
+  // An allowance lowered below the heap already taken (a daemon session
+  // began) offers no more heap, but the room left in the taken heap stays.
+  int64_t available = std::max<int64_t>(0, heap_allowance_ - heap_bytes_);
   for (const Region& r : regions_) {
     if (!r.retired) available += r.bytes - r.used;
   }

@@ -116,6 +116,9 @@ v1::DaemonConfig WithDefaults(const v1::DaemonConfig& in) {
     limits->set_max_tensors_per_session(int64_t{4} << 20);
   }
   if (!limits->has_max_sessions_per_gpu()) limits->set_max_sessions_per_gpu(64);
+  if (!limits->has_max_host_quota_bytes()) {
+    limits->set_max_host_quota_bytes(64 * kGiB);
+  }
   return c;
 }
 
@@ -195,8 +198,16 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
   }
   const v1::LimitsConfig& l = c.limits();
   if (l.max_message_bytes() <= 0 || l.max_batch_events() <= 0 ||
-      l.max_tensors_per_session() <= 0 || l.max_sessions_per_gpu() <= 0) {
+      l.max_tensors_per_session() <= 0 || l.max_sessions_per_gpu() <= 0 ||
+      l.max_host_quota_bytes() <= 0) {
     return Invalid("limits", "must all be positive");
+  }
+  // Otherwise every session that takes the default would be refused.
+  if (c.default_host_quota_bytes() > l.max_host_quota_bytes()) {
+    return Invalid("default_host_quota_bytes",
+                   absl::StrCat("must not exceed limits.max_host_quota_bytes (",
+                                l.max_host_quota_bytes(), "), got ",
+                                c.default_host_quota_bytes()));
   }
   return absl::OkStatus();
 }

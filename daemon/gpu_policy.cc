@@ -519,6 +519,7 @@ absl::Status GpuPolicy::ApplyPlan(Session& s, const BatchPlan& plan,
         break;
       case Op::kFree:
         applied = FreeAndForget(s, step.id);
+        refused_at_.erase(step.id);
         break;
       case Op::kSetState: {
         const Tensor* t = table_.Find(step.id);
@@ -542,6 +543,7 @@ absl::Status GpuPolicy::ApplyPlan(Session& s, const BatchPlan& plan,
       }
       case Op::kCancel:
         applied = table_.CancelRelease(step.id);
+        if (applied.ok()) refused_at_[step.id] = now_ns;
         break;
       case Op::kRecompute:
         applied = table_.MarkRecomputed(step.id, now_ns);
@@ -697,6 +699,10 @@ std::optional<policy::ReleaseOrder> GpuPolicy::OffloadOneAhead(
       policy::Scope{gpu_, std::nullopt}, 1, now_ns, most_host,
       [&](const Tensor& t) {
         auto v = victims.find(t.session);
+        if (auto r = refused_at_.find(t.id);
+            r != refused_at_.end() && now_ns - r->second < kRefusalBackoffNs) {
+          return false;
+        }
         return v != victims.end() && t.bytes <= v->second.host_left &&
                t.bytes <= v->second.max_bytes;
       });
@@ -838,6 +844,13 @@ std::map<SessionId, v1::Orders> GpuPolicy::Plan(SessionId session,
   std::map<SessionId, v1::Orders> out;
   auto it = sessions_.find(session);
   if (it == sessions_.end()) return out;
+  // Refusals long past, and those of tensors gone with their session.
+  if (refused_at_.size() > 4096) {
+    absl::erase_if(refused_at_, [&](const auto& r) {
+      return now_ns - r.second >= kRefusalBackoffNs ||
+             table_.Find(r.first) == nullptr;
+    });
+  }
 
   // DELTA's early start, over the GPU: above the high watermark, offload
   // down to the low one, from the same victims as MakeRoom, so that copies

@@ -237,6 +237,14 @@ class GpuPolicy {
   policy::Director director_;
   std::map<SessionId, Session> sessions_;
   policy::TensorId next_id_ = 1;
+  // When the process last refused an order for a tensor (RELEASE_FAILED:
+  // it was pinned). The daemon does not see pins, so early releases leave
+  // such a tensor alone for a while: otherwise every refusal's batch
+  // re-plans the same order and the two sides loop (seen under
+  // bench/soak: hundreds of thousands of orders a minute for one pinned
+  // session).
+  static constexpr int64_t kRefusalBackoffNs = 20'000'000;
+  absl::flat_hash_map<policy::TensorId, int64_t> refused_at_;
 };
 
 }  // namespace deltad::daemon

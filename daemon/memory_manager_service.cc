@@ -165,6 +165,8 @@ grpc::Status MemoryManagerService::Session(
     if (!message.session_token().empty() && message.session_token() != token) {
       v1::Orders refused;
       refused.set_rejected_batch("a stream carries one session's batches");
+      refused.set_rejected_code(
+          static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
       mailboxes_.Post(id, std::move(refused));
       continue;
     }
@@ -178,6 +180,7 @@ grpc::Status MemoryManagerService::Session(
       }
       v1::Orders refused;
       refused.set_rejected_batch(std::string(orders.status().message()));
+      refused.set_rejected_code(static_cast<int32_t>(orders.status().code()));
       mailboxes_.Post(id, std::move(refused));
       continue;
     }

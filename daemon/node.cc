@@ -1,5 +1,8 @@
 #include "daemon/node.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -113,6 +116,12 @@ absl::StatusOr<Node::Opened> Node::OpenSession(
       request.requested_host_bytes() < 0) {
     return absl::InvalidArgumentError("requested sizes must not be negative");
   }
+  if (request.requested_host_bytes() > options_.max_host_quota_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("requested_host_bytes ", request.requested_host_bytes(),
+                     " is above the limit of ", options_.max_host_quota_bytes,
+                     " per session (limits.max_host_quota_bytes)"));
+  }
   if (request.priority() > 100) {
     return absl::InvalidArgumentError(
         absl::StrCat("priority must be at most 100, got ", request.priority()));
@@ -131,11 +140,13 @@ absl::StatusOr<Node::Opened> Node::OpenSession(
       return changes.status();
     }
     const int64_t budget = gpu.arbiter.BudgetOf(session->id);
-    const int64_t quota = request.requested_host_bytes() > 0
-                              ? request.requested_host_bytes()
-                              : options_.default_host_quota_bytes;
-    // A session without host memory still works (the Director evicts), so
-    // a pool that cannot cover the quota grants nothing rather than fail.
+    const int64_t wanted = request.requested_host_bytes() > 0
+                               ? request.requested_host_bytes()
+                               : options_.default_host_quota_bytes;
+    // What the pool has left, if less: a session without host memory still
+    // works (the Director evicts), so a pool short of the quota grants
+    // what it has rather than fail, and an exhausted one grants nothing.
+    const int64_t quota = std::min(wanted, pool_.Stats().free_bytes);
     auto slabs = quota >= pool_.slab_bytes()
                      ? pool_.Grant(session->id, quota)
                      : absl::StatusOr<std::vector<Slab>>(std::vector<Slab>{});
@@ -399,8 +410,20 @@ absl::StatusOr<v1::ListTensorsResponse> Node::ListTensors(
   }
   const size_t limit =
       request.limit() == 0 ? kDefaultListTensors : request.limit();
+  // Tensor ids, sizes and access times tell what a job is doing: only its
+  // own user (or root, or the daemon's) may see them. Anyone on the socket
+  // sees NodeStatus's per-session totals.
+  auto caller = registry_.PeerOf(request.peer_token());
+  if (!caller.ok()) return caller.status();
   for (const SessionInfo& info : registry_.List()) {
     if (info.id != request.session_id()) continue;
+    if (caller->uid != info.peer.uid && caller->uid != 0 &&
+        caller->uid != ::geteuid()) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("session ", info.id, " belongs to uid ", info.peer.uid,
+                       "; only that user, root or deltad's user may list its "
+                       "tensors"));
+    }
     Gpu& gpu = *gpus_[info.gpu];
     std::lock_guard<std::mutex> lock(gpu.mu);
     auto tensors = gpu.policy->LargestTensors(info.id, limit, NowNs());

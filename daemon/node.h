@@ -28,6 +28,7 @@ struct NodeOptions {
   int64_t min_session_bytes = int64_t{1} << 30;
   int64_t default_host_quota_bytes = int64_t{8} << 30;
   int max_sessions_per_gpu = 64;
+  int64_t max_host_quota_bytes = int64_t{64} << 30;  // per session
   GpuPolicyOptions policy;       // its link bandwidth is taken from the backend
   std::string side_socket_path;  // told to clients in OpenSession
   std::string version = "0.1.0";

@@ -15,6 +15,7 @@
 #ifdef DELTAD_HAVE_CUDA
 #include "daemon/backend/cuda_backend.h"
 #endif
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "policies/heuristic.h"
@@ -89,6 +90,7 @@ absl::StatusOr<NodeOptions> NodeOptionsFrom(const v1::DaemonConfig& config) {
   o.min_session_bytes = config.min_session_bytes();
   o.default_host_quota_bytes = config.default_host_quota_bytes();
   o.max_sessions_per_gpu = config.limits().max_sessions_per_gpu();
+  o.max_host_quota_bytes = config.limits().max_host_quota_bytes();
   auto heuristic = policy::ParseHeuristic(config.heuristic());
   if (!heuristic.ok()) return heuristic.status();
   o.policy.filter.heuristic = *heuristic;
@@ -167,6 +169,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
                              grpc::InsecureServerCredentials(), &s->tcp_port_);
   }
   const int max_message = static_cast<int>(config.limits().max_message_bytes());
+  // gRPC otherwise opens one SO_REUSEPORT listener per poller: with TCP port
+  // 0 each gets a port of its own, and deltad would serve on a port it
+  // never reported; with a fixed port, another process of deltad's user
+  // could bind it too and take a share of the connections.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(max_message);
   builder.SetMaxSendMessageSize(max_message);
   builder.RegisterService(s->service_.get());

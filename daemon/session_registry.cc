@@ -52,6 +52,12 @@ typename Map::const_iterator SessionRegistry::FindToken(
   return found;
 }
 
+absl::Status SessionRegistry::UnknownPeer() {
+  return absl::UnauthenticatedError(
+      "unknown peer token: connect to the side socket first and present the "
+      "token it gives");
+}
+
 absl::StatusOr<std::string> SessionRegistry::RegisterPeer(
     const PeerIdentity& peer) {
   auto token = NewToken();
@@ -69,9 +75,7 @@ absl::StatusOr<SessionInfo> SessionRegistry::Open(absl::string_view peer_token,
   std::lock_guard<std::mutex> lock(mu_);
   auto peer = FindToken(peers_, peer_token);
   if (peer == peers_.end()) {
-    return absl::UnauthenticatedError(
-        "unknown peer token: connect to the side socket first and present "
-        "the token it gives");
+    return UnknownPeer();
   }
   size_t on_gpu = 0;
   for (const auto& [t, s] : sessions_) {
@@ -125,6 +129,16 @@ absl::StatusOr<SessionInfo> SessionRegistry::AuthorizeForPeer(
         absl::StrCat("session ", it->second.id, " belongs to another process"));
   }
   return it->second;
+}
+
+absl::StatusOr<PeerIdentity> SessionRegistry::PeerOf(
+    absl::string_view peer_token) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto peer = FindToken(peers_, peer_token);
+  if (peer == peers_.end()) {
+    return UnknownPeer();
+  }
+  return peer->second;
 }
 
 absl::StatusOr<SessionInfo> SessionRegistry::Close(

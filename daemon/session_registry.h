@@ -62,6 +62,8 @@ class SessionRegistry {
   // `peer_token`: PERMISSION_DENIED when it belongs to another.
   absl::StatusOr<SessionInfo> AuthorizeForPeer(
       absl::string_view session_token, absl::string_view peer_token) const;
+  // The process holding a live peer token; UNAUTHENTICATED when none.
+  absl::StatusOr<PeerIdentity> PeerOf(absl::string_view peer_token) const;
   // Closes the session a token authorises and returns it.
   absl::StatusOr<SessionInfo> Close(absl::string_view session_token);
   // The process behind a peer token is gone: forgets the token and returns
@@ -74,6 +76,7 @@ class SessionRegistry {
 
  private:
   static absl::StatusOr<std::string> NewToken();
+  static absl::Status UnknownPeer();
   // Index of the entry whose key equals `token`, compared in constant time
   // per candidate so the comparison leaks nothing about near misses.
   template <typename Map>

@@ -4,6 +4,10 @@
 //
 // Exit codes: 0 done (health: SERVING), 1 the daemon could not be reached or
 // refused (health: anything but SERVING), 2 bad command line.
+#include <sys/socket.h>
+#include <sys/time.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -17,6 +21,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/side_protocol.h"
+#include "common/unix_socket.h"
 #include "deltad/v1/memory_manager.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -55,7 +61,8 @@ constexpr char kUsage[] =
     "  status              version, backend, host pool and every GPU\n"
     "  sessions            every session: GPU, process, budget and use\n"
     "  top <session> [N]   the session's N largest tensors (default 20, at\n"
-    "                      most 1000)\n"
+    "                      most 1000); only for the session's own user,\n"
+    "                      root or deltad's user, over --socket\n"
     "  health              the gRPC health check: SERVING (exit 0) or not\n"
     "                      (exit 1)\n"
     "\n"
@@ -70,7 +77,32 @@ int BadUsage(const std::string& why) {
 struct Daemon {
   std::string address;
   std::shared_ptr<grpc::Channel> channel;
+  std::string socket_path;  // empty over TCP
 };
+
+// The daemon knows who calls only through its side socket (SO_PEERCRED):
+// the token it hands out there names this process, and lives as long as
+// the returned connection does.
+absl::StatusOr<std::string> PeerToken(const std::string& socket_path,
+                                      deltad::common::UniqueFd& connection) {
+  const std::string side = deltad::common::side::SideSocketPath(socket_path);
+  auto fd = deltad::common::ConnectUnix(side);
+  if (!fd.ok()) return fd.status();
+  const absl::Duration timeout = absl::GetFlag(FLAGS_timeout);
+  const timeval tv = absl::ToTimeval(timeout);
+  if (::setsockopt(fd->get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0) {
+    return absl::ErrnoToStatus(errno, "setting the side socket's timeout");
+  }
+  auto hello = deltad::common::RecvFds(fd->get(), 0);
+  if (!hello.ok()) return hello.status();
+  if (hello->tag != deltad::common::side::kPeerToken ||
+      hello->payload.empty()) {
+    return absl::InternalError(absl::StrCat("expected a peer token from ", side,
+                                            ", got tag ", hello->tag));
+  }
+  connection = std::move(*fd);
+  return std::move(hello->payload);
+}
 
 void SetDeadline(grpc::ClientContext& context) {
   context.set_deadline(std::chrono::system_clock::now() +
@@ -182,6 +214,21 @@ int Top(const Daemon& daemon, const std::vector<std::string>& args) {
         absl::StrCat("top: \"", args[0], "\" is not a session id (a number)"));
   }
   request.set_session_id(session);
+  if (daemon.socket_path.empty()) {
+    std::fprintf(stderr,
+                 "deltactl: top needs deltad's Unix socket (--socket), not "
+                 "--tcp: the daemon shows a session's tensors only to its "
+                 "own user, and learns who asks over that socket\n");
+    return kBadUsage;
+  }
+  deltad::common::UniqueFd side;
+  auto token = PeerToken(daemon.socket_path, side);
+  if (!token.ok()) {
+    std::fprintf(stderr, "deltactl: cannot reach deltad's side socket: %s\n",
+                 std::string(token.status().message()).c_str());
+    return kFailed;
+  }
+  request.set_peer_token(*token);
   if (args.size() == 2) {
     uint32_t n = 0;
     if (!absl::SimpleAtoi(args[1], &n) || n < 1 || n > kMaxTop) {
@@ -268,6 +315,9 @@ int main(int argc, char** argv) {
   daemon.address = absl::GetFlag(FLAGS_tcp).empty()
                        ? "unix:" + absl::GetFlag(FLAGS_socket)
                        : absl::GetFlag(FLAGS_tcp);
+  if (absl::GetFlag(FLAGS_tcp).empty()) {
+    daemon.socket_path = absl::GetFlag(FLAGS_socket);
+  }
   daemon.channel =
       grpc::CreateChannel(daemon.address, grpc::InsecureChannelCredentials());
   if (command == "status") return Status(daemon);

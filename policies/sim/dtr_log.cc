@@ -197,8 +197,30 @@ class Importer {
     return absl::OkStatus();
   }
 
+  // The trace's text form (trace_io.h) splits at whitespace, ends a line
+  // at '#' and, in value names, uses ',', ':' and '=' as separators: a
+  // name holding one would be written out as a trace that cannot be read
+  // back.
+  absl::Status Writable(const LogLine& line, absl::string_view name,
+                        bool value) const {
+    const absl::string_view forbidden =
+        value ? absl::string_view(" \t\n\v\f\r#,:=")
+              : absl::string_view(" \t\n\v\f\r#");
+    if (name.empty() || name.find_first_of(forbidden) != name.npos) {
+      return Error(line, absl::StrCat("expected ", value ? "value" : "op",
+                                      " name '", name,
+                                      "' to be non-empty and without "
+                                      "whitespace or '#'",
+                                      value ? ", ',', ':' or '='" : ""));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status Define(const LogLine& line, const std::string& name,
                       int32_t value) {
+    if (absl::Status s = Writable(line, name, /*value=*/true); !s.ok()) {
+      return s;
+    }
     refs_.push_back(Ref{value, 0});
     return Bind(line, name, static_cast<int32_t>(refs_.size() - 1));
   }
@@ -287,6 +309,9 @@ class Importer {
   absl::StatusOr<std::vector<int32_t>> StartOp(const LogLine& line) {
     auto name = String(line, "NAME");
     if (!name.ok()) return name.status();
+    if (absl::Status s = Writable(line, *name, /*value=*/false); !s.ok()) {
+      return s;
+    }
     auto time = Int(line, "TIME", 0);
     if (!time.ok()) return time.status();
     std::vector<int32_t> refs;

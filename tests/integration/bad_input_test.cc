@@ -5,17 +5,25 @@
 // simulated 8 GiB GPUs, a 1 GiB host pool of 64 MiB slabs, and low limits
 // from a config file) and ends by checking that it is still up and that
 // SIGTERM stops it cleanly (exit 0: no crash, and under ASan no leak).
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <grp.h>
+#include <netinet/in.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <functional>
 #include <iterator>
 #include <limits>
@@ -23,11 +31,14 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/side_protocol.h"
@@ -43,6 +54,7 @@ namespace {
 namespace side = common::side;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr int64_t kMiB = int64_t{1} << 20;
 constexpr int64_t kGiB = int64_t{1} << 30;
@@ -185,6 +197,74 @@ v1::EventBatch Event(v1::TensorEvent::Kind kind, uint64_t id) {
 
 std::string Describe(const grpc::Status& s) {
   return absl::StrCat("code ", s.error_code(), ": ", s.error_message());
+}
+
+// The TCP ports process `pid` listens on (its socket inodes matched
+// against /proc/net/tcp and tcp6).
+std::set<int> ListeningTcpPorts(pid_t pid) {
+  std::set<std::string> inodes;
+  const std::string fds = absl::StrCat("/proc/", pid, "/fd");
+  if (DIR* dir = ::opendir(fds.c_str())) {
+    while (const dirent* e = ::readdir(dir)) {
+      char target[256] = {};
+      const std::string link = fds + "/" + e->d_name;
+      const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+      absl::string_view t(target, n > 0 ? n : 0);
+      if (absl::ConsumePrefix(&t, "socket:[")) {
+        inodes.insert(std::string(t.substr(0, t.size() - 1)));
+      }
+    }
+    ::closedir(dir);
+  }
+  std::set<int> ports;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // the heading
+    while (std::getline(in, line)) {
+      const std::vector<std::string> f =
+          absl::StrSplit(line, ' ', absl::SkipEmpty());
+      // local_address is ADDR:PORT in hex, st 0A is LISTEN, inode is f[9].
+      if (f.size() < 10 || f[3] != "0A" || inodes.count(f[9]) == 0) continue;
+      ports.insert(std::stoi(f[1].substr(f[1].rfind(':') + 1), nullptr, 16));
+    }
+  }
+  return ports;
+}
+
+// The status line of one raw HTTP/1.0 request to 127.0.0.1:port, and the
+// body; empty when nothing answered.
+std::pair<std::string, std::string> Http(int port, const std::string& method,
+                                         const std::string& path) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return {};
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string reply;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string request = absl::StrCat(
+        method, " ", path, " HTTP/1.0\r\nContent-Length: 4\r\n\r\nx=1\n");
+    if (::write(fd, request.data(), request.size()) ==
+        static_cast<ssize_t>(request.size())) {
+      char buf[4096];
+      ssize_t n;
+      while ((n = ::read(fd, buf, sizeof(buf))) > 0) reply.append(buf, n);
+    }
+  }
+  ::close(fd);
+  const size_t eol = reply.find("\r\n");
+  const size_t body = reply.find("\r\n\r\n");
+  return {reply.substr(0, eol),
+          body == std::string::npos ? "" : reply.substr(body + 4)};
+}
+
+// The metrics port deltad printed at start-up.
+int MetricsPort(const std::string& daemon_output) {
+  const size_t at = daemon_output.find("/metrics (port ");
+  if (at == std::string::npos) return 0;
+  return std::atoi(daemon_output.c_str() + at + 15);
 }
 
 class BadInputTest : public ::testing::Test {
@@ -580,6 +660,366 @@ TEST_F(BadInputTest, MessageOverMaxMessageBytesIsResourceExhausted) {
   EXPECT_TRUE(WaitForSessions(0)) << "the session of a failed stream stays";
   // The process can open again.
   MustOpen(peer_->token(), 0);
+}
+
+// --- Every malformed request, with the status it gets ----------------------
+
+// One malformed request per row: the call, the code it must get and a piece
+// of the message. Batches on the Session stream get no call status (the
+// stream carries on); their refusal comes as Orders.rejected_code and
+// rejected_batch, which the table checks the same way. Every limit is set
+// low here, and each one passed is RESOURCE_EXHAUSTED.
+TEST_F(BadInputTest, EachMalformedRequestGetsItsOwnStatus) {
+  DaemonOptions options;
+  options.config_text =
+      "default_host_quota_bytes: 67108864\n"
+      "limits { max_batch_events: 8 max_message_bytes: 65536 "
+      "max_tensors_per_session: 16 max_sessions_per_gpu: 2 "
+      "max_host_quota_bytes: 134217728 }\n";
+  options.flags = {"--drain_seconds=5"};
+  StartDaemon(std::move(options));
+
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  SessionStream stream(*stub_, mine.session_token());
+  ASSERT_TRUE(stream.Send(Created({1})));
+  ASSERT_TRUE(WaitForTensors(mine.session_id(), 1));
+  // GPU 1 holds its limit of two sessions, of two other processes.
+  auto p1 = PeerProcess::Start(daemon_->side_socket_path());
+  auto p2 = PeerProcess::Start(daemon_->side_socket_path());
+  auto p3 = PeerProcess::Start(daemon_->side_socket_path());
+  ASSERT_TRUE(p1.ok() && p2.ok() && p3.ok());
+  MustOpen((*p1)->token(), 1);
+  MustOpen((*p2)->token(), 1);
+  const v1::OpenSessionResponse closed = MustOpen((*p3)->token(), 0);
+  ASSERT_TRUE(Close(closed.session_token()).ok());
+
+  auto open = [&](const std::function<void(v1::OpenSessionRequest&)>& edit) {
+    return [this, edit] {
+      v1::OpenSessionRequest r;
+      r.set_gpu(0);
+      r.set_peer_token(peer_->token());
+      edit(r);
+      return Open(r);
+    };
+  };
+  auto release = [&](const std::function<void(v1::ReleaseRequest&)>& edit) {
+    return [this, edit, token = mine.session_token()] {
+      v1::ReleaseRequest r;
+      r.set_session_token(token);
+      r.set_bytes(kMiB);
+      edit(r);
+      return Release(r);
+    };
+  };
+  auto list = [&](const std::function<void(v1::ListTensorsRequest&)>& edit) {
+    return [this, edit, id = mine.session_id()] {
+      grpc::ClientContext context;
+      context.set_deadline(Deadline());
+      v1::ListTensorsRequest r;
+      r.set_session_id(id);
+      r.set_peer_token(peer_->token());
+      edit(r);
+      v1::ListTensorsResponse response;
+      return stub_->ListTensors(&context, r, &response);
+    };
+  };
+  // A batch on the stream, as a status: its refusal, or OK when it went in.
+  auto batch = [&](v1::EventBatch b) {
+    return [&stream, b] {
+      if (!stream.Send(b)) return grpc::Status(grpc::StatusCode::UNKNOWN, "");
+      auto o = stream.NextMatching(
+          [](const v1::Orders& x) { return !x.rejected_batch().empty(); },
+          absl::Seconds(5));
+      if (!o) return grpc::Status::OK;
+      return grpc::Status(static_cast<grpc::StatusCode>(o->rejected_code()),
+                          o->rejected_batch());
+    };
+  };
+  auto with = [](v1::EventBatch b,
+                 const std::function<void(v1::EventBatch&)>& edit) {
+    edit(b);
+    return b;
+  };
+  v1::EventBatch nine;
+  for (uint64_t id = 100; id < 109; ++id) {
+    *nine.add_created() = Created({id}).created(0);
+  }
+  using Code = grpc::StatusCode;
+  struct Row {
+    std::string request;
+    std::function<grpc::Status()> call;
+    Code code;
+    std::string says;
+  };
+  const std::vector<Row> table = {
+      // OpenSession
+      {"OpenSession without a peer token",
+       open([](auto& r) { r.clear_peer_token(); }), Code::UNAUTHENTICATED,
+       "peer token"},
+      {"OpenSession with a made-up peer token",
+       open([](auto& r) { r.set_peer_token("0123456789abcdef"); }),
+       Code::UNAUTHENTICATED, "peer token"},
+      {"OpenSession on GPU -1", open([](auto& r) { r.set_gpu(-1); }),
+       Code::INVALID_ARGUMENT, "no GPU -1"},
+      {"OpenSession on GPU 2 of 2", open([](auto& r) { r.set_gpu(2); }),
+       Code::INVALID_ARGUMENT, "no GPU 2"},
+      {"OpenSession asking a negative budget",
+       open([](auto& r) { r.set_requested_budget_bytes(-1); }),
+       Code::INVALID_ARGUMENT, "negative"},
+      {"OpenSession asking negative host bytes",
+       open([](auto& r) { r.set_requested_host_bytes(-1); }),
+       Code::INVALID_ARGUMENT, "negative"},
+      {"OpenSession at priority 101",
+       open([](auto& r) { r.set_priority(101); }), Code::INVALID_ARGUMENT,
+       "priority"},
+      {"OpenSession a second time on one GPU", open([](auto&) {}),
+       Code::ALREADY_EXISTS, "already"},
+      {"OpenSession past max_sessions_per_gpu", open([&](auto& r) {
+         r.set_gpu(1);
+         r.set_peer_token((*p3)->token());
+       }),
+       Code::RESOURCE_EXHAUSTED, "2"},
+      {"OpenSession past max_host_quota_bytes", open([&](auto& r) {
+         r.set_peer_token((*p3)->token());
+         r.set_requested_host_bytes(128 * kMiB + 1);
+       }),
+       Code::RESOURCE_EXHAUSTED, "max_host_quota_bytes"},
+      {"OpenSession past max_message_bytes",
+       open([](auto& r) { r.set_label(std::string(128 << 10, 'L')); }),
+       Code::RESOURCE_EXHAUSTED, ""},
+      // CloseSession
+      {"CloseSession without a token", [&] { return Close(""); },
+       Code::UNAUTHENTICATED, "session token"},
+      {"CloseSession of a closed session",
+       [&] { return Close(closed.session_token()); }, Code::UNAUTHENTICATED,
+       "session token"},
+      // Release
+      {"Release with an unknown session token",
+       release([](auto& r) { r.set_session_token("nobody"); }),
+       Code::UNAUTHENTICATED, "session token"},
+      {"Release of a negative size", release([](auto& r) { r.set_bytes(-1); }),
+       Code::INVALID_ARGUMENT, "must be positive"},
+      {"Release of more than the GPU's budget",
+       release([](auto& r) { r.set_bytes(int64_t{1} << 40); }),
+       Code::RESOURCE_EXHAUSTED, "budget"},
+      {"Release with a batch past max_batch_events",
+       release([&](auto& r) { *r.mutable_batch() = nine; }),
+       Code::RESOURCE_EXHAUSTED, "the limit is 8"},
+      // ListTensors
+      {"ListTensors without a peer token",
+       list([](auto& r) { r.clear_peer_token(); }), Code::UNAUTHENTICATED,
+       "peer token"},
+      {"ListTensors of an unknown session",
+       list([](auto& r) { r.set_session_id(987654); }), Code::NOT_FOUND,
+       "no session 987654"},
+      {"ListTensors past 1000", list([](auto& r) { r.set_limit(1001); }),
+       Code::INVALID_ARGUMENT, "at most 1000"},
+      // Batches on the Session stream
+      {"a tensor of 0 bytes",
+       batch(with(Created({2}),
+                  [](auto& b) { b.mutable_created(0)->set_bytes(0); })),
+       Code::INVALID_ARGUMENT, "size"},
+      {"a negative compute cost",
+       batch(with(
+           Created({2}),
+           [](auto& b) { b.mutable_created(0)->set_compute_cost_ns(-1); })),
+       Code::INVALID_ARGUMENT, "compute cost"},
+      {"an unknown parent",
+       batch(with(Created({2}),
+                  [](auto& b) { b.mutable_created(0)->add_parent_ids(42); })),
+       Code::NOT_FOUND, "parent 42"},
+      {"a tensor that is its own parent",
+       batch(with(Created({2}),
+                  [](auto& b) { b.mutable_created(0)->add_parent_ids(2); })),
+       Code::INVALID_ARGUMENT, "cycle"},
+      {"a tensor id that exists", batch(Created({1})), Code::ALREADY_EXISTS,
+       "already exists"},
+      {"an event for an unknown tensor",
+       batch(Event(v1::TensorEvent::ACCESSED, 77)), Code::NOT_FOUND,
+       "tensor 77"},
+      {"an unknown event kind",
+       batch(Event(static_cast<v1::TensorEvent::Kind>(99), 1)),
+       Code::INVALID_ARGUMENT, "unknown event kind"},
+      {"RELOADED for a resident tensor",
+       batch(Event(v1::TensorEvent::RELOADED, 1)), Code::FAILED_PRECONDITION,
+       "tensor 1"},
+      {"a batch past max_batch_events", batch(nine), Code::RESOURCE_EXHAUSTED,
+       "the limit is 8"},
+  };
+  for (const Row& row : table) {
+    const grpc::Status s = row.call();
+    EXPECT_EQ(s.error_code(), row.code)
+        << row.request << ": got " << Describe(s);
+    EXPECT_THAT(s.error_message(), HasSubstr(row.says))
+        << row.request << ": got " << Describe(s);
+    ExpectServing(row.request);
+  }
+  // Each refused batch applied nothing: only tensor 1 is there.
+  EXPECT_EQ(SessionOf(mine.session_id()).tensors(), 1u);
+
+  // max_tensors_per_session, in batches within the batch limit: 15 more
+  // fit, the 17th tensor does not.
+  for (uint64_t first = 2; first <= 16; first += 5) {
+    v1::EventBatch b;
+    for (uint64_t id = first; id < std::min<uint64_t>(first + 5, 17); ++id) {
+      *b.add_created() = Created({id}).created(0);
+    }
+    ASSERT_TRUE(stream.Send(b));
+  }
+  ASSERT_TRUE(WaitForTensors(mine.session_id(), 16));
+  const grpc::Status over = batch(Created({17}))();
+  EXPECT_EQ(over.error_code(), Code::RESOURCE_EXHAUSTED) << Describe(over);
+  EXPECT_THAT(over.error_message(), HasSubstr("the limit is 16"));
+  EXPECT_EQ(SessionOf(mine.session_id()).tensors(), 16u);
+}
+
+// --- Security ---------------------------------------------------------------
+
+// Whether a process of user `uid` may connect to the Unix socket at `path`:
+// a child that drops to that user and tries.
+bool UserCanConnect(uid_t uid, const std::string& path) {
+  const pid_t child = ::fork();
+  if (child == 0) {
+    if (::setgroups(0, nullptr) != 0 || ::setgid(uid) != 0 ||
+        ::setuid(uid) != 0) {
+      ::_exit(2);
+    }
+    ::_exit(common::ConnectUnix(path).ok() ? 0 : 1);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+TEST_F(BadInputTest, BothSocketsAreDeltadsWithTheConfiguredMode) {
+  for (const unsigned mode : {0660u, 0600u}) {
+    DaemonOptions options;
+    options.config_text = absl::StrCat("socket_mode: ", mode, "\n");
+    StartDaemon(std::move(options));
+    for (const std::string& path :
+         {daemon_->socket_path(), daemon_->side_socket_path()}) {
+      struct stat st {};
+      ASSERT_EQ(::stat(path.c_str(), &st), 0) << path;
+      EXPECT_TRUE(S_ISSOCK(st.st_mode)) << path;
+      EXPECT_EQ(st.st_mode & 07777, mode) << path;
+      EXPECT_EQ(st.st_uid, ::geteuid()) << path;
+      if (::geteuid() == 0) {
+        // Another user (nobody), in neither the owner nor the group, is
+        // kept out by the mode: connecting needs write permission.
+        EXPECT_FALSE(UserCanConnect(65534, path)) << path;
+      }
+    }
+  }
+  if (::geteuid() != 0) {
+    std::printf("(not root: another user's connect was not tried)\n");
+  }
+}
+
+TEST_F(BadInputTest, ASessionBelongsToThePeerTokensProcessNotTheCaller) {
+  auto other = PeerProcess::Start(daemon_->side_socket_path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  // This process calls, with the other's peer token.
+  const v1::OpenSessionResponse theirs = MustOpen((*other)->token(), 0);
+  const v1::SessionStatus s = SessionOf(theirs.session_id());
+  EXPECT_EQ(s.pid(), (*other)->pid());
+  EXPECT_EQ(s.uid(), ::geteuid());
+  // And it dies with that process, not with the caller.
+  (*other)->Kill();
+  EXPECT_TRUE(WaitForSessions(0));
+}
+
+TEST_F(BadInputTest, AReleaseNamingAnotherSessionsTensorsTouchesNothing) {
+  auto other = PeerProcess::Start(daemon_->side_socket_path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  const v1::OpenSessionResponse theirs = MustOpen((*other)->token(), 0);
+  SessionStream their_stream(*stub_, theirs.session_token());
+  ASSERT_TRUE(their_stream.Send(Created({5}, 4 * kMiB)));
+  ASSERT_TRUE(WaitForTensors(theirs.session_id(), 1));
+  const v1::OpenSessionResponse mine = MustOpen(peer_->token(), 0);
+  // Tensor 5 in my request is my tensor 5, which does not exist.
+  for (const v1::TensorEvent::Kind kind :
+       {v1::TensorEvent::FREED, v1::TensorEvent::EVICTED,
+        v1::TensorEvent::OFFLOADED}) {
+    v1::ReleaseRequest release;
+    release.set_session_token(mine.session_token());
+    release.set_bytes(kMiB);
+    *release.mutable_batch() = Event(kind, 5);
+    const grpc::Status s = Release(release);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << Describe(s);
+  }
+  const v1::SessionStatus t = SessionOf(theirs.session_id());
+  EXPECT_EQ(t.tensors(), 1u);
+  EXPECT_EQ(t.device_bytes(), 4 * kMiB);
+}
+
+TEST_F(BadInputTest, ChunksAreNeverHandedOnWithTheirBytes) {
+  const v1::OpenSessionResponse first = MustOpen(peer_->token(), 0);
+  auto chunks = peer_->FetchChunks(first.session_token(), first.chunk_bytes());
+  ASSERT_TRUE(chunks.ok()) << chunks.status();
+  ASSERT_EQ(chunks->size(), 1u);
+  const int64_t bytes = (*chunks)[0].bytes;
+  {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                     (*chunks)[0].fd.get(), 0);
+    ASSERT_NE(p, MAP_FAILED);
+    std::memset(p, 0xAB, bytes);
+    ::munmap(p, bytes);
+  }
+  const uint64_t first_id = (*chunks)[0].id;
+  ASSERT_TRUE(peer_->ReturnChunks(first.session_token(), {first_id}).ok());
+  chunks->clear();
+  ASSERT_TRUE(Close(first.session_token()).ok());
+  // The next session on the GPU gets fresh memory, not the chunk back.
+  const v1::OpenSessionResponse next = MustOpen(peer_->token(), 0);
+  auto again = peer_->FetchChunks(next.session_token(), next.chunk_bytes());
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_EQ(again->size(), 1u);
+  EXPECT_NE((*again)[0].id, first_id);
+  void* p =
+      ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, (*again)[0].fd.get(), 0);
+  ASSERT_NE(p, MAP_FAILED);
+  const auto* b = static_cast<const unsigned char*>(p);
+  EXPECT_EQ(std::count(b, b + bytes, 0), bytes) << "the chunk is not zeroed";
+  ::munmap(p, bytes);
+}
+
+TEST_F(BadInputTest, TcpIsOffUnlessConfiguredAndOnlyMetricsListenByDefault) {
+  const int metrics = MetricsPort(daemon_->Output());
+  ASSERT_GT(metrics, 0) << daemon_->Output();
+  EXPECT_EQ(ListeningTcpPorts(daemon_->pid()), std::set<int>{metrics});
+  // Asked for, TCP is one port more: the one deltad reports. gRPC once
+  // opened a second, unreported one (a listener per poller).
+  DaemonOptions options;
+  options.config_text = "tcp_address: \"127.0.0.1:0\"\n";
+  StartDaemon(std::move(options));
+  const std::string out = daemon_->Output();
+  const size_t at = out.find(" and 127.0.0.1:");
+  ASSERT_NE(at, std::string::npos) << out;
+  const int tcp = std::atoi(out.c_str() + at + 15);
+  EXPECT_EQ(ListeningTcpPorts(daemon_->pid()),
+            (std::set<int>{MetricsPort(out), tcp}))
+      << out;
+}
+
+TEST_F(BadInputTest, TheMetricsPageIsReadOnly) {
+  const int port = MetricsPort(daemon_->Output());
+  ASSERT_GT(port, 0) << daemon_->Output();
+  const auto [status, page] = Http(port, "GET", "/metrics");
+  EXPECT_THAT(status, HasSubstr(" 200 "));
+  EXPECT_THAT(page, HasSubstr("deltad_"));
+  const v1::NodeStatusResponse before = Status();
+  for (const char* method : {"POST", "PUT", "DELETE", "PATCH"}) {
+    const auto [code, body] = Http(port, method, "/metrics");
+    EXPECT_THAT(code, Not(HasSubstr(" 2"))) << method << ": " << code;
+  }
+  for (const char* path : {"/", "/admin", "/metrics/../etc/passwd"}) {
+    const auto [code, body] = Http(port, "GET", path);
+    EXPECT_THAT(code, HasSubstr(" 404 ")) << path << ": " << code;
+  }
+  const v1::NodeStatusResponse after = Status();
+  EXPECT_EQ(after.sessions_size(), before.sessions_size());
+  EXPECT_EQ(after.host_pool_granted_bytes(), before.host_pool_granted_bytes());
+  ExpectServing("requests to the metrics page");
 }
 
 // --- The Session stream -----------------------------------------------------
@@ -1143,8 +1583,11 @@ TEST_F(BadInputTest, AKilledProcessHasItsSessionsReclaimed) {
   EXPECT_TRUE(WaitForSessions(1));
   EXPECT_EQ(SessionOf(mine.session_id()).gpu(), 0);
   EXPECT_EQ(SessionOf(theirs.session_id()).session_id(), 0u);
-  EXPECT_TRUE(WaitForStatus([](const v1::NodeStatusResponse& r) {
-    return r.gpus(0).used_bytes() == 0 && r.host_pool_granted_bytes() == 0;
+  // What is left granted is mine (the rest of the pool, short of the
+  // default quota).
+  EXPECT_TRUE(WaitForStatus([&](const v1::NodeStatusResponse& r) {
+    return r.gpus(0).used_bytes() == 0 &&
+           r.host_pool_granted_bytes() == mine.host_quota_bytes();
   }));
   // Its stream, still open, cannot act for the reclaimed session.
   stream.Send(Created({4}));

@@ -14,84 +14,12 @@
 #include "gtest/gtest.h"
 #include "tests/integration/child_process.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/trainer_jobs.h"
 
 namespace deltad::testing_util {
 namespace {
 
 using ::testing::HasSubstr;
-
-// Two simulated GPUs of 320 MiB (288 MiB of budget each), as in
-// scripts/run, and sizes scaled to match.
-DaemonOptions SmallNode() {
-  DaemonOptions o;
-  o.sim_memory = "";
-  o.host_pool = "";
-  o.host_slab = "";
-  o.config_text =
-      // 256 KiB chunks: CUDA's 2 MiB at the jobs' scale of 1/8.
-      "sim { gpus: 2 memory_bytes: 335544320 chunk_bytes: 262144 }\n"
-      "min_session_bytes: 16777216\n"
-      "host_pool_bytes: 2147483648\n"
-      "host_slab_bytes: 16777216\n"
-      "default_host_quota_bytes: 536870912\n";
-  return o;
-}
-
-struct Job {
-  std::unique_ptr<ChildProcess> process;
-  std::string output;  // file
-};
-
-Job StartTrainer(const std::string& dir, const std::string& socket,
-                 const std::string& label, int gpu,
-                 const std::vector<std::string>& model, int iterations) {
-  Job job;
-  job.output = dir + "/" + label + ".out";
-  std::vector<std::string> argv = {
-      DELTAD_TRAINER_BINARY,
-      "--socket=" + socket,
-      "--gpu=" + std::to_string(gpu),
-      "--label=" + label,
-      "--scale=0.125",
-      "--iterations=" + std::to_string(iterations)};
-  argv.insert(argv.end(), model.begin(), model.end());
-  SpawnOptions options;
-  options.output_file = job.output;
-  auto p = ChildProcess::Spawn(argv, options);
-  EXPECT_TRUE(p.ok()) << p.status();
-  if (p.ok()) job.process = std::move(*p);
-  return job;
-}
-
-v1::NodeStatusResponse Status(v1::MemoryManager::Stub& stub) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::seconds(10));
-  v1::NodeStatusResponse status;
-  EXPECT_TRUE(stub.NodeStatus(&context, {}, &status).ok());
-  return status;
-}
-
-// Polls until `pred` holds for the daemon's status, for up to a minute.
-template <typename Pred>
-bool StatusBecomes(DaemonProcess& d, Pred pred) {
-  // One stub for the whole wait: each would open a connection of its own.
-  auto stub = d.NewStub();
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  while (absl::Now() < deadline) {
-    if (pred(Status(*stub))) return true;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return false;
-}
-
-const std::vector<std::string> kUnet = {"--model=unet", "--batch=4"};
-// Asks for its whole peak (190 MiB): two of them do not fit one GPU's
-// 288 MiB of budget, so their shares must be split.
-const std::vector<std::string> kResnet = {"--model=resnet50", "--batch=16",
-                                          "--budget=1.0"};
-// 355 MiB at its peak: above the GPU's budget even alone.
-const std::vector<std::string> kResnetBig = {"--model=resnet50", "--batch=32"};
 
 TEST(Trainers, TwoJobsOnOneGpuSplitItsBudgetAndKeepTheirBytes) {
   auto d = DaemonProcess::Start(SmallNode());

@@ -192,10 +192,68 @@ TEST(ChunkArena, LargeAllocationMapsWholeChunksSideBySide) {
   EXPECT_EQ(s.arena->free_bytes(), kChunk);
   EXPECT_EQ(s.arena->allocated_bytes(), bytes);
 
+  // Freed, its chunks stay mapped for the next of its size, and count as
+  // free.
   s.arena->Free(*p, bytes);
-  EXPECT_TRUE(s.mapper.mapped.empty());
+  EXPECT_EQ(s.mapper.mapped.size(), 3u);
   EXPECT_EQ(s.arena->free_bytes(), 4 * kChunk);
   EXPECT_EQ(s.arena->allocated_bytes(), 0);
+}
+
+TEST(ChunkArena, AFreedRunIsTakenAgainAsItLiesByTheNextOfItsChunkCount) {
+  FakeSetup s(4);
+  auto p = s.arena->Allocate(2 * kChunk);
+  ASSERT_TRUE(p.ok()) << p.status();
+  s.arena->Free(*p, 2 * kChunk);
+  const size_t maps = s.mapper.map_calls.size();
+  const int unmaps = s.mapper.unmap_calls;
+  // Another size of the same chunk count: same place, no mapping.
+  auto again = s.arena->Allocate(2 * kChunk - 100);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, *p);
+  EXPECT_EQ(s.mapper.map_calls.size(), maps);
+  EXPECT_EQ(s.mapper.unmap_calls, unmaps);
+  EXPECT_EQ(s.arena->allocated_bytes(), 2 * kChunk - 100);
+  EXPECT_EQ(s.arena->free_bytes(), 2 * kChunk);
+  s.arena->Free(*again, 2 * kChunk - 100);
+  EXPECT_EQ(s.arena->allocated_bytes(), 0);
+}
+
+TEST(ChunkArena, KeptChunksAreUnmappedForAnAllocationThatNeedsThem) {
+  FakeSetup s(4);
+  auto two = s.arena->Allocate(2 * kChunk);
+  auto one = s.arena->Allocate(kChunk);
+  ASSERT_TRUE(two.ok() && one.ok());
+  s.arena->Free(*two, 2 * kChunk);
+  s.arena->Free(*one, kChunk);
+  EXPECT_EQ(s.mapper.mapped.size(), 3u);
+  // Four chunks at once: only one is unmapped, so both kept runs go.
+  auto four = s.arena->Allocate(4 * kChunk);
+  ASSERT_TRUE(four.ok()) << four.status();
+  EXPECT_EQ(s.mapper.mapped.size(), 4u);
+  EXPECT_EQ(s.arena->free_bytes(), 0);
+  s.arena->Free(*four, 4 * kChunk);
+  // A page of small blocks takes a kept chunk too.
+  auto small = s.arena->Allocate(1000);
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_EQ(s.arena->free_bytes(), 3 * kChunk);
+  s.arena->Free(*small, 1000);
+  // And nothing is left over that is not free.
+  EXPECT_EQ(s.arena->free_bytes(), 4 * kChunk);
+  EXPECT_EQ(s.arena->allocated_bytes(), 0);
+}
+
+TEST(ChunkArena, ShrinkToUnmapsKeptChunksToReleaseThem) {
+  FakeSetup s(3);
+  auto p = s.arena->Allocate(3 * kChunk);
+  ASSERT_TRUE(p.ok()) << p.status();
+  s.arena->Free(*p, 3 * kChunk);
+  EXPECT_EQ(s.mapper.mapped.size(), 3u);
+  EXPECT_EQ(s.arena->ShrinkTo(kChunk).size(), 2u);
+  EXPECT_EQ(s.arena->held_bytes(), kChunk);
+  // The mapper saw no chunk released while mapped (FakeMapper checks).
+  EXPECT_TRUE(s.mapper.mapped.empty());
+  EXPECT_EQ(s.arena->free_bytes(), kChunk);
 }
 
 TEST(ChunkArena, BytesWrittenToALargeAllocationReachItsChunks) {
@@ -440,7 +498,7 @@ TEST(ChunkArena, FreeIgnoresPointersItDidNotHandOut) {
   s.arena->Free(b, 2 * kChunk);
   EXPECT_EQ(s.arena->allocated_bytes(), 0);
   EXPECT_EQ(s.arena->free_bytes(), 4 * kChunk);
-  EXPECT_TRUE(s.mapper.mapped.empty());
+  EXPECT_EQ(s.mapper.mapped.size(), 2u);  // the large one, kept
 }
 
 TEST(ChunkArena, AMapperFailureWhileAllocatingLosesNoChunk) {
@@ -468,11 +526,13 @@ TEST(ChunkArena, AChunkThatCannotBeUnmappedStaysOutOfUseUntilTheEnd) {
   auto p = s.arena->Allocate(kChunk);
   ASSERT_TRUE(p.ok()) << p.status();
   s.mapper.fail_unmaps = true;
-  s.arena->Free(*p, kChunk);
+  s.arena->Free(*p, kChunk);  // kept mapped
   EXPECT_EQ(s.arena->allocated_bytes(), 0);
-  EXPECT_EQ(s.arena->free_bytes(), kChunk);
-  EXPECT_EQ(s.arena->held_bytes(), 2 * kChunk);
+  EXPECT_EQ(s.arena->free_bytes(), 2 * kChunk);
+  // Releasing it needs an unmap, which fails: it stays, out of use.
   EXPECT_EQ(s.arena->ShrinkTo(0).size(), 1u);
+  EXPECT_EQ(s.arena->free_bytes(), 0);
+  EXPECT_EQ(s.arena->held_bytes(), kChunk);
   s.mapper.fail_unmaps = false;
   const int unmaps = s.mapper.unmap_calls;
   s.arena.reset();

@@ -68,6 +68,32 @@ TEST(HostArena, AnAllowanceBelowOneHeapRegionIsUsedWhole) {
   arena.Free(*b);
 }
 
+// A client that reaches a daemon lowers its heap allowance to zero with
+// heap already taken (offloads made while the daemon was away). What is
+// left free in that heap is still offered, and no more heap is taken: an
+// allowance below what is taken once counted negative, so the in-process
+// policy saw less host memory than there was.
+TEST(HostArena, AnAllowanceLoweredBelowTheTakenHeapStillOffersItsFreeRoom) {
+  HostArena arena;
+  arena.SetHeapAllowance(int64_t{8} << 20);
+  auto a = arena.Allocate(int64_t{3} << 20);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(arena.AddSlab(Memfd(1 << 20), 1 << 20, 7).ok());
+  arena.SetHeapAllowance(0);
+  EXPECT_EQ(arena.available_bytes(), (int64_t{5} << 20) + (1 << 20));
+  auto b = arena.Allocate(int64_t{5} << 20);
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto c = arena.Allocate(1 << 20);  // the slab
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(arena.available_bytes(), 0);
+  EXPECT_EQ(arena.Allocate(4096).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(arena.capacity_bytes(), (int64_t{8} << 20) + (1 << 20));
+  arena.Free(*a);
+  arena.Free(*b);
+  arena.Free(*c);
+}
+
 TEST(HostArena, RetiredSlabsTakeNoNewBlocksAndUnmapWhenEmpty) {
   HostArena arena;
   ASSERT_TRUE(arena.AddSlab(Memfd(1 << 20), 1 << 20, 7).ok());

@@ -782,6 +782,27 @@ TEST_F(GpuPolicyTest, PlanOffloadsAheadAboveTheHighWatermark) {
   EXPECT_THAT(Plan(kA), IsEmpty());
 }
 
+// A process refuses an order for a tensor it has pinned, which the daemon
+// cannot see. Early releases then leave that tensor alone for a while:
+// ordering it again at once made the daemon and a process with pinned
+// tensors loop, an order and a refusal per batch.
+TEST_F(GpuPolicyTest, ARefusedTensorIsNotOrderedAheadAgainAtOnce) {
+  Make(1000);
+  AddSession(kA, 1000);
+  Fill(kA, 1, 8, 100, Cost::kCostly);  // 800: above the high watermark
+  ASSERT_THAT(Ids(Plan(kA)[kA]), ElementsAre(1, 2));
+  ASSERT_TRUE(
+      Apply(kA, Events({{kReleaseFailed, 1}, {kReleaseFailed, 2}})).ok());
+  EXPECT_EQ(U(kA).device_bytes, 800);
+  // The next stalest instead.
+  EXPECT_THAT(Ids(Plan(kA)[kA]), ElementsAre(3, 4));
+  ASSERT_TRUE(
+      Apply(kA, Events({{kReleaseFailed, 3}, {kReleaseFailed, 4}})).ok());
+  // Past the back-off, 1 and 2 may go again.
+  now_ += 25'000'000;
+  EXPECT_THAT(Ids(Plan(kA)[kA]), ElementsAre(1, 2));
+}
+
 TEST_F(GpuPolicyTest, StreamOrdersStillOutstandingAreRepeatedOnceOnRequest) {
   Make(1000);
   AddSession(kA, 1000);

@@ -298,6 +298,7 @@ TEST_F(ServiceTest, ListTensorsAnswersOverTheWire) {
     grpc::ClientContext list_ctx;
     v1::ListTensorsRequest req;
     req.set_session_id(a.session_id());
+    req.set_peer_token(PeerToken(200));
     v1::ListTensorsResponse resp;
     const grpc::Status s = stub_->ListTensors(&list_ctx, req, &resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
@@ -311,6 +312,7 @@ TEST_F(ServiceTest, ListTensorsAnswersOverTheWire) {
   grpc::ClientContext ctx;
   v1::ListTensorsRequest req;
   req.set_session_id(a.session_id() + 1000);
+  req.set_peer_token(PeerToken(200));
   v1::ListTensorsResponse resp;
   const grpc::Status s = stub_->ListTensors(&ctx, req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);

@@ -1,5 +1,7 @@
 #include "daemon/node.h"
 
+#include <unistd.h>
+
 #include <memory>
 #include <string>
 
@@ -35,10 +37,10 @@ class NodeTest : public ::testing::Test {
     node_ = std::move(sim->node);
   }
 
-  std::string Peer(pid_t pid) {
+  std::string Peer(pid_t pid, uid_t uid = 1000) {
     PeerIdentity p;
     p.pid = pid;
-    p.uid = 1000;
+    p.uid = uid;
     auto t = node_->registry().RegisterPeer(p);
     EXPECT_TRUE(t.ok());
     return *t;
@@ -249,6 +251,7 @@ TEST_F(NodeTest, ListTensorsGivesASessionsLargestFirst) {
 
   v1::ListTensorsRequest r;
   r.set_session_id(a.response.session_id());
+  r.set_peer_token(Peer(200));
   auto all = node_->ListTensors(r);
   ASSERT_TRUE(all.ok()) << all.status();
   ASSERT_EQ(all->tensors_size(), 8);
@@ -284,6 +287,7 @@ TEST_F(NodeTest, ListTensorsGivesTwentyWhenNoLimitIsSet) {
   ASSERT_TRUE(node_->Apply(a.response.session_token(), batch).ok());
   v1::ListTensorsRequest r;
   r.set_session_id(a.response.session_id());
+  r.set_peer_token(Peer(200));
   auto listed = node_->ListTensors(r);
   ASSERT_TRUE(listed.ok()) << listed.status();
   ASSERT_EQ(listed->tensors_size(),
@@ -292,10 +296,78 @@ TEST_F(NodeTest, ListTensorsGivesTwentyWhenNoLimitIsSet) {
   EXPECT_EQ(listed->tensors(19).tensor_id(), 11u);
 }
 
+// A pool short of a session's quota grants what it has left, in whole
+// slabs, rather than nothing: a session with a smaller quota still offloads.
+TEST_F(NodeTest, AHostPoolShortOfTheQuotaGrantsWhatItHasLeft) {
+  const Node::Opened a = Open(Peer(100), 0, 768 * kMiB);
+  EXPECT_EQ(a.response.host_quota_bytes(), 768 * kMiB);
+  const Node::Opened b = Open(Peer(101), 0, 512 * kMiB);
+  EXPECT_EQ(b.response.host_quota_bytes(), 256 * kMiB);
+  EXPECT_EQ(b.slabs.size(), 4u);
+  // Exhausted: nothing, and the session still opens.
+  const Node::Opened c = Open(Peer(102), 1);
+  EXPECT_EQ(c.response.host_quota_bytes(), 0);
+  EXPECT_TRUE(c.slabs.empty());
+  EXPECT_EQ(node_->Status().host_pool_granted_bytes(), kGiB);
+}
+
+TEST_F(NodeTest, AHostQuotaAboveTheLimitIsResourceExhausted) {
+  NodeOptions options;
+  options.max_host_quota_bytes = 128 * kMiB;
+  auto sim = testing_util::MakeSimNode(kGiB, options);
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  PeerIdentity p;
+  p.pid = 100;
+  auto peer = sim->node->registry().RegisterPeer(p);
+  ASSERT_TRUE(peer.ok());
+  v1::OpenSessionRequest r;
+  r.set_requested_host_bytes(128 * kMiB + 1);
+  auto refused = sim->node->OpenSession(*peer, r);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("limits.max_host_quota_bytes"));
+  EXPECT_EQ(sim->node->Status().sessions_size(), 0);
+  // Exactly the limit opens, with that quota.
+  r.set_requested_host_bytes(128 * kMiB);
+  auto opened = sim->node->OpenSession(*peer, r);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_EQ(opened->response.host_quota_bytes(), 128 * kMiB);
+}
+
+TEST_F(NodeTest, ListTensorsIsForTheOwnersUserRootOrDeltadsUserOnly) {
+  // Uids that are neither root nor the user running this test.
+  uid_t owner = 4242, stranger = 4343;
+  while (owner == ::geteuid() || stranger == ::geteuid()) {
+    owner += 2;
+    stranger += 2;
+  }
+  const Node::Opened a = Open(Peer(100, owner), 0);
+  ASSERT_TRUE(node_->Apply(a.response.session_token(), Create(1, kMiB)).ok());
+  v1::ListTensorsRequest r;
+  r.set_session_id(a.response.session_id());
+  EXPECT_EQ(node_->ListTensors(r).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  r.set_peer_token("not a peer token");
+  EXPECT_EQ(node_->ListTensors(r).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  r.set_peer_token(Peer(300, stranger));
+  auto denied = node_->ListTensors(r);
+  EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(denied.status().message(), HasSubstr("belongs to uid"));
+  // Another process of the owner's user, root, and deltad's own user.
+  for (uid_t allowed : {owner, uid_t{0}, ::geteuid()}) {
+    r.set_peer_token(Peer(301, allowed));
+    auto listed = node_->ListTensors(r);
+    ASSERT_TRUE(listed.ok()) << allowed << ": " << listed.status();
+    EXPECT_EQ(listed->tensors_size(), 1);
+  }
+}
+
 TEST_F(NodeTest, ListTensorsOfAnUnknownSessionIsNotFound) {
   const Node::Opened a = Open(Peer(100), 0);
   v1::ListTensorsRequest r;
   r.set_session_id(a.response.session_id() + 1000);
+  r.set_peer_token(Peer(200));
   auto listed = node_->ListTensors(r);
   EXPECT_EQ(listed.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(listed.status().message(), HasSubstr("no session"));

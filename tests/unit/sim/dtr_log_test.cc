@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "policies/sim/dtr_measured.h"
 #include "policies/sim/trace.h"
+#include "policies/sim/trace_io.h"
 
 namespace deltad::sim {
 namespace {
@@ -421,6 +422,35 @@ TEST(DtrLogTest, UndefinedNameSaysPathAndLine) {
   EXPECT_THAT(t.status().message(),
               HasSubstr("live_twice.log:6: expected a new name, but 'a' is "
                         "still live"));
+}
+
+// Found by fuzz/trace_fuzzer: such names imported, and FormatTrace then
+// wrote a trace that ParseTrace refused.
+TEST(DtrLogTest, NamesTheTextFormCannotHoldAreRefused) {
+  for (const std::string bad :
+       {"x 1", "x\\t1", "x,1", "x:1", "x=1", "x#1", ""}) {
+    absl::StatusOr<Trace> t = ImportDtrLog(
+        WriteFile("bad_value_name.log", {kStart, Constant(bad, 8)}));
+    ASSERT_FALSE(t.ok()) << "'" << bad << "'";
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(t.status().message(),
+                HasSubstr("bad_value_name.log:2: expected value name"));
+  }
+  absl::StatusOr<Trace> t = ImportDtrLog(WriteFile(
+      "bad_op_name.log",
+      {kStart, Constant("a", 8), Call("conv 2d", {"a"}, {{"b", 8, -1}}, 1)}));
+  ASSERT_FALSE(t.ok());
+  EXPECT_THAT(t.status().message(),
+              HasSubstr("bad_op_name.log:4: expected op name 'conv 2d'"));
+  // Separators of value lists are fine in an op's name, and what imports
+  // reads back from its text form.
+  const Trace ok = MustImport(
+      "op_name_with_colons.log",
+      {kStart, Constant("a", 8), Call("aten::add", {"a"}, {{"b", 8, -1}}, 1)});
+  const std::string text = FormatTrace(ok);
+  absl::StatusOr<Trace> again = ParseTrace(text);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(FormatTrace(*again), text);
 }
 
 TEST(DtrLogTest, MissingFileIsNotFound) {
