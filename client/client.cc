@@ -98,6 +98,10 @@ absl::Status Client::TryConnect() {
   absl::Status status = link.status();
   if (link.ok()) {
     shared = std::move(*link);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      connecting_ = shared.get();
+    }
     // Before the locks: it waits on the daemon. A device that cannot map
     // the daemon's chunks cannot use the session at all.
     status = SyncChunks(
@@ -113,6 +117,7 @@ absl::Status Client::TryConnect() {
   std::lock_guard<std::mutex> lock(mu_);
   next_reconnect_ns_ =
       NowNs() + int64_t{options_.reconnect_interval_ms} * 1000000;
+  connecting_ = nullptr;
   // On failure `shared`, declared before the locks, is closed after them.
   if (!status.ok()) return status;
   for (common::side::Grant& slab : shared->TakeSlabs()) {
@@ -130,11 +135,16 @@ absl::Status Client::TryConnect() {
       !device_->chunk_backend().empty() &&
       device_->chunk_bytes_held() != InWholeChunks(*shared, budget_bytes_);
   stats_.session_id = session.session_id();
-  if (stats_.connected || stats_.reconnects > 0 || !records_.empty()) {
+  // Any session after a first one is a reconnect, even at a moment this
+  // process held no tensors (between two iterations); so is a first one
+  // that comes after tensors were tracked without the daemon.
+  if (had_session_ || !records_.empty()) {
     ++stats_.reconnects;
   }
   old = std::move(link_);
   link_ = std::move(shared);
+  connecting_ = nullptr;
+  had_session_ = true;
   batches_sent_ = 0;
   resync_ = false;
   draining_seen_ = false;
@@ -540,6 +550,7 @@ void Client::RefuseLocked(uint64_t id, Origin origin) {
     ++stats_.orders_refused;
     AddEventLocked(Kind::RELEASE_FAILED, id);
   } else {
+    ++stats_.local_refused;
     (void)local_.table().CancelRelease(id);
   }
 }
@@ -755,12 +766,24 @@ absl::Status Client::Recompute(uint64_t id) {
 
 bool Client::CarryOut(const std::vector<v1::ReleaseOrder>& orders,
                       Origin origin) {
+  std::vector<std::multiset<uint64_t>::iterator> ordered;
+  if (origin == Origin::kDaemonOrder) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const v1::ReleaseOrder& o : orders) {
+      ordered.push_back(ordered_now_.insert(o.tensor_id()));
+    }
+  }
   bool all = true;
-  for (const v1::ReleaseOrder& o : orders) {
+  for (size_t i = 0; i < orders.size(); ++i) {
+    const v1::ReleaseOrder& o = orders[i];
     const absl::Status s = o.action() == v1::ReleaseOrder::EVICT
                                ? Evict(o.tensor_id(), origin)
                                : Offload(o.tensor_id(), origin);
     all = all && s.ok();
+    if (!ordered.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ordered_now_.erase(ordered[i]);
+    }
   }
   return all;
 }
@@ -847,7 +870,18 @@ absl::Status Client::ReleaseInProcess(int64_t need, int64_t start_ns) {
   std::vector<v1::ReleaseOrder> orders;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // The daemon's orders not carried out yet are not the plan's to choose
+    // (see ordered_now_): locked while it plans, as an op's tensors are.
+    std::vector<uint64_t> shielded;
+    auto shield = [&](uint64_t id) {
+      if (local_.table().Lock(id).ok()) shielded.push_back(id);
+    };
+    for (const Job& job : jobs_) {
+      if (job.kind == Job::kOffload || job.kind == Job::kEvict) shield(job.id);
+    }
+    for (uint64_t id : ordered_now_) shield(id);
     auto plan = local_.Plan(need, NowNs(), arena_.available_bytes());
+    for (uint64_t id : shielded) (void)local_.table().Unlock(id);
     if (!plan.ok()) return plan.status();
     for (const policy::ReleaseOrder& o : *plan) {
       v1::ReleaseOrder order;
@@ -876,6 +910,14 @@ absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
   constexpr int kRounds = 16;
   const int64_t wait_deadline_ns =
       NowNs() + int64_t{options_.owed_chunks_wait_ms} * 1000000;
+  const int64_t start_ns = NowNs();
+  int64_t refused_at_start;
+  int64_t local_refused_at_start;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    refused_at_start = stats_.orders_refused;
+    local_refused_at_start = stats_.local_refused;
+  }
   for (int round = 0;; ++round) {
     bool reserved = false;
     {
@@ -888,7 +930,13 @@ absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
       } else if (round >= kRounds) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "no room for ", bytes, " bytes: ", device_bytes_, " of ",
-            budget_bytes_, " budget bytes held after releasing what could be"));
+            budget_bytes_, " budget bytes held after releasing what could be (",
+            round, " tries in ", (NowNs() - start_ns) / 1000000, " ms, ",
+            stats_.orders_refused - refused_at_start,
+            " of deltad's orders and ",
+            stats_.local_refused - local_refused_at_start,
+            " in-process releases refused as pinned or without host room, ",
+            stats_.connected ? "connected" : "not connected", ")"));
       }
     }
     if (!reserved) {
@@ -962,6 +1010,18 @@ absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
       // see pins), and asking again picks the same. This process knows
       // what it pins: it chooses below.
     }
+    // At least down to the budget: past it, the room was lent in bytes
+    // the GPU's chunks could not back, and what the budget leaves is the
+    // room this process has for sure. Releasing only `bytes` would mostly
+    // free pieces of chunks, never the whole one the allocation lacks.
+    int64_t over;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      over = device_bytes_ + bytes - budget_bytes_;
+    }
+    // (Which all of it may not be releasable: pinned tensors, or a host
+    // quota short of them; then `bytes` alone, as much as can be.)
+    if (over > bytes && ReleaseInProcess(over, NowNs()).ok()) continue;
     if (absl::Status s = ReleaseInProcess(bytes, NowNs()); !s.ok()) {
       return absl::ResourceExhaustedError(
           absl::StrCat(device.status().message(), "; ", s.message()));
@@ -1016,6 +1076,20 @@ absl::Status Client::SyncChunks(const std::shared_ptr<DaemonLink>& link,
                                 int64_t want) {
   if (device_->chunk_backend().empty()) return absl::OkStatus();
   std::lock_guard<std::mutex> lock(chunk_mu_);
+  {
+    // A link taken before the session changed (the daemon restarted while
+    // an allocation waited) would switch the bookkeeping below back to it,
+    // and the current session's chunks, in use, would be forgotten: never
+    // given back, and counted by the daemon against every new grant.
+    std::lock_guard<std::mutex> state(mu_);
+    const DaemonLink* current =
+        connecting_ != nullptr ? connecting_
+                               : (stats_.connected ? link_.get() : nullptr);
+    if (link.get() != current) {
+      return absl::FailedPreconditionError(
+          "the daemon session changed meanwhile");
+    }
+  }
   if (link.get() != chunk_link_) {
     // Chunks of an earlier session that tensors still use stay mapped
     // (their memory lives while mapped) but are ours alone now: the new
@@ -1088,6 +1162,8 @@ void Client::ExecutorLoop() {
     while (!jobs_.empty() && !stopping_) {
       const Job job = jobs_.front();
       jobs_.pop_front();
+      const bool release = job.kind == Job::kOffload || job.kind == Job::kEvict;
+      auto ordered = release ? ordered_now_.insert(job.id) : ordered_now_.end();
       lock.unlock();
       switch (job.kind) {
         case Job::kOffload:
@@ -1104,7 +1180,7 @@ void Client::ExecutorLoop() {
           break;
       }
       lock.lock();
-      const bool release = job.kind == Job::kOffload || job.kind == Job::kEvict;
+      if (release) ordered_now_.erase(ordered);
       if (release && queued_releases_ > 0) {
         --queued_releases_;
         changed_.notify_all();
@@ -1135,6 +1211,32 @@ void Client::ExecutorLoop() {
     if (sync_chunks) {
       const int64_t want = InWholeChunks(*chunk_link, chunk_budget);
       (void)SyncChunks(chunk_link, want);
+      // Chunks in use past the budget although its bytes fit: rounding (a
+      // tensor of a chunk and a bit takes two) and pages of small blocks
+      // hold more than the bytes say, and another session waits for those
+      // chunks. Tensors go until enough whole chunks come free, every 20 ms
+      // while the chunks are due; each round releases the excess at the
+      // device's rate of bytes to chunks, since a tensor frees more chunk
+      // than its bytes and the whole excess would release up to twice it.
+      // Only the daemon's chunks are owed: those an earlier session left
+      // in use (the daemon restarted) are this process's alone.
+      const int64_t in_use =
+          device_->chunk_bytes_held() - device_->chunk_bytes_free();
+      const int64_t owed =
+          std::min(in_use, SessionChunkBytes(*chunk_link)) - want;
+      if (owed > 0) {
+        int64_t held_bytes;
+        {
+          std::lock_guard<std::mutex> relock(mu_);
+          held_bytes = device_bytes_;
+        }
+        const int64_t release = std::max<int64_t>(
+            1, static_cast<int64_t>(static_cast<double>(owed) *
+                                    static_cast<double>(held_bytes) /
+                                    static_cast<double>(in_use)));
+        (void)ReleaseInProcess(release, NowNs());
+        (void)SyncChunks(chunk_link, want);
+      }
       // Short too (the others had not given theirs back yet) keeps it due.
       if (device_->chunk_bytes_held() == want) {
         std::lock_guard<std::mutex> relock(mu_);

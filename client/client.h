@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -92,6 +93,7 @@ struct ClientStats {
   int64_t sync_release_ns = 0;
   int64_t stall_ns = 0;         // compute waiting for reloads and offloads
   int64_t local_decisions = 0;  // releases chosen in-process
+  int64_t local_refused = 0;    // of them, not carried out
   int64_t reconnects = 0;
   int64_t rejected_batches = 0;
   bool connected = false;
@@ -268,6 +270,10 @@ class Client {
   // The link is replaced on reconnect; guarded by mu_, used outside it
   // through a shared_ptr copy.
   std::shared_ptr<DaemonLink> link_;
+  // The link TryConnect is setting up, until it is link_ or has failed:
+  // SyncChunks takes it for the current one.
+  const DaemonLink* connecting_ = nullptr;
+  bool had_session_ = false;  // some session was opened before
   bool draining_seen_ = false;
   bool resync_ = false;  // a batch was rejected: reopen the session
   int64_t next_reconnect_ns_ = 0;
@@ -288,6 +294,12 @@ class Client {
   int64_t next_chunk_check_ns_ = 0;  // mu_
 
   std::deque<Job> jobs_;  // guarded by mu_
+  // mu_: tensors of the daemon's release orders being carried out now (by
+  // the executor, or by an allocation that got them in a Release answer).
+  // With those queued in jobs_, no in-process plan may choose them: the
+  // daemon holds them as releasing, and an eviction it did not order
+  // would make it refuse the batch (and the session be opened anew).
+  std::multiset<uint64_t> ordered_now_;
   std::condition_variable work_;
   bool stopping_ = false;
   std::thread executor_;

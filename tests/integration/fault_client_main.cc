@@ -20,6 +20,11 @@
 //              pinned ("phase hold") until its stdin closes, then unpins
 //              them ("unpinned") and waits to be killed;
 //   alloc      tracks one tensor ("done" once it has its memory).
+// And one makes a process hold chunks past its budget by their rounding:
+//   rounded    tracks --tensor_kib tensors (a chunk and a bit: two chunks
+//              each) up to its budget, all offloadable, says "phase
+//              rounded", and once its stdin closes checks every tensor's
+//              bytes ("verified") and exits 0.
 // It prints "session <id>" once connected and "phase <name>" just before the
 // slow step starts, each flushed, for the test to act on. Exits 3 when no
 // daemon answered (the test needs one), 1 on any other failure, and, if
@@ -34,11 +39,11 @@
 #include <memory>
 #include <string>
 #include <thread>
-#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "client/client.h"
 #include "client/sim_chunk_device.h"
 
@@ -46,6 +51,7 @@ ABSL_FLAG(std::string, socket, "", "deltad's socket");
 ABSL_FLAG(int, gpu, 0, "GPU index");
 ABSL_FLAG(std::string, phase, "offload", "offload, reload or recompute");
 ABSL_FLAG(int64_t, tensor_mib, 8, "size of each tensor");
+ABSL_FLAG(int64_t, tensor_kib, 0, "size of each tensor, if not 0");
 ABSL_FLAG(int64_t, budget_mib, 48, "budget to ask for");
 ABSL_FLAG(double, link_mib_per_s, 8, "host link bandwidth, each way");
 ABSL_FLAG(int, owed_chunks_wait_ms, 10000,
@@ -87,10 +93,13 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const std::string phase = absl::GetFlag(FLAGS_phase);
   if (phase != "offload" && phase != "reload" && phase != "recompute" &&
-      phase != "hold" && phase != "alloc") {
-    return Fail("--phase must be offload, reload, recompute, hold or alloc");
+      phase != "hold" && phase != "alloc" && phase != "rounded") {
+    return Fail(
+        "--phase must be offload, reload, recompute, hold, alloc or rounded");
   }
-  const int64_t bytes = absl::GetFlag(FLAGS_tensor_mib) * kMiB;
+  const int64_t bytes = absl::GetFlag(FLAGS_tensor_kib) > 0
+                            ? absl::GetFlag(FLAGS_tensor_kib) * 1024
+                            : absl::GetFlag(FLAGS_tensor_mib) * kMiB;
   const int64_t budget = absl::GetFlag(FLAGS_budget_mib) * kMiB;
   const double link = absl::GetFlag(FLAGS_link_mib_per_s) * kMiB;
 
@@ -114,9 +123,9 @@ int main(int argc, char** argv) {
   }
   Say("session " + std::to_string(c.Stats().session_id));
 
-  if (phase == "hold") {
-    // Whole chunks' worth of tensors, all pinned: nothing can be released.
-    std::vector<uint64_t> pinned;
+  // Whole chunks' worth of tensors (or a chunk and a bit each), up to the
+  // budget, that may be offloaded but not evicted; left pinned or not.
+  auto fill_budget = [&](bool pin) -> absl::StatusOr<uint64_t> {
     const int64_t fit = c.Stats().budget_bytes / bytes;
     for (uint64_t id = 1; id <= static_cast<uint64_t>(fit); ++id) {
       TensorInfo info;
@@ -124,17 +133,40 @@ int main(int argc, char** argv) {
       info.bytes = bytes;
       info.evict_pinned = true;
       auto out = c.Track(info, nullptr);
-      if (!out.ok()) return Fail(out.status().ToString());
+      if (!out.ok()) return out.status();
       Fill(*out, bytes, id);
-      pinned.push_back(id);
+      if (!pin) c.Unpin(id);
     }
-    Say("phase hold " + std::to_string(pinned.size()));
+    return static_cast<uint64_t>(fit);
+  };
+  auto wait_for_stdin_to_close = [] {
     char ignored[64];
     while (::read(0, ignored, sizeof ignored) > 0) {
     }
-    for (uint64_t id : pinned) c.Unpin(id);
+  };
+  if (phase == "hold") {
+    // All pinned: nothing can be released.
+    auto count = fill_budget(/*pin=*/true);
+    if (!count.ok()) return Fail(count.status().ToString());
+    Say("phase hold " + std::to_string(*count));
+    wait_for_stdin_to_close();
+    for (uint64_t id = 1; id <= *count; ++id) c.Unpin(id);
     Say("unpinned");
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+  if (phase == "rounded") {
+    auto count = fill_budget(/*pin=*/false);
+    if (!count.ok()) return Fail(count.status().ToString());
+    Say("phase rounded " + std::to_string(*count));
+    wait_for_stdin_to_close();
+    for (uint64_t id = 1; id <= *count; ++id) {
+      auto p = c.Pin(id);
+      if (!p.ok()) return Fail(p.status().ToString());
+      if (!Check(*p, bytes, id)) return Fail("tensor bytes came back wrong");
+      c.Unpin(id);
+    }
+    Say("verified offloads " + std::to_string(c.Stats().offloads));
+    return 0;
   }
   if (phase == "alloc") {
     TensorInfo info;

@@ -271,6 +271,41 @@ TEST(Faults, AnAllocationWaitsForChunksItsBudgetIsOwed) {
   EXPECT_TRUE(daemon.Running());
 }
 
+TEST(Faults, ChunksHeldPastABudgetByRoundingGoToTheSessionOwedThem) {
+  auto d = DaemonProcess::Start(SmallNode());
+  ASSERT_TRUE(d.ok()) << d.status();
+  DaemonProcess& daemon = **d;
+  // 64 MiB of budget in tensors of a 256 KiB chunk and a bit: two chunks
+  // each, 120 MiB of chunks in all, lent while the GPU had room.
+  FaultClient holder = StartFaultClient(
+      daemon, "rounded", "rounded",
+      {"--budget_mib=64", "--tensor_kib=272", "--link_mib_per_s=0"}, true);
+  ASSERT_NE(holder.process, nullptr);
+  auto held = LineStarting(*holder.process, "phase rounded", absl::Seconds(60));
+  ASSERT_TRUE(held.ok()) << held.status() << "\n"
+                         << ReadFileOrEmpty(holder.errors);
+  // The rest of the GPU's budget, in one tensor larger than the chunks no
+  // one holds (320 MiB of memory): the holder owes it chunks that its
+  // budget's bytes fit in but its tensors keep in use. It gives them back
+  // by offloading, well within the wait for owed chunks.
+  FaultClient alloc = StartFaultClient(
+      daemon, "alloc", "alloc",
+      {"--budget_mib=224", "--tensor_mib=216", "--link_mib_per_s=0"});
+  ASSERT_NE(alloc.process, nullptr);
+  auto done = LineStarting(*alloc.process, "done", absl::Seconds(60));
+  EXPECT_TRUE(done.ok()) << done.status() << "\n"
+                         << ReadFileOrEmpty(alloc.errors);
+  const ExitStatus exit = alloc.process->WaitOrKill(absl::Seconds(30));
+  EXPECT_TRUE(exit.ok()) << exit.ToString();
+  // And keeps every byte.
+  holder.process->CloseStdin();
+  auto verified = LineStarting(*holder.process, "verified", absl::Seconds(60));
+  EXPECT_TRUE(verified.ok()) << verified.status() << "\n"
+                             << ReadFileOrEmpty(holder.errors);
+  EXPECT_TRUE(holder.process->WaitOrKill(absl::Seconds(30)).ok());
+  EXPECT_TRUE(daemon.Running());
+}
+
 TEST(Faults, ADaemonKilledAndRestartedLosesNoTensor) {
   DaemonOptions options = SmallNode();
   const std::string dir = ::testing::TempDir();

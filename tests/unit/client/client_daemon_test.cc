@@ -182,6 +182,21 @@ TEST_F(ClientDaemonTest, KeepsTrainingWhenTheDaemonGoesAndReportsAllToTheNext) {
   EXPECT_EQ(client_->Stats().rejected_batches, 0);
 }
 
+// Between two iterations a process may hold no tensor at all; a session
+// found again then is a reconnect all the same.
+TEST_F(ClientDaemonTest,
+       ASessionFoundAgainWithNoTensorsHeldCountsAsAReconnect) {
+  Connect(8 * kMiB);
+  ASSERT_TRUE(client_->connected());
+  EXPECT_EQ(client_->Stats().reconnects, 0);
+  server_->Drain();
+  server_.reset();
+  ASSERT_TRUE(Eventually([&] { return !client_->connected(); }));
+  StartDaemon();
+  ASSERT_TRUE(Eventually([&] { return client_->connected(); }));
+  EXPECT_EQ(client_->Stats().reconnects, 1);
+}
+
 TEST_F(ClientDaemonTest, WithoutADaemonTheClientStartsInProcess) {
   server_.reset();
   Connect(4 * kMiB);
