@@ -130,12 +130,7 @@ absl::StatusOr<void*> ChunkArena::Allocate(int64_t bytes) {
 absl::StatusOr<void*> ChunkArena::AllocateRun(int64_t bytes) {
   const int64_t count = (bytes - 1) / chunk_bytes_ + 1;
   if (auto kept = kept_by_count_.find(count); kept != kept_by_count_.end()) {
-    const int64_t first = kept->second;
-    kept_by_count_.erase(kept);
-    auto it = kept_.find(first);
-    Run run = std::move(it->second);
-    kept_.erase(it);
-    kept_chunks_ -= count;
+    auto [first, run] = TakeKept(kept);
     run.requested = bytes;
     runs_[first] = std::move(run);
     return reinterpret_cast<void*>(SlotAddress(first));
@@ -360,16 +355,21 @@ void ChunkArena::UnmapToFree(int64_t slot, uint64_t chunk) {
   ReturnSlots(slot, 1);
 }
 
+std::pair<int64_t, ChunkArena::Run> ChunkArena::TakeKept(
+    std::multimap<int64_t, int64_t>::iterator by_count) {
+  const int64_t first = by_count->second;
+  kept_by_count_.erase(by_count);
+  auto it = kept_.find(first);
+  Run run = std::move(it->second);
+  kept_.erase(it);
+  kept_chunks_ -= static_cast<int64_t>(run.chunks.size());
+  return {first, std::move(run)};
+}
+
 void ChunkArena::UnkeepUntil(int64_t chunks) {
   while (static_cast<int64_t>(free_chunks_.size()) < chunks &&
          !kept_by_count_.empty()) {
-    auto largest = std::prev(kept_by_count_.end());
-    const int64_t first = largest->second;
-    kept_by_count_.erase(largest);
-    auto it = kept_.find(first);
-    const Run run = std::move(it->second);
-    kept_.erase(it);
-    kept_chunks_ -= static_cast<int64_t>(run.chunks.size());
+    const auto [first, run] = TakeKept(std::prev(kept_by_count_.end()));
     for (size_t i = 0; i < run.chunks.size(); ++i) {
       UnmapToFree(first + static_cast<int64_t>(i), run.chunks[i]);
     }

@@ -8,6 +8,7 @@
 #include <set>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -137,6 +138,10 @@ class ChunkArena {
   // lists; when the mapper cannot unmap, both stay out of use until the
   // destructor (a chunk still mapped must not be mapped elsewhere).
   void UnmapToFree(int64_t slot, uint64_t chunk);
+  // Takes a kept run (named by its kept_by_count_ entry) off the kept
+  // lists: its first slot and the run, still mapped.
+  std::pair<int64_t, Run> TakeKept(
+      std::multimap<int64_t, int64_t>::iterator by_count);
   // Unmaps kept runs, the largest first, until `chunks` chunks are on the
   // free list or none is kept.
   void UnkeepUntil(int64_t chunks);

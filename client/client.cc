@@ -252,6 +252,7 @@ void Client::OnOrders(const v1::Orders& orders) {
   for (const v1::ReleaseOrder& o : orders.release()) {
     ++stats_.orders_received;
     ++queued_releases_;
+    ordered_.insert(o.tensor_id());
     jobs_.push_back(
         {o.action() == v1::ReleaseOrder::EVICT ? Job::kEvict : Job::kOffload,
          o.tensor_id()});
@@ -276,6 +277,9 @@ void Client::OnLost(const std::string& /*why*/) {
 void Client::DropOrdersLocked() {
   // Orders of a session that ended are moot; whoever waits for them to be
   // carried out waits no more.
+  for (const Job& job : jobs_) {
+    if (job.release()) UnorderLocked(job.id);
+  }
   jobs_.clear();
   queued_releases_ = 0;
   changed_.notify_all();
@@ -766,24 +770,21 @@ absl::Status Client::Recompute(uint64_t id) {
 
 bool Client::CarryOut(const std::vector<v1::ReleaseOrder>& orders,
                       Origin origin) {
-  std::vector<std::multiset<uint64_t>::iterator> ordered;
-  if (origin == Origin::kDaemonOrder) {
+  const bool daemons = origin == Origin::kDaemonOrder;
+  if (daemons) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const v1::ReleaseOrder& o : orders) {
-      ordered.push_back(ordered_now_.insert(o.tensor_id()));
-    }
+    for (const v1::ReleaseOrder& o : orders) ordered_.insert(o.tensor_id());
   }
   bool all = true;
-  for (size_t i = 0; i < orders.size(); ++i) {
-    const v1::ReleaseOrder& o = orders[i];
+  for (const v1::ReleaseOrder& o : orders) {
     const absl::Status s = o.action() == v1::ReleaseOrder::EVICT
                                ? Evict(o.tensor_id(), origin)
                                : Offload(o.tensor_id(), origin);
     all = all && s.ok();
-    if (!ordered.empty()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      ordered_now_.erase(ordered[i]);
-    }
+  }
+  if (daemons) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const v1::ReleaseOrder& o : orders) UnorderLocked(o.tensor_id());
   }
   return all;
 }
@@ -871,15 +872,11 @@ absl::Status Client::ReleaseInProcess(int64_t need, int64_t start_ns) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     // The daemon's orders not carried out yet are not the plan's to choose
-    // (see ordered_now_): locked while it plans, as an op's tensors are.
+    // (see ordered_): locked while it plans, as an op's tensors are.
     std::vector<uint64_t> shielded;
-    auto shield = [&](uint64_t id) {
+    for (uint64_t id : ordered_) {
       if (local_.table().Lock(id).ok()) shielded.push_back(id);
-    };
-    for (const Job& job : jobs_) {
-      if (job.kind == Job::kOffload || job.kind == Job::kEvict) shield(job.id);
     }
-    for (uint64_t id : ordered_now_) shield(id);
     auto plan = local_.Plan(need, NowNs(), arena_.available_bytes());
     for (uint64_t id : shielded) (void)local_.table().Unlock(id);
     if (!plan.ok()) return plan.status();
@@ -908,20 +905,20 @@ absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
   // yet, or memory lost to rounding).
   bool granted = false;  // the daemon made room beyond the budget
   constexpr int kRounds = 16;
-  const int64_t wait_deadline_ns =
-      NowNs() + int64_t{options_.owed_chunks_wait_ms} * 1000000;
   const int64_t start_ns = NowNs();
-  int64_t refused_at_start;
-  int64_t local_refused_at_start;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    refused_at_start = stats_.orders_refused;
-    local_refused_at_start = stats_.local_refused;
-  }
+  const int64_t wait_deadline_ns =
+      start_ns + int64_t{options_.owed_chunks_wait_ms} * 1000000;
+  // For the message when it gives up: what was refused meanwhile.
+  int64_t refused_at_start = 0;
+  int64_t local_refused_at_start = 0;
   for (int round = 0;; ++round) {
     bool reserved = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (round == 0) {
+        refused_at_start = stats_.orders_refused;
+        local_refused_at_start = stats_.local_refused;
+      }
       if (granted || device_bytes_ + bytes <= budget_bytes_) {
         device_bytes_ += bytes;
         stats_.peak_device_bytes =
@@ -1162,8 +1159,6 @@ void Client::ExecutorLoop() {
     while (!jobs_.empty() && !stopping_) {
       const Job job = jobs_.front();
       jobs_.pop_front();
-      const bool release = job.kind == Job::kOffload || job.kind == Job::kEvict;
-      auto ordered = release ? ordered_now_.insert(job.id) : ordered_now_.end();
       lock.unlock();
       switch (job.kind) {
         case Job::kOffload:
@@ -1180,8 +1175,8 @@ void Client::ExecutorLoop() {
           break;
       }
       lock.lock();
-      if (release) ordered_now_.erase(ordered);
-      if (release && queued_releases_ > 0) {
+      if (job.release()) UnorderLocked(job.id);
+      if (job.release() && queued_releases_ > 0) {
         --queued_releases_;
         changed_.notify_all();
       }

@@ -184,6 +184,7 @@ class Client {
     // kPrefetch: the daemon's order; kPrefetchHint: the framework's.
     enum Kind { kOffload, kEvict, kPrefetch, kPrefetchHint } kind;
     uint64_t id;
+    bool release() const { return kind == kOffload || kind == kEvict; }
   };
   // Who asked for a release, on the stream or in a synchronous answer, or
   // the in-process policy: decides which events report it.
@@ -294,12 +295,15 @@ class Client {
   int64_t next_chunk_check_ns_ = 0;  // mu_
 
   std::deque<Job> jobs_;  // guarded by mu_
-  // mu_: tensors of the daemon's release orders being carried out now (by
-  // the executor, or by an allocation that got them in a Release answer).
-  // With those queued in jobs_, no in-process plan may choose them: the
-  // daemon holds them as releasing, and an eviction it did not order
-  // would make it refuse the batch (and the session be opened anew).
-  std::multiset<uint64_t> ordered_now_;
+  // mu_: tensors of the daemon's release orders not carried out yet
+  // (queued in jobs_, or in hand: the executor's, or an allocation's from
+  // a Release answer). No in-process plan may choose them: the daemon
+  // holds them as releasing, and an eviction it did not order would make
+  // it refuse the batch (and the session be opened anew).
+  std::multiset<uint64_t> ordered_;
+  void UnorderLocked(uint64_t id) {
+    if (auto it = ordered_.find(id); it != ordered_.end()) ordered_.erase(it);
+  }
   std::condition_variable work_;
   bool stopping_ = false;
   std::thread executor_;
