@@ -385,7 +385,9 @@ class Bench:
         self.deltad_error = deltad_module.DeltadError if deltad_module \
             else None
         self.limit = int(args.memory_limit_gib * GIB)
-        self.budget = max(1, int(self.limit * args.deltad_share))
+        # deltad's budget is the whole limit: its saved tensors live in the
+        # memory PyTorch's allocator holds, within the same cap.
+        self.budget = self.limit
         self.host_cap = int(args.host_gib * GIB)
         self.total = (torch.cuda.get_device_properties(self.device)
                       .total_memory if self.cuda else None)
@@ -397,18 +399,12 @@ class Bench:
         return self.deadline is not None and time.monotonic() > self.deadline
 
     def set_limit(self, mode):
-        """Enforces the memory limit for a mode's run (CUDA only).
-
-        Every mode gets the same limit. For none, checkpoint and save_on_cpu
-        it caps PyTorch's caching allocator. deltad's device memory (the
-        chunks its client maps) lies outside the caching allocator, so
-        set_per_process_memory_fraction does not see it: the limit is split,
-        the budget (--deltad_share of it) to deltad and the rest to PyTorch,
-        so that both together stay within the same limit."""
+        """Enforces the memory limit for a mode's run (CUDA only): every
+        mode, deltad included, gets the same cap on PyTorch's caching
+        allocator, which holds all of the run's memory."""
         if not self.cuda:
             return
-        allowed = self.limit - (self.budget if mode == "deltad" else 0)
-        fraction = min(1.0, max(allowed, 0) / self.total)
+        fraction = min(1.0, self.limit / self.total)
         torch.cuda.set_per_process_memory_fraction(fraction, self.device)
 
     @contextlib.contextmanager
@@ -418,22 +414,12 @@ class Bench:
             with torch.autograd.graph.save_on_cpu(pin_memory=self.cuda):
                 yield None
         elif mode == "deltad":
-            # A client of our own, as managed() makes one, but with the host
-            # memory for offloads set: without a daemon the library's
-            # default is 4 GiB, where save_on_cpu may pin up to --host_gib.
-            client = self.deltad.Client(
-                socket=self.args.socket, budget_bytes=self.budget,
-                host_bytes=self.host_cap, fallback_host_bytes=self.host_cap,
-                label="torch_bench", device="cuda" if self.cuda else "sim",
-                cuda_device=(self.device.index or 0) if self.cuda else 0)
-            try:
-                with self.deltad.torch.managed(
-                        model, budget_bytes=self.budget, client=client,
-                        policy=self.args.deltad_policy,
-                        min_bytes=self.args.deltad_min_bytes) as manager:
-                    yield manager
-            finally:
-                client.close()
+            with self.deltad.torch.managed(
+                    model, budget_bytes=self.budget, socket=self.args.socket,
+                    host_bytes=self.host_cap, label="torch_bench",
+                    policy=self.args.deltad_policy,
+                    min_bytes=self.args.deltad_min_bytes) as manager:
+                yield manager
         else:
             yield None
 
@@ -769,18 +755,16 @@ def intro(args, bench, cuda):
                  f"GPU memory: PyTorch's caching allocator is capped with "
                  f"`torch.cuda.set_per_process_memory_fraction` (the CUDA "
                  f"context and libraries' own memory are outside it). "
-                 f"deltad's memory lies outside the caching allocator, so "
-                 f"for `deltad` the limit is split: a budget of "
-                 f"{size(bench.budget)} ({args.deltad_share:g} of it) for "
-                 f"deltad, the remaining {size(bench.limit - bench.budget)} "
-                 f"for PyTorch. ")
+                 f"deltad's budget is the same limit: it keeps saved "
+                 f"activations, held by reference in PyTorch's memory, "
+                 f"within what parameters, gradients, optimizer state and "
+                 f"a reserve of an eighth for temporaries leave. ")
         if args.tf32:
             limit += "fp32 with TF32 matmuls and convolutions. "
     else:
         limit = (f"On the CPU no memory limit is enforced but deltad's: it "
                  f"gets a budget of {size(bench.budget)} "
-                 f"({args.deltad_share:g} of --memory_limit_gib) on the "
-                 f"client's simulated device. ")
+                 f"(--memory_limit_gib) for saved activations. ")
     return (
         limit +
         f"deltad: {where}, policy `{args.deltad_policy}`, tensors of "
@@ -1024,9 +1008,6 @@ def parse_args(argv):
                    help="GPU memory every mode gets (default 16; --smoke: "
                    "1 on CUDA, 6 MiB on the CPU, where it only sets "
                    "deltad's budget)")
-    p.add_argument("--deltad_share", type=float, default=0.5,
-                   help="deltad's budget as a share of the limit; PyTorch's "
-                   "allocator gets the rest in deltad mode (default 0.5)")
     p.add_argument("--models", default=",".join(MODELS),
                    help="comma-separated: resnet50, gpt2")
     p.add_argument("--modes", default=",".join(MODES),
@@ -1079,10 +1060,9 @@ def parse_args(argv):
     except argparse.ArgumentTypeError as e:
         p.error(str(e))
     if args.memory_limit_gib is None:
-        # --smoke on the CPU: deltad's budget (3 MiB) then holds the smoke
-        # GPT's activations at small batches only, so that it offloads,
-        # recomputes and, by batch 16, runs out (a logits tensor alone is
-        # over the budget), and the search bisects.
+        # --smoke on the CPU: deltad's budget (6 MiB of saved activations)
+        # then holds the smoke GPT's at small batches only, so that it
+        # releases some.
         args.memory_limit_gib = ((1.0 if args.device == "cuda" else 6 / 1024)
                                  if args.smoke else 16.0)
     if args.steps is None:
@@ -1098,8 +1078,6 @@ def parse_args(argv):
             args.host_gib = available / 2 / GIB if available else 16.0
     if args.memory_limit_gib <= 0:
         p.error("--memory_limit_gib must be positive")
-    if not 0 < args.deltad_share < 1:
-        p.error("--deltad_share must be between 0 and 1")
     if args.steps < 1:
         p.error("--steps must be at least 1")
     if any(v < 1 for v in args.max_batch.values()):

@@ -96,23 +96,19 @@ class TorchBenchSmokeTest(unittest.TestCase):
                         part, rf"\n\| {mode} \| \d+ \| [^|]* \| [\d.]+ \| "
                         rf"[^|]* \| [\d.]+ \| [\d.]+ \|")
 
-    def test_deltad_released_memory_and_the_search_bisected(self):
-        # The smoke budget (3 MiB) holds the smoke GPT's activations at
-        # small batches only: deltad offloads or evicts, and by batch 16 a
-        # logits tensor alone is over it.
+    def test_deltad_released_memory(self):
+        # The smoke budget (6 MiB of saved activations) is short for the
+        # smoke GPT: deltad offloads or evicts. On the CPU nothing caps
+        # memory, so deltad, like every mode, reaches --max_batch.
         part = model_section(self.text, "gpt2")
         row = re.search(r"^\| deltad \| (\d+) \| ([^|]*) \|", part, re.M)
         self.assertIsNotNone(row, part)
-        stopped = re.match(r"out of memory at batch (\d+)$", row.group(2))
-        self.assertIsNotNone(stopped, row.group(0))
-        # Bisected down to the next batch.
-        self.assertEqual(int(stopped.group(1)), int(row.group(1)) + 1)
+        self.assertEqual(row.group(2).strip(), "reached --max_batch 16")
         stats = re.search(r"deltad at batch \d+, over \d+ steps: ([\d.]+) "
                           r"\w+ offloaded, [^,]*, (\d+) evictions", part)
         self.assertIsNotNone(stats, part)
         self.assertTrue(float(stats.group(1)) > 0 or int(stats.group(2)) > 0,
                         stats.group(0))
-        self.assertIn("out of memory", self.proc.stderr)
 
     def test_traces_replayed_or_the_table_says_why(self):
         sim = self.text[self.text.index("### Simulator"):]
@@ -135,7 +131,7 @@ class TorchBenchArgumentsTest(unittest.TestCase):
 
     def test_bad_arguments_exit_2(self):
         for args in (["--modes", "none,bogus"], ["--models", "vgg"],
-                     ["--max_batch", "gpt2=x"], ["--deltad_share", "1.5"]):
+                     ["--max_batch", "gpt2=x"]):
             with self.subTest(args):
                 r = run("--device", "cpu", "--smoke", *args, timeout=60)
                 self.assertEqual(r.returncode, 2, r.stderr)

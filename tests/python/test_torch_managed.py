@@ -1,7 +1,9 @@
 """deltad.torch.managed on the CPU: training under a budget well below the
 unmanaged peak gives the same losses, parameters and buffers as without
 deltad, whether saved activations are offloaded or evicted and recomputed,
-with the in-process policy and with a daemon."""
+with the in-process policy and with a daemon. (tests/python/
+test_torch_correctness.py checks the cases one by one: views, in-place
+updates, shared storages, double backward, AMP, ...)"""
 
 import ctypes
 import gc
@@ -111,12 +113,17 @@ class ManagedTrainingTest(unittest.TestCase):
         self.assertEqual(len(state), len(m_state))
         for i, (a, b) in enumerate(zip(state, m_state)):
             self.assertTrue(torch.equal(a, b), f"parameter/buffer {i}")
+        # Saved tensors are held by reference: the ones the forward still
+        # uses (the input, the layer running) cannot be released, so the
+        # peak stays above the budget by up to that working set.
         managed_peak = max(s.peak_device_bytes for s in stats)
-        self.assertLessEqual(managed_peak, peak * 0.5,
+        self.assertLessEqual(managed_peak, peak * 0.85,
                              f"managed peak {managed_peak} of {peak}")
         self.assertGreater(sum(s.offloaded_bytes + s.evictions
                                for s in stats), 0)
         self.assertEqual(all(s.connected for s in stats), connected)
+        self.assertEqual(sum(s.daemon_round_trips for s in stats),
+                         len(stats) if socket else 0)
         return stats
 
     def test_cnn_in_process(self):
@@ -175,18 +182,51 @@ class ManagedTrainingTest(unittest.TestCase):
 
     def test_the_model_is_left_as_it_was(self):
         model = small_mlp()
-        with deltad.torch.managed(model, socket=None):
+        with deltad.torch.managed(model, socket=None, policy="recompute"):
             self.assertIn("forward", model[0].__dict__)
         for m in model.modules():
             self.assertNotIn("forward", m.__dict__)
 
-    def test_a_graph_unpacked_after_the_block_raises(self):
-        model = small_cnn()
-        with deltad.torch.managed(model, socket=None, min_bytes=1):
-            loss = model(torch.randn(2, 3, 32, 32)).sum()
-        # Autograd wraps the hook's DeltadError in a RuntimeError.
-        with self.assertRaisesRegex(RuntimeError, "client is closed"):
-            loss.backward()
+    def test_a_run_that_fits_records_nothing_for_recompute(self):
+        model = small_mlp()
+        for _ in range(2):
+            with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                      budget_bytes=1 << 30) as manager:
+                self.assertNotIn("forward", model[0].__dict__)
+                model(torch.randn(8, 256)).sum().backward()
+            stats = manager.stats()
+            self.assertGreater(stats.saved_tensors, 0)
+            self.assertEqual((stats.recorded_calls, stats.offloads,
+                              stats.evictions, stats.host_waits),
+                             (0, 0, 0, 0))
+
+    def test_auto_records_calls_once_an_iteration_had_to_release(self):
+        model = small_mlp()
+        recorded = []
+        for _ in range(2):
+            with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                      budget_bytes=1 << 20) as manager:
+                model(torch.randn(128, 256)).sum().backward()
+            recorded.append(manager.stats().recorded_calls)
+        self.assertEqual(recorded[0], 0)
+        self.assertGreater(recorded[1], 0)
+
+    def test_a_graph_unpacked_after_the_block_still_works(self):
+        torch.manual_seed(0)
+        model = small_mlp()
+        x = torch.randn(128, 256)
+        torch.manual_seed(1)  # the same dropout masks in both runs
+        model(x).sum().backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                  budget_bytes=1 << 20) as manager:
+            torch.manual_seed(1)
+            loss = model(x).sum()
+        self.assertGreater(manager.stats().offloads, 0)
+        loss.backward()
+        for a, p in zip(expected, model.parameters()):
+            self.assertTrue(torch.equal(a, p.grad))
 
 
 class ClientTest(unittest.TestCase):

@@ -52,8 +52,8 @@ def main():
         s = m.stats()
         print(f"step {step}: loss {loss.item():.4f}  "
               f"{time.perf_counter() - start:.2f} s  "
-              f"{m.managed_tensors} activations managed "
-              f"({m.recomputable_tensors} recomputable), device peak "
+              f"{s.saved_tensors} saved tensors in {s.saved_storages} "
+              f"storages, peak "
               f"{s.peak_device_bytes / 2**20:.1f} MiB of "
               f"{s.budget_bytes / 2**20:.1f} MiB, offloaded "
               f"{s.offloaded_bytes / 2**20:.1f} MiB "

@@ -1,0 +1,296 @@
+"""What recompute needs: which module call produced a saved storage, and how
+to run that call again.
+
+Recording costs a wrapper around every module's forward (a few
+microseconds per call: the RNG state, the arguments' sources, a clock), so
+it runs only where a recompute may be chosen: from the iteration after one
+that had to release memory (policy "auto"), or from the start with policy
+"recompute". A run with a budget that nothing exceeds records nothing.
+
+A call can be run again when each of its tensor arguments is a saved
+storage (restored first if released), the output of another recorded call
+(run again too, up to `max_depth` calls back), a parameter or buffer, or
+small (copied when the call ran). It is run under no_grad with the RNG
+state, autocast state and module buffers of the original run, so dropout
+draws the same mask and BatchNorm does not count the batch twice.
+
+Thread safety: wrappers run on the forward thread; produced() and the
+store's calls into this module hold the store's lock.
+"""
+
+import itertools
+import threading
+import time
+import weakref
+
+import torch as _torch
+
+from deltad.saved import _flat, _storage
+from deltad.trace import _tensors_in
+
+
+class _NotRecomputable(Exception):
+    pass
+
+
+def _meta(tensor):
+    return (tensor.shape, tensor.stride(), tensor.storage_offset(),
+            tensor.dtype)
+
+
+def _view(flat, meta):
+    shape, stride, offset, dtype = meta
+    view = flat if dtype == flat.dtype else flat.view(dtype)
+    return view.as_strided(shape, stride, offset)
+
+
+class Call:
+    """One run of a module's forward, as recompute runs it again."""
+
+    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng",
+                 "autocast", "own_ns", "events", "depth", "out_meta",
+                 "out_nbytes")
+
+    def cost_ns(self):
+        """This run's time plus that of the calls it reruns for its
+        arguments: what recomputing its output costs."""
+        if self.events is not None:
+            start, end = self.events
+            if end.query():  # read lazily, once the GPU ran it
+                self.own_ns = int(start.elapsed_time(end) * 1e6)
+                self.events = None
+        return self.own_ns + sum(v[1].cost_ns() for v in self.sources()
+                                 if v[0] == "call")
+
+    def sources(self):
+        return itertools.chain(self.args, self.kwargs.values())
+
+
+def _autocast_state():
+    return (_torch.is_autocast_enabled(), _torch.get_autocast_gpu_dtype(),
+            _torch.is_autocast_cpu_enabled(),
+            _torch.get_autocast_cpu_dtype())
+
+
+class Recorder:
+    """Records module calls while wrapped; reruns them for the store."""
+
+    def __init__(self, device, min_bytes, max_depth):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.min_bytes = min_bytes
+        self.max_depth = max_depth
+        self.store = None  # set by deltad.torch once the store exists
+        self.local = threading.local()  # .depth, .recomputing
+        self.calls = {}  # storage key -> the Call that returned it
+        self.wrapped = []
+        self.recorded = 0
+
+    # --- wrapping
+
+    def wrap(self, model):
+        if self.wrapped:
+            return
+        for module in model.modules():
+            if "forward" in module.__dict__:
+                continue  # patched by the user: left as it is
+            module.forward = self._wrapper(module, module.forward)
+            self.wrapped.append(module)
+
+    def unwrap(self):
+        for module in self.wrapped:
+            module.__dict__.pop("forward", None)
+        self.wrapped.clear()
+
+    def recomputing(self):
+        return getattr(self.local, "recomputing", False)
+
+    def _wrapper(self, module, forward):
+        recorder = self
+
+        def forward_with_deltad(*args, **kwargs):
+            if recorder.recomputing() or not _torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            before = [(t, t._version)
+                      for t in _tensors_in((args, kwargs), [])]
+            call = Call()
+            call.cpu_rng = _torch.get_rng_state()
+            call.cuda_rng = (_torch.cuda.get_rng_state(recorder.device)
+                             if recorder.cuda else None)
+            call.autocast = _autocast_state()
+            call.events = None
+            if recorder.cuda:
+                start = _torch.cuda.Event(enable_timing=True)
+                end = _torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = forward(*args, **kwargs)
+                end.record()
+                call.events = (start, end)
+                call.own_ns = 0  # until the events are read
+            else:
+                start = time.perf_counter_ns()
+                out = forward(*args, **kwargs)
+                call.own_ns = time.perf_counter_ns() - start
+            recorder._produced_by(module, call, out, args, kwargs, before)
+            return out
+
+        return forward_with_deltad
+
+    def _produced_by(self, module, call, out, args, kwargs, before):
+        if (not isinstance(out, _torch.Tensor) or out.layout !=
+                _torch.strided or out.device != self.device or
+                out.numel() * out.element_size() < self.min_bytes):
+            return
+        storage = _storage(out)
+        key = storage.data_ptr()
+        if key in self.calls:
+            return  # an inner module returned it: cheaper to rerun
+        for t, version in before:
+            if t._version != version:
+                return  # changed its argument in place: cannot rerun
+            if _storage(t).data_ptr() == key:
+                return  # handed its argument back (identity, dropout off)
+        try:
+            call.args = tuple(self._source(a) for a in args)
+            call.kwargs = {k: self._source(v) for k, v in kwargs.items()}
+        except _NotRecomputable:
+            return
+        call.module = module
+        call.depth = 1 + max((v[1].depth for v in call.sources()
+                              if v[0] == "call"), default=0)
+        if call.depth > self.max_depth:
+            return
+        call.out_meta = _meta(out)
+        call.out_nbytes = storage.nbytes()
+        self.calls[key] = call
+        self.recorded += 1
+        # A later tensor at this address is another one.
+        weakref.finalize(out, _forget, self.calls, key, call)
+        store = self.store
+        if store is not None:
+            store.adopt(key, call)
+
+    def _source(self, value):
+        if not isinstance(value, _torch.Tensor):
+            if _tensors_in(value, []):
+                raise _NotRecomputable()
+            return ("value", value)
+        if value.layout != _torch.strided:
+            raise _NotRecomputable()
+        if isinstance(value, _torch.nn.Parameter):
+            return ("value", value)
+        key = _storage(value).data_ptr()
+        group = self.store.group_at(key) if self.store is not None else None
+        if group is not None:
+            return ("group", group, _meta(value))
+        producer = self.calls.get(key)
+        if producer is not None:
+            return ("call", producer, _meta(value))
+        if value.is_leaf and value.requires_grad:
+            return ("value", value)  # a parameter-like leaf
+        if value.numel() * value.element_size() < self.min_bytes:
+            return ("value", value.detach().clone())
+        raise _NotRecomputable()
+
+    # --- for the store
+
+    def produced(self, key):
+        return self.calls.get(key)
+
+    def can_rebuild(self, group):
+        call = group.call
+        if call is None:
+            return False
+        stack = [call]
+        while stack:
+            for source in stack.pop().sources():
+                if source[0] == "group" and source[1].state is None:
+                    return False  # dropped: its bytes are gone
+                if source[0] == "call":
+                    stack.append(source[1])
+        return True
+
+    def sources_of(self, group):
+        """The saved groups a rebuild of `group` reads, each once."""
+        out, stack = [], [group.call]
+        while stack:
+            for source in stack.pop().sources():
+                if source[0] == "group" and source[1] is not group and \
+                        not any(source[1] is g for g in out):
+                    out.append(source[1])
+                elif source[0] == "call":
+                    stack.append(source[1])
+        return tuple(out)
+
+    def rebuild(self, group):
+        call = group.call
+        out = self._run(call)
+        shape, stride, offset, dtype = call.out_meta
+        if (tuple(out.shape) != tuple(shape) or out.stride() != stride or
+                out.storage_offset() != offset or out.dtype != dtype or
+                _storage(out).nbytes() != call.out_nbytes):
+            raise RuntimeError(
+                f"deltad: recomputing {type(call.module).__name__} gave "
+                f"{tuple(out.shape)} {out.dtype} strides {out.stride()}, "
+                f"not {tuple(shape)} {dtype} strides {stride}; use "
+                "policy='offload' for this model")
+        return out
+
+    def _run(self, call):
+        args = [self._materialize(s) for s in call.args]
+        kwargs = {k: self._materialize(s) for k, s in call.kwargs.items()}
+        module = call.module
+        buffers = [(b, b.clone()) for b in module.buffers()]
+        cpu_rng = _torch.get_rng_state()
+        cuda_rng = (_torch.cuda.get_rng_state(self.device)
+                    if call.cuda_rng is not None else None)
+        gpu_on, gpu_dtype, cpu_on, cpu_dtype = call.autocast
+        self.local.recomputing = True
+        try:
+            _torch.set_rng_state(call.cpu_rng)
+            if call.cuda_rng is not None:
+                _torch.cuda.set_rng_state(call.cuda_rng, self.device)
+            with _torch.no_grad(), \
+                    _torch.autocast("cpu", dtype=cpu_dtype,
+                                    enabled=cpu_on), \
+                    _autocast_cuda(gpu_dtype, gpu_on):
+                return module(*args, **kwargs)
+        finally:
+            self.local.recomputing = False
+            _torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                _torch.cuda.set_rng_state(cuda_rng, self.device)
+            with _torch.no_grad():
+                for b, before in buffers:
+                    b.copy_(before)
+
+    def _materialize(self, source):
+        kind = source[0]
+        if kind == "value":
+            return source[1]
+        if kind == "call":
+            flat = _flat(self._run(source[1]), source[1].out_nbytes)
+        else:
+            flat = self.store.storage_of(source[1])
+        # A copy: the module may work in place on its argument, and the
+        # saved bytes must stay as they were.
+        return _view(flat, source[2]).clone()
+
+
+def _autocast_cuda(dtype, enabled):
+    if not enabled:
+        return _NullContext()
+    return _torch.autocast("cuda", dtype=dtype, enabled=True)
+
+
+class _NullContext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _forget(table, key, entry):
+    if table.get(key) is entry:
+        del table[key]

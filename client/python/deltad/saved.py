@@ -1,0 +1,519 @@
+"""Saved activations held by reference, released only when memory is short.
+
+Packing a tensor records it: no copy, no host wait, no call into the client
+library. Tensors that share a storage (a view and its base, q, k and v split
+from one projection) form one group: the storage is what occupies memory, so
+it is what is counted, offloaded, evicted and restored, and every saved view
+of it comes back with its own size, strides and offset.
+
+When the resident bytes pass the budget, the oldest groups are released
+first (backward needs them last), and only groups this store alone holds:
+freeing memory that Python still references would free nothing, and a
+tensor someone else can still write to must not be snapshotted early. A
+group is
+
+- offloaded: its storage copied to host memory, on CUDA asynchronously on a
+  copy stream (the caching allocator reuses the device block once that
+  copy's event has completed: record_stream), or
+- evicted: dropped, and rebuilt when needed by running the module call that
+  produced it again (deltad.recompute),
+
+whichever the Director prefers: evict when recomputing costs no more than
+moving the bytes both ways (F = c_r / c_s <= 1). Unpacking restores a
+released group (reload or recompute) and hints the groups backward unpacks
+next, in the order the previous iteration unpacked them.
+
+Thread safety: one re-entrant lock guards the store's state; autograd
+unpacks on its own threads and a SavedTensor may be collected anywhere.
+"""
+
+import sys
+import threading
+import time
+
+import torch as _torch
+
+RESIDENT, OFFLOADED, EVICTED = "resident", "offloaded", "evicted"
+
+# The tensor's untyped storage: PyTorch 2.x's untyped_storage, 1.13's
+# _storage (its storage() builds a typed one, 15 times slower).
+_storage = getattr(_torch.Tensor, "untyped_storage", None) or \
+    _torch.Tensor._storage
+
+
+class SavedTensor:
+    """What autograd keeps instead of a saved tensor: its group and its
+    place there. The tensor itself stays in the group while resident."""
+
+    __slots__ = ("group", "index", "version", "__weakref__")
+
+    def __init__(self, group, index, version):
+        self.group = group
+        self.index = index
+        self.version = version
+
+    def __del__(self):
+        try:
+            self.group.store._member_died(self.group, self.index)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class _Group:
+    """One storage's bytes and the saved tensors that view them."""
+
+    __slots__ = ("store", "key", "nbytes", "device", "dtype", "seq",
+                 "position", "state", "tensors", "live", "metas", "host",
+                 "flat", "event", "call", "dependents", "retained",
+                 "used", "rebuilt", "evicted_sources")
+
+    def __init__(self, store, key, nbytes, tensor, seq, position):
+        self.store = store
+        self.key = key
+        self.nbytes = nbytes
+        self.device = tensor.device
+        self.dtype = tensor.dtype
+        self.seq = seq            # pack order across the store
+        self.position = position  # pack order within the iteration
+        self.state = RESIDENT
+        self.tensors = []  # member tensors; None once dead or released
+        self.live = 0
+        self.metas = None  # (size, stride, offset, dtype) while released
+        self.host = None   # the host copy while offloaded
+        self.flat = None   # the restored storage, until members are rebuilt
+        self.event = None  # CUDA: the copy that fills `flat` or `host`
+        self.call = None   # the module call that produced it, if known
+        self.dependents = 0  # evicted groups whose recompute reads this
+        self.retained = None  # keeps the bytes for dependents when unused
+        self.used = False  # unpacked: backward is reading it
+        self.rebuilt = False  # members are views of a restored storage
+        self.evicted_sources = ()  # groups this one's recompute reads
+
+
+class Counters:
+    """What the store did; ints, read without the lock."""
+
+    def __init__(self):
+        self.saved_tensors = 0
+        self.saved_groups = 0
+        self.resident_bytes = 0
+        self.peak_resident_bytes = 0
+        self.host_bytes = 0
+        self.offloads = 0
+        self.offloaded_bytes = 0
+        self.reloads = 0
+        self.reloaded_bytes = 0
+        self.prefetches = 0
+        self.evictions = 0
+        self.recomputes = 0
+        self.recompute_ns = 0
+        self.host_waits = 0  # synchronizes and blocking copies
+        self.stall_ns = 0    # time unpack spent restoring
+        self.overshoots = 0  # saves left above the budget, nothing to free
+        self.host_full = 0   # releases refused: no host memory, no rebuild
+
+
+class SavedStore:
+    """The saved activations of one managed block.
+
+    budget(): the bytes saved activations may hold on the device now.
+    director(group) -> "offload" or "evict" (deltad.torch decides with the
+    policy and the prices). recompute(group) -> the producing call's output
+    tensor, rebuilt. host_bytes: the most host memory offloads may use.
+    """
+
+    def __init__(self, device, budget, director, recompute, host_bytes,
+                 prefetch_bytes, plan, on_iteration):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.budget = budget
+        self.director = director
+        self.recompute = recompute
+        self.host_cap = host_bytes
+        self.prefetch_bytes = prefetch_bytes
+        self.plan = plan  # deltad.torch's per-model state: unpack order
+        self.on_iteration = on_iteration  # a forward begins
+        self.counters = Counters()
+        self.lock = threading.RLock()
+        self.groups = {}  # storage key -> resident or released group
+        self.order = []   # groups in pack order (victims from the front)
+        self.by_position = []  # this iteration's groups by position
+        self.unpacked = []     # positions in unpack order, this iteration
+        self.seq = 0
+        self.released_this_iteration = False
+        self.closed = False
+        self.copy_stream = (_torch.cuda.Stream(device) if self.cuda
+                            else None)
+
+    # --- pack and unpack (the hot path)
+
+    def pack(self, tensor, storage):
+        key = storage.data_ptr()
+        with self.lock:
+            group = self.groups.get(key)
+            fresh = group is None or group.state != RESIDENT
+            if fresh:
+                if not self.groups:
+                    self._new_iteration()
+                group = self._new_group(key, storage.nbytes(), tensor)
+            index = len(group.tensors)
+            group.tensors.append(tensor)
+            group.live += 1
+            self.counters.saved_tensors += 1
+            saved = SavedTensor(group, index, tensor._version)
+            if fresh:
+                budget = self.budget()
+                if self.counters.resident_bytes > budget:
+                    # On failure `saved` dies with the exception, and the
+                    # group with it.
+                    self._make_room(budget, group)
+            return saved
+
+    def unpack(self, saved):
+        group = saved.group
+        if group.used and group.flat is None:
+            tensor = group.tensors[saved.index]
+            if tensor is not None:
+                if tensor._version != saved.version and not group.rebuilt:
+                    raise _modified(tensor, saved.version)
+                return tensor
+        with self.lock:
+            start = time.perf_counter_ns()
+            restored = group.state != RESIDENT
+            if restored:
+                self._restore(group, need=True)
+            self._settle(group)
+            tensor = group.tensors[saved.index]
+            if not group.used:
+                group.used = True
+                self.unpacked.append(group.position)
+            if restored:
+                self.counters.stall_ns += time.perf_counter_ns() - start
+            self._prefetch_after(group)
+        if tensor._version != saved.version and not group.rebuilt:
+            raise _modified(tensor, saved.version)
+        return tensor
+
+    def group_at(self, key):
+        """The resident group of the storage at `key`, if any."""
+        group = self.groups.get(key)
+        return group if group is not None and group.state == RESIDENT \
+            else None
+
+    def adopt(self, key, call):
+        """A recorded module call returned the storage at `key`: the group
+        saved from it (by an op inside that module) can be rebuilt by it."""
+        with self.lock:
+            group = self.group_at(key)
+            if group is not None and group.call is None and group.live:
+                group.call = call
+
+    def storage_of(self, group):
+        """The whole storage of `group`, restored if it was released: what
+        a recompute reads of it as an argument."""
+        with self.lock:
+            if group.state != RESIDENT:
+                self._restore(group, need=True)
+            self._settle(group)
+            if group.retained is not None:
+                return group.retained
+            for t in group.tensors:
+                if t is not None:
+                    return _flat(t, group.nbytes)
+        raise RuntimeError("deltad: a recompute's argument is gone")
+
+    # --- groups
+
+    def _new_iteration(self):
+        """No saved tensor is alive: a new forward begins."""
+        self._end_iteration()
+        self.unpacked = []
+        self.by_position = []
+        self.order = []
+        self.on_iteration()
+
+    def _end_iteration(self):
+        """The iteration that ended leaves its unpack order as the next
+        one's prefetch plan, and whether it had to release memory."""
+        if self.unpacked:
+            self.plan.unpack_order = self.unpacked
+            self.plan.groups = len(self.by_position)
+        if self.released_this_iteration:
+            self.plan.pressure = True
+        self.released_this_iteration = False
+
+    def _new_group(self, key, nbytes, tensor):
+        c = self.counters
+        group = _Group(self, key, nbytes, tensor, self.seq,
+                       len(self.by_position))
+        self.seq += 1
+        self.groups[key] = group
+        self.order.append(group)
+        self.by_position.append(group)
+        c.saved_groups += 1
+        c.resident_bytes += nbytes
+        if c.resident_bytes > c.peak_resident_bytes:
+            # Past the budget only until _make_room below.
+            c.peak_resident_bytes = c.resident_bytes
+        group.call = self.recompute.produced(key)
+        return group
+
+    def _member_died(self, group, index):
+        with self.lock:
+            tensor = group.tensors[index] if index < len(group.tensors) \
+                else None
+            if index < len(group.tensors):
+                group.tensors[index] = None
+            group.live -= 1
+            if group.live > 0:
+                return
+            if group.dependents > 0:
+                # An evicted group's recompute still reads these bytes.
+                if group.state == RESIDENT and tensor is not None:
+                    group.retained = tensor
+                return
+            self._drop(group)
+
+    def _drop(self, group):
+        c = self.counters
+        if self.groups.get(group.key) is group:
+            del self.groups[group.key]
+        if group.state == RESIDENT:
+            c.resident_bytes -= group.nbytes
+        elif group.state == OFFLOADED:
+            c.host_bytes -= group.nbytes
+        for source in group.evicted_sources:
+            source.dependents -= 1
+            if source.dependents == 0 and source.live == 0:
+                self._drop(source)
+        group.evicted_sources = ()
+        group.tensors = []
+        group.retained = group.host = group.flat = group.call = None
+        group.state = None  # gone
+
+    # --- releasing
+
+    def _make_room(self, budget, protect=None, extra=0):
+        """Releases the oldest groups this store alone holds until the
+        resident bytes plus `extra` fit in `budget` less some slack (so
+        that the next packs do not each release again)."""
+        c = self.counters
+        slack = budget // 16
+        target = budget - slack - extra
+        kept = []
+        released = False
+        order, self.order = self.order, []
+        for i, group in enumerate(order):
+            if c.resident_bytes <= target:
+                kept.extend(order[i:])
+                break
+            if group.state != RESIDENT:
+                continue
+            if group is protect or not self._releasable(group):
+                kept.append(group)
+                continue
+            if self._release(group):
+                released = True
+            else:
+                kept.append(group)
+        self.order = kept
+        if released:
+            self.released_this_iteration = True
+        if c.resident_bytes + extra > budget:
+            # Nothing more can be released: what is left is still in use
+            # by the forward (or held outside autograd), so it occupies
+            # memory whatever deltad does. The allocator has the last word.
+            c.overshoots += 1
+
+    def _releasable(self, group):
+        """Whether releasing frees the bytes: the store holds the group's
+        tensors alone (Python holds no other reference to them, or to the
+        base they view)."""
+        if group.used or group.flat is not None or group.live == 0 or \
+                group.retained is not None:
+            return False
+        held = {}  # id -> references from group.tensors
+        for t in group.tensors:
+            if t is not None:
+                held[id(t)] = held.get(id(t), 0) + 1
+        for t in group.tensors:
+            # The loop variable and getrefcount's argument are the others.
+            if t is None or sys.getrefcount(t) > held[id(t)] + 2:
+                if t is not None:
+                    return False
+                continue
+            base = t._base
+            if base is not None and \
+                    sys.getrefcount(base) > held.get(id(base), 0) + 2:
+                return False
+        return True
+
+    def _release(self, group):
+        c = self.counters
+        how = self.director(group)
+        if how == "offload" and c.host_bytes + group.nbytes > self.host_cap:
+            if not self.recompute.can_rebuild(group):
+                c.host_full += 1
+                return False  # kept: no host memory left for it
+            how = "evict"
+        members = [t for t in group.tensors if t is not None]
+        group.metas = [None if t is None else
+                       (t.shape, t.stride(), t.storage_offset(), t.dtype)
+                       for t in group.tensors]
+        if how == "offload":
+            flat = _flat(members[0], group.nbytes)
+            if self.cuda:
+                current = _torch.cuda.current_stream(self.device)
+                self.copy_stream.wait_stream(current)
+                with _torch.cuda.stream(self.copy_stream):
+                    host = _torch.empty(flat.shape, dtype=flat.dtype,
+                                        pin_memory=True)
+                    host.copy_(flat, non_blocking=True)
+                # The block goes back to the allocator, which reuses it once
+                # the copy stream has passed this copy: no host wait.
+                flat.record_stream(self.copy_stream)
+            else:
+                host = _torch.empty_like(flat)
+                host.copy_(flat)
+                c.host_waits += 1  # a CPU copy blocks
+            group.host = host
+            group.state = OFFLOADED
+            c.offloads += 1
+            c.offloaded_bytes += group.nbytes
+            c.host_bytes += group.nbytes
+        else:
+            sources = self.recompute.sources_of(group)
+            for source in sources:
+                source.dependents += 1
+            group.evicted_sources = sources
+            group.state = EVICTED
+            c.evictions += 1
+        group.tensors = [None] * len(group.tensors)
+        c.resident_bytes -= group.nbytes
+        return True
+
+    # --- restoring
+
+    def _restore(self, group, need):
+        """Brings a released group back (its storage in group.flat; the
+        members are rebuilt by _settle)."""
+        c = self.counters
+        budget = self.budget()
+        if c.resident_bytes + group.nbytes > budget:
+            if not need:
+                return False
+            self._make_room(budget, group, extra=group.nbytes)
+        if group.state == OFFLOADED:
+            host = group.host
+            if self.cuda:
+                with _torch.cuda.stream(self.copy_stream):
+                    flat = _torch.empty(host.shape, dtype=host.dtype,
+                                        device=self.device)
+                    flat.copy_(host, non_blocking=True)
+                event = _torch.cuda.Event()
+                event.record(self.copy_stream)
+                group.event = event
+            else:
+                flat = _torch.empty_like(host)
+                flat.copy_(host)
+                c.host_waits += 1
+            group.host = None
+            c.host_bytes -= group.nbytes
+            c.reloads += 1
+            c.reloaded_bytes += group.nbytes
+            if not need:
+                c.prefetches += 1
+        else:
+            start = time.perf_counter_ns()
+            out = self.recompute.rebuild(group)
+            flat = _flat(out, group.nbytes)
+            c.recomputes += 1
+            c.recompute_ns += time.perf_counter_ns() - start
+            for source in group.evicted_sources:
+                source.dependents -= 1
+                if source.dependents == 0 and source.live == 0:
+                    self._drop(source)
+            group.evicted_sources = ()
+        group.flat = flat
+        group.state = RESIDENT
+        c.resident_bytes += group.nbytes
+        if c.resident_bytes > c.peak_resident_bytes:
+            c.peak_resident_bytes = c.resident_bytes
+        return True
+
+    def _settle(self, group):
+        """Rebuilds a restored group's members as views of its storage, the
+        compute stream waiting for the copy that filled it."""
+        flat = group.flat
+        if flat is None:
+            return
+        if group.event is not None:
+            current = _torch.cuda.current_stream(self.device)
+            current.wait_event(group.event)
+            # Allocated on the copy stream, read on the compute stream.
+            flat.record_stream(current)
+            group.event = None
+        for i, meta in enumerate(group.metas):
+            if meta is None:
+                continue
+            shape, stride, offset, dtype = meta
+            view = flat if dtype == flat.dtype else flat.view(dtype)
+            group.tensors[i] = view.as_strided(shape, stride, offset)
+        if group.live == 0:
+            group.retained = flat  # for the dependents' recomputes only
+        group.flat = None
+        group.metas = None
+        group.rebuilt = True
+
+    def _prefetch_after(self, group):
+        """Restores, ahead of use and within the budget, the released
+        groups backward will unpack next: in the previous iteration's
+        unpack order when this one has the same groups, else in reverse
+        pack order."""
+        if self.prefetch_bytes <= 0:
+            return
+        plan = self.plan
+        if plan.unpack_order and plan.groups == len(self.by_position):
+            order = plan.unpack_order
+            at = len(self.unpacked)
+            upcoming = order[at:]
+        else:
+            upcoming = range(group.position - 1, -1, -1)
+        ahead = 0
+        for position in upcoming:
+            if position >= len(self.by_position) or ahead >= \
+                    self.prefetch_bytes:
+                break
+            other = self.by_position[position]
+            if other.state is None or other.used:
+                continue
+            ahead += other.nbytes
+            if other.state == OFFLOADED and other.live > 0:
+                if not self._restore(other, need=False):
+                    break
+
+    def close(self):
+        """The block ended. Graphs saved in it can still be unpacked (the
+        bytes are kept until autograd lets go of them); nothing more is
+        released."""
+        with self.lock:
+            self._end_iteration()
+            self.unpacked = []
+            self.closed = True
+            self.budget = lambda: 1 << 62
+
+
+def _flat(tensor, nbytes):
+    """The whole storage under `tensor`, as a 1-d tensor of its dtype."""
+    size = tensor.element_size()
+    with _torch.no_grad():
+        return tensor.detach().as_strided((nbytes // size,), (1,), 0)
+
+
+def _modified(tensor, version):
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been "
+        f"modified by an inplace operation: [{tensor.type()} "
+        f"{list(tensor.shape)}] is at version {tensor._version}; expected "
+        f"version {version} instead (deltad keeps saved tensors by "
+        "reference, as PyTorch does)")
