@@ -49,7 +49,7 @@ class Call:
 
     __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng",
                  "autocast", "own_ns", "events", "depth", "out_meta",
-                 "out_nbytes")
+                 "out_nbytes", "out_version")
 
     def cost_ns(self):
         """This run's time plus that of the calls it reruns for its
@@ -162,10 +162,18 @@ class Recorder:
             return
         call.out_meta = _meta(out)
         call.out_nbytes = storage.nbytes()
+        # What a rerun reproduces: the bytes as the call left them, not
+        # after a later in-place op (ReLU(inplace=True) on a BatchNorm's
+        # output), which bumps this.
+        call.out_version = out._version
         self.calls[key] = call
         self.recorded += 1
-        # A later tensor at this address is another one.
-        weakref.finalize(out, _forget, self.calls, key, call)
+        # A later tensor at this address is another one. `out` may be a
+        # view (nn.Linear over 3-d input returns one) that dies while views
+        # of the same storage live on (qkv.chunk(3)); its base lives as
+        # long as the storage's views do.
+        weakref.finalize(out if out._base is None else out._base, _forget,
+                         self.calls, key, call)
         store = self.store
         if store is not None:
             store.adopt(key, call)
@@ -185,6 +193,10 @@ class Recorder:
             return ("group", group, _meta(value))
         producer = self.calls.get(key)
         if producer is not None:
+            if value._version != producer.out_version:
+                # Changed in place since the producer returned it: a rerun
+                # of the producer would not give this argument.
+                raise _NotRecomputable()
             return ("call", producer, _meta(value))
         if value.is_leaf and value.requires_grad:
             return ("value", value)  # a parameter-like leaf
@@ -201,6 +213,12 @@ class Recorder:
         call = group.call
         if call is None:
             return False
+        for t in group.tensors:
+            # Saved after an in-place op on the call's output (a ReLU with
+            # inplace=True after the BatchNorm that produced it): rerunning
+            # the call would rebuild the bytes from before that op.
+            if t is not None and t._version != call.out_version:
+                return False
         stack = [call]
         while stack:
             for source in stack.pop().sources():

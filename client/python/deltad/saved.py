@@ -436,6 +436,15 @@ class SavedStore:
             group.evicted_sources = ()
         group.flat = flat
         group.state = RESIDENT
+        # Keyed by where its bytes are now. The old address was freed when
+        # the group was released and may belong to a newer tensor: under
+        # the old key that tensor would be packed into this group, or taken
+        # for a recompute's argument from it (wrong bytes, once a graph
+        # kept with retain_graph outlives the next forward).
+        if self.groups.get(group.key) is group:
+            del self.groups[group.key]
+        group.key = _storage(flat).data_ptr()
+        self.groups[group.key] = group
         c.resident_bytes += group.nbytes
         if c.resident_bytes > c.peak_resident_bytes:
             c.peak_resident_bytes = c.resident_bytes

@@ -1,0 +1,650 @@
+"""deltad.torch.managed gives bit-identical results, case by case.
+
+Every case trains (or runs forward and backward on) a small model on the
+CPU unmanaged and then managed four ways, and compares losses, gradients,
+buffers and the random number generator's state with torch.equal:
+
+- "fits": a budget far above what the case saves, so nothing is released
+  (and, held by reference, nothing is copied: no host wait either);
+- "offload": a budget of 1 KiB with policy="offload": almost every saved
+  storage goes to host memory and comes back in backward;
+- "recompute": the same budget with policy="recompute": what a recorded
+  module call produced is dropped and rebuilt by running the call again;
+- "partial": half of what "fits" saved at most, policy="auto" and reloads
+  ahead of use: released and resident groups side by side.
+
+The small-budget runs also assert that something was actually released
+where the case has something releasable, so that a case cannot pass by
+never leaving the fast path. min_bytes=1: the test tensors are small.
+DELTAD_TEST_VERBOSE=1 prints each mode's stats.
+"""
+
+import contextlib
+import gc
+import os
+import shutil
+import socket as _socket
+import subprocess
+import tempfile
+import time
+import unittest
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import deltad.torch
+
+SMALL_BUDGET = 1 << 10  # below most single saved storages of the cases
+
+FITS = dict(budget_bytes=1 << 30, policy="auto")
+OFFLOAD = dict(budget_bytes=SMALL_BUDGET, policy="offload")
+RECOMPUTE = dict(budget_bytes=SMALL_BUDGET, policy="recompute")
+MODES = {"fits": FITS, "offload": OFFLOAD, "recompute": RECOMPUTE}
+
+
+def _managed(model, **options):
+    options = dict(options)
+    options.setdefault("socket", None)
+    options.setdefault("min_bytes", 1)
+    return deltad.torch.managed(model, **options)
+
+
+def run(make_model, make_inputs, step, options=None, iterations=1, lr=0.1,
+        seed=0):
+    """Builds the model and inputs from `seed`, then runs `iterations`
+    steps of SGD, managed with `options` (None: unmanaged) in ONE block
+    around the loop, as a training script does. step(model, x) runs forward
+    and backward and returns the tensors to compare (losses, outputs).
+
+    Returns (per-step [returned tensors + gradients], final parameters and
+    buffers, the manager's stats or None)."""
+    torch.manual_seed(seed)
+    model = make_model()
+    inputs = [make_inputs() for _ in range(iterations)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    # Dropout draws from here on: the same in every run.
+    torch.manual_seed(seed + 1)
+    block = (contextlib.nullcontext() if options is None
+             else _managed(model, **options))
+    steps = []
+    with block as manager:
+        for x in inputs:
+            optimizer.zero_grad(set_to_none=True)
+            returned = step(model, x)
+            grads = [p.grad.clone() if p.grad is not None else None
+                     for p in model.parameters()]
+            steps.append([t.detach().clone() for t in returned] + grads)
+            optimizer.step()
+    # The random number generator must be where the unmanaged run left it
+    # (a recompute replays dropout's draws, then restores the state).
+    after = torch.rand(4)
+    state = [p.detach().clone() for p in model.parameters()]
+    state += [b.clone() for b in model.buffers()] + [after]
+    return steps, state, (manager.stats() if manager is not None else None)
+
+
+def simple_step(model, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    return [loss]
+
+
+class CorrectnessTest(unittest.TestCase):
+
+    def assert_identical(self, expected, got, what):
+        e_steps, e_state, _ = expected
+        g_steps, g_state, _ = got
+        self.assertEqual(len(e_steps), len(g_steps), what)
+        for i, (e, g) in enumerate(zip(e_steps, g_steps)):
+            self.assertEqual(len(e), len(g), what)
+            for j, (a, b) in enumerate(zip(e, g)):
+                if a is None or b is None:
+                    self.assertIs(a, b, f"{what}: step {i} tensor {j}")
+                    continue
+                self.assertTrue(
+                    torch.equal(a, b),
+                    f"{what}: step {i} tensor {j} differs (max "
+                    f"{(a.double() - b.double()).abs().max().item():.3g})")
+        self.assertEqual(len(e_state), len(g_state), what)
+        for j, (a, b) in enumerate(zip(e_state, g_state)):
+            self.assertTrue(torch.equal(a, b),
+                            f"{what}: parameter/buffer {j} differs")
+
+    def check(self, make_model, make_inputs, step=simple_step,
+              iterations=1, modes=("fits", "offload", "recompute"),
+              options=None):
+        """Runs the case unmanaged and in `modes` (`options` added to the
+        small-budget ones; "partial" follows "fits"); asserts identical
+        results, that "fits" released and recorded nothing and that every
+        other mode released (offload: only offloaded; recompute: evicted
+        and recomputed some). Returns {mode: stats}."""
+        expected = run(make_model, make_inputs, step, None, iterations)
+        out = {}
+        partial = ("partial",) if "fits" in modes else ()
+        for mode in modes + partial:
+            if mode == "partial":
+                # Half of what the case saves, the Director choosing, and
+                # reloads ahead of use: released groups and resident ones
+                # side by side.
+                peak = out["fits"].peak_device_bytes
+                opts = dict(budget_bytes=peak // 2, policy="auto",
+                            prefetch_bytes=peak)
+            else:
+                opts = dict(MODES[mode], **(options or {}))
+            got = run(make_model, make_inputs, step, opts, iterations)
+            self.assert_identical(expected, got, mode)
+            stats = got[2]
+            out[mode] = stats
+            if os.environ.get("DELTAD_TEST_VERBOSE"):
+                print(f"\n{self.id()} {mode}: {stats}")
+            self.assertGreater(stats.saved_tensors, 0, mode)
+            if mode == "fits":
+                self.assertEqual((stats.offloads, stats.evictions,
+                                  stats.host_waits, stats.recomputes,
+                                  stats.recorded_calls),
+                                 (0, 0, 0, 0, 0), stats)
+                continue
+            self.assertGreater(stats.offloads + stats.evictions, 0,
+                               f"{mode}: nothing released: {stats}")
+            if mode == "offload":
+                self.assertEqual(stats.evictions, 0, stats)
+                self.assertGreater(stats.reloads, 0, stats)
+            elif mode == "recompute":
+                self.assertGreater(stats.evictions, 0, stats)
+                self.assertGreater(stats.recomputes, 0, stats)
+        return out
+
+    # --- views, strides, shared storages
+
+    def test_saved_slices_and_views(self):
+        class Slices(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(32, 96)
+                self.out = nn.Linear(16, 8)
+
+            def forward(self, x):
+                h = self.lin(x)
+                a, b = h[:, :16], h[:, 16:32]      # column slices
+                c = h[:, 32::4]                    # a strided slice
+                d = h[3:, 64:80]                   # offset rows, columns
+                y = a * b.sigmoid() + c.tanh() * 2
+                y = y[3:] * d + h.view(-1, 16, 6)[3:, :, 0]
+                return self.out(y)
+
+        self.check(Slices, lambda: torch.randn(24, 32))
+
+    def test_permuted_and_transposed_tensors(self):
+        class ConvNeXtLike(nn.Module):
+            # convnext's block: a depthwise conv, then LayerNorm and the
+            # MLP over channels last (a permuted view), then back.
+            def __init__(self):
+                super().__init__()
+                self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+                self.norm = nn.LayerNorm(8)
+                self.pw1 = nn.Linear(8, 32)
+                self.pw2 = nn.Linear(32, 8)
+                self.gamma = nn.Parameter(torch.full((8,), 0.5))
+
+            def forward(self, x):
+                y = self.dw(x).permute(0, 2, 3, 1)
+                y = self.pw2(F.gelu(self.pw1(self.norm(y))))
+                y = (self.gamma * y).permute(0, 3, 1, 2)
+                return x + y
+
+        class Transposes(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.block = ConvNeXtLike()
+                self.lin = nn.Linear(8, 8)
+
+            def forward(self, x):
+                y = self.block(x).flatten(2)          # (B, C, HW)
+                t = y.transpose(1, 2)                 # non-contiguous
+                m = torch.matmul(t, y)                # saves t and y
+                p = self.lin(t).permute(2, 0, 1)      # (C, B, HW)
+                return m.sum(-1) * 0.01 + (p * p.exp()).sum(0)
+
+        self.check(Transposes, lambda: torch.randn(2, 8, 6, 6))
+
+    def test_two_saved_tensors_sharing_one_storage(self):
+        class Attention(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.qkv = nn.Linear(16, 48)
+                self.proj = nn.Linear(16, 16)
+
+            def forward(self, x):
+                q, k, v = self.qkv(x).chunk(3, dim=-1)
+                w = torch.softmax(q @ k.transpose(-2, -1) / 4, dim=-1)
+                a, b = (w @ v).split([6, 10], dim=-1)
+                return self.proj(torch.cat([a * b[..., :6], b], -1))
+
+        self.check(Attention, lambda: torch.randn(3, 10, 16))
+
+    # --- in-place updates
+
+    def test_inplace_after_save_raises_as_unmanaged(self):
+        lin = nn.Linear(16, 16)
+
+        def output_changed(x):
+            s = lin(x).sigmoid()  # saves its output
+            s.add_(1)
+            return s
+
+        def base_of_a_saved_view_changed(x):
+            h = lin(x)
+            a = h[:, :8]
+            s = a * a  # saves a, a view of h
+            h.mul_(2)
+            return s
+
+        def changed_through_another_view(x):
+            s = lin(x).exp()  # saves its output
+            s[:, 0].zero_()
+            return s
+
+        for options in (None, FITS, OFFLOAD, RECOMPUTE):
+            for forward in (output_changed, base_of_a_saved_view_changed,
+                            changed_through_another_view):
+                block = (contextlib.nullcontext() if options is None
+                         else _managed(lin, **options))
+                with self.subTest(options=options, case=forward.__name__):
+                    with self.assertRaisesRegex(RuntimeError,
+                                                "modified by an inplace"):
+                        with block:
+                            forward(torch.randn(64, 16)).sum().backward()
+
+    def test_legal_inplace_ops_in_models(self):
+        def cnn():
+            return nn.Sequential(
+                nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8),
+                nn.ReLU(inplace=True),
+                nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+                nn.LeakyReLU(0.1, inplace=True),
+                nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
+
+        self.check(cnn, lambda: torch.randn(4, 3, 8, 8), iterations=2)
+
+        class Residual(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = nn.Linear(16, 16)
+                self.b = nn.Linear(16, 16)
+                self.c = nn.Linear(16, 16)
+                self.d = nn.Linear(16, 16)
+                self.act = nn.LeakyReLU(0.1, inplace=True)
+                self.drop = nn.Dropout(0.5)
+                self.gelu = nn.GELU()
+
+            def forward(self, x):
+                h = self.act(self.a(x))  # saved after the in-place op
+                y = self.b(h)
+                y += h  # the call's output changed before anything saves it
+                # Dropout saves its mask, not y: recomputing its output
+                # would rerun self.b, without the += h.
+                z = self.c(self.drop(y))
+                return z + self.d(self.gelu(y))
+
+        self.check(Residual, lambda: torch.randn(32, 16), iterations=2)
+
+    # --- graphs
+
+    def test_a_tensor_saved_by_several_nodes(self):
+        class Reused(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(16, 16)
+                self.w = nn.Parameter(torch.randn(16, 16) / 4)
+
+            def forward(self, x):
+                h = self.lin(x)
+                return (h * h).sum(1) + (h @ self.w).tanh().sum(1) + \
+                    torch.bmm(h[None], h.t()[None]).sum((0, 1))
+
+        self.check(Reused, lambda: torch.randn(32, 16))
+
+    def test_a_released_tensor_needed_twice(self):
+        def step(model, x):
+            loss = model(x).square().mean()
+            loss.backward(retain_graph=True)
+            first = [p.grad.clone() for p in model.parameters()]
+            loss.backward()  # the same saved tensors, unpacked again
+            return [loss] + first
+
+        self.check(mlp, lambda: torch.randn(16, 32), step)
+
+    def test_a_retained_graph_alive_during_the_next_forward(self):
+        # The last step's graph (kept by retain_graph and referenced) still
+        # holds its restored saved tensors while the next forward allocates
+        # at the addresses they had before they were released: the new
+        # tensors must not be taken for them. Equal sizes everywhere, so
+        # that the allocator hands those addresses out again.
+        kept = []
+
+        def step(model, x):
+            loss = model(x).square().mean()
+            loss.backward(retain_graph=True)
+            kept[:] = [loss]
+            return [loss]
+
+        def deep():
+            layers = []
+            for _ in range(6):
+                layers += [nn.Linear(32, 32), nn.Tanh()]
+            return nn.Sequential(*layers, nn.Linear(32, 4))
+
+        for budget in (256, 2048, 4096):
+            for prefetch in (0, 1 << 20):
+                self.check(deep, lambda: torch.randn(8, 32), step,
+                           iterations=4, modes=("offload", "recompute"),
+                           options=dict(budget_bytes=budget,
+                                        prefetch_bytes=prefetch))
+        kept.clear()
+
+    def test_double_backward(self):
+        def step(model, x):
+            # A gradient penalty: the gradient with respect to the input,
+            # in the graph, then backward through it.
+            x = x.clone().requires_grad_()
+            out = model(x)
+            g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+            loss = out.square().mean() + g.square().sum()
+            loss.backward()
+            return [loss, g]
+
+        def smooth():
+            return nn.Sequential(nn.Linear(16, 32), nn.Tanh(),
+                                 nn.Linear(32, 32), nn.Softplus(),
+                                 nn.Linear(32, 4))
+
+        self.check(smooth, lambda: torch.randn(32, 16), step, iterations=2)
+
+    def test_autocast_bfloat16(self):
+        def step(model, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+                loss = out.float().square().mean()
+            loss.backward()
+            return [loss, out]
+
+        def model():
+            return nn.Sequential(nn.Linear(32, 64), nn.GELU(),
+                                 nn.Linear(64, 64), nn.Tanh(),
+                                 nn.Dropout(0.2), nn.Linear(64, 8))
+
+        self.check(model, lambda: torch.randn(16, 32), step, iterations=2)
+
+    def test_no_grad_sections_save_nothing(self):
+        model = mlp()
+        with _managed(model, **OFFLOAD) as manager:
+            with torch.no_grad():
+                model(torch.randn(8, 32))
+        stats = manager.stats()
+        self.assertEqual((stats.saved_tensors, stats.offloads,
+                          stats.recorded_calls), (0, 0, 0), stats)
+
+        class Frozen(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.backbone = mlp()
+                self.head = nn.Sequential(nn.Linear(8, 32), nn.ReLU(),
+                                          nn.Linear(32, 4))
+
+            def forward(self, x):
+                with torch.no_grad():
+                    f = self.backbone(x)
+                return self.head(f * 2)
+
+        self.check(Frozen, lambda: torch.randn(16, 32), iterations=2)
+
+    # --- recompute: randomness and buffers
+
+    def test_dropout_draws_the_same_mask(self):
+        def model():
+            return nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.5),
+                                 nn.Linear(64, 64), nn.GELU(),
+                                 nn.Dropout(0.3), nn.Linear(64, 8))
+
+        self.check(model, lambda: torch.randn(16, 32), iterations=3)
+
+    def test_batchnorm_statistics_after_recompute(self):
+        def model():
+            return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64),
+                                 nn.GELU(), nn.Linear(64, 64),
+                                 nn.BatchNorm1d(64), nn.Sigmoid(),
+                                 nn.Linear(64, 8))
+
+        stats = self.check(model, lambda: torch.randn(16, 32), iterations=3)
+        self.assertGreater(stats["recompute"].recomputes, 0)
+
+    def test_modules_returning_their_input_or_a_view_of_it(self):
+        class Narrow(nn.Module):
+            def forward(self, x):
+                return x[:, 4:]
+
+        class Reshape(nn.Module):
+            def forward(self, x):
+                return x.view(x.shape[0], 4, -1).transpose(1, 2)
+
+        def model():
+            return nn.Sequential(nn.Linear(16, 36), nn.Identity(), Narrow(),
+                                 nn.Tanh(), Reshape(), nn.Identity(),
+                                 nn.Flatten(), nn.Linear(32, 4))
+
+        self.check(model, lambda: torch.randn(32, 16), iterations=2)
+
+    # --- one block around the training loop
+
+    def test_many_iterations_in_one_block(self):
+        for mode in ("offload", "recompute", "auto"):
+            options = dict(budget_bytes=12 << 10, policy=mode,
+                           prefetch_bytes=1 << 30)
+            expected = run(mlp, lambda: torch.randn(16, 32), simple_step,
+                           None, iterations=5)
+            torch.manual_seed(0)
+            model = mlp()
+            inputs = [torch.randn(16, 32) for _ in range(5)]
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            torch.manual_seed(1)
+            steps, per_iteration = [], []
+            with _managed(model, **options) as manager:
+                for x in inputs:
+                    optimizer.zero_grad(set_to_none=True)
+                    steps.append(simple_step(model, x) + [
+                        p.grad.clone() for p in model.parameters()])
+                    optimizer.step()
+                    per_iteration.append(manager.stats())
+            after = torch.rand(4)
+            state = [p.detach().clone() for p in model.parameters()]
+            state += [b.clone() for b in model.buffers()] + [after]
+            self.assert_identical(expected, (steps, state, None), mode)
+            stats = manager.stats()
+            self.assertEqual(stats.iterations, 5, stats)
+            self.assertEqual(
+                [s.iterations for s in per_iteration], [1, 2, 3, 4, 5])
+            self.assertGreater(stats.offloads + stats.evictions, 0, mode)
+            if mode == "offload":
+                # Iterations after the first reload ahead in the order the
+                # one before unpacked.
+                later = [b.prefetches - a.prefetches
+                         for a, b in zip(per_iteration, per_iteration[1:])]
+                self.assertTrue(all(n > 0 for n in later),
+                                f"prefetches per iteration: {later}")
+                self.assertTrue(manager.plan.unpack_order)
+            if mode == "auto":
+                # Recording begins in the iteration after one that had to
+                # release.
+                self.assertEqual(per_iteration[0].recorded_calls, 0)
+                self.assertGreater(stats.recorded_calls, 0)
+
+    def test_backward_after_the_block(self):
+        def forward_only(options):
+            torch.manual_seed(0)
+            model = mlp()
+            x = torch.randn(16, 32)
+            torch.manual_seed(1)
+            block = (contextlib.nullcontext() if options is None
+                     else _managed(model, **options))
+            with block as manager:
+                loss = model(x).square().mean()
+            loss.backward()  # the block has ended
+            grads = [p.grad for p in model.parameters()]
+            return loss, grads, manager
+
+        loss, grads, _ = forward_only(None)
+        for mode, options in MODES.items():
+            m_loss, m_grads, manager = forward_only(options)
+            self.assertTrue(torch.equal(loss, m_loss), mode)
+            for a, b in zip(grads, m_grads):
+                self.assertTrue(torch.equal(a, b), mode)
+            # Released in the block, restored by the backward after it.
+            in_block, c = manager.stats(), manager.store.counters
+            self.assertEqual((in_block.reloads, in_block.recomputes), (0, 0))
+            if mode == "offload":
+                self.assertGreater(in_block.offloads, 0)
+                self.assertGreater(c.reloads, 0)
+            if mode == "recompute":
+                self.assertGreater(in_block.evictions, 0)
+                self.assertGreater(c.recomputes, 0)
+            del m_loss
+            gc.collect()
+            # Everything was handed back once autograd let go of it.
+            self.assertEqual((c.resident_bytes, c.host_bytes), (0, 0), mode)
+            self.assertEqual(manager.store.groups, {}, mode)
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.GELU(),
+                         nn.Dropout(0.2), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 8))
+
+
+# --- DistributedDataParallel, one process per (CPU) device
+
+DDP_STEPS = 3
+
+
+def _free_port():
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, world, port, out_dir, daemon_socket):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    try:
+        results = {}
+        for mode in ("unmanaged", "offload", "recompute"):
+            torch.manual_seed(0)
+            model = DistributedDataParallel(mlp())
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            torch.manual_seed(100 + rank)  # each rank its own data
+            batches = [torch.randn(16, 32) for _ in range(DDP_STEPS)]
+            block = contextlib.nullcontext()
+            if mode != "unmanaged":
+                block = deltad.torch.managed(
+                    model, budget_bytes=SMALL_BUDGET, policy=mode,
+                    min_bytes=1, socket=daemon_socket)
+            with block as manager:
+                for x in batches:
+                    optimizer.zero_grad(set_to_none=True)
+                    model(x).square().mean().backward()
+                    optimizer.step()
+            params = [p.detach().clone() for p in model.parameters()]
+            params += [b.clone() for b in model.buffers()]
+            results[mode] = (params, manager.stats() if manager else None)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+class _Daemon:
+    """A deltad on the simulated backend, for the DDP processes' sessions
+    (None when DELTAD_BINARY is not set)."""
+
+    def __enter__(self):
+        binary = os.environ.get("DELTAD_BINARY")
+        self.proc = None
+        self.dir = tempfile.mkdtemp(prefix="deltad-ddp-")
+        if not binary:
+            return None
+        sock = os.path.join(self.dir, "d.sock")
+        config = os.path.join(self.dir, "deltad.conf")
+        with open(config, "w") as f:
+            f.write("min_session_bytes: 262144\ngpu_share: 0.5\n"
+                    "sim { chunk_bytes: 65536 }\n")
+        self.proc = subprocess.Popen(
+            [binary, f"--config={config}", "--backend=sim", "--sim_gpus=1",
+             "--sim_memory=256MiB", "--host_pool=64MiB",
+             "--host_slab=16MiB", f"--socket={sock}",
+             "--metrics=127.0.0.1:0"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 30
+        while not os.path.exists(sock + ".fds"):
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.__exit__()
+                raise RuntimeError("deltad did not start")
+            time.sleep(0.02)
+        return sock
+
+    def __exit__(self, *exc):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class DistributedTest(unittest.TestCase):
+
+    def test_ddp_one_managed_session_per_process(self):
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_gloo_available():
+            self.skipTest("torch.distributed with gloo is not available in "
+                          "this PyTorch build")
+        import torch.multiprocessing as mp
+
+        world = 2
+        with _Daemon() as daemon_socket, \
+                tempfile.TemporaryDirectory() as out_dir:
+            mp.spawn(_ddp_worker, args=(world, _free_port(), out_dir,
+                                        daemon_socket),
+                     nprocs=world, join=True)
+            results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"))
+                       for r in range(world)]
+        for rank, by_mode in enumerate(results):
+            expected, _ = by_mode["unmanaged"]
+            # DDP keeps the parameters of the replicas equal (BatchNorm's
+            # running statistics are each rank's own since the last
+            # broadcast from rank 0).
+            n = len(list(mlp().parameters()))
+            for a, b in zip(expected[:n], results[0]["unmanaged"][0][:n]):
+                self.assertTrue(torch.equal(a, b))
+            for mode in ("offload", "recompute"):
+                params, stats = by_mode[mode]
+                for i, (a, b) in enumerate(zip(expected, params)):
+                    self.assertTrue(torch.equal(a, b),
+                                    f"rank {rank} {mode}: tensor {i}")
+                self.assertGreater(stats.offloads + stats.evictions, 0,
+                                   f"rank {rank} {mode}: {stats}")
+                if mode == "recompute":
+                    self.assertGreater(stats.recomputes, 0, stats)
+                # Each process its own session with the daemon.
+                self.assertEqual(stats.connected, daemon_socket is not None)
+                self.assertEqual(stats.daemon_round_trips,
+                                 1 if daemon_socket else 0)
+                self.assertEqual(stats.iterations, DDP_STEPS)
+
+
+if __name__ == "__main__":
+    unittest.main()
