@@ -3,29 +3,31 @@
 #include <string>
 #include <utility>
 
+#include "client/capi_client.h"
 #include "client/client.h"
 #include "client/deltad_client.h"
+#include "client/sim_chunk_device.h"
 #include "client/sim_device.h"
-#ifdef DELTAD_HAVE_CUDA
-#include "client/cuda_device.h"
-#endif
-
-struct deltad_client {
-  std::unique_ptr<deltad::client::Client> impl;
-#ifdef DELTAD_HAVE_CUDA
-  deltad::client::CudaDevice* cuda = nullptr;  // owned by impl
-#endif
-};
 
 namespace {
 
 thread_local std::string last_error;
+
+}  // namespace
+
+namespace deltad::client::capi {
 
 int Report(const absl::Status& status) {
   if (status.ok()) return 0;
   last_error = std::string(status.message());
   return static_cast<int>(status.code());
 }
+
+}  // namespace deltad::client::capi
+
+namespace {
+
+using deltad::client::capi::Report;
 
 int InvalidArgument(const char* what) {
   return Report(absl::InvalidArgumentError(what));
@@ -66,11 +68,18 @@ int deltad_client_connect(const deltad_client_options* o,
     device = std::make_unique<deltad::client::SimDevice>(
         o->sim_memory_bytes, o->sim_d2h_bytes_per_second,
         o->sim_h2d_bytes_per_second);
+  } else if (device_name == "sim-chunks") {
+    auto sim = deltad::client::SimChunkDevice::Create(
+        o->sim_memory_bytes, o->sim_d2h_bytes_per_second,
+        o->sim_h2d_bytes_per_second);
+    if (!sim.ok()) return Report(sim.status());
+    device = std::move(*sim);
   } else if (device_name == "cuda") {
 #ifdef DELTAD_HAVE_CUDA
     auto cuda = deltad::client::CudaDevice::Create(o->cuda_device);
     if (!cuda.ok()) return Report(cuda.status());
     made.cuda = cuda->get();
+    made.cuda_ordinal = o->cuda_device;
     device = std::move(*cuda);
 #else
     return Report(absl::UnimplementedError(
@@ -78,8 +87,9 @@ int deltad_client_connect(const deltad_client_options* o,
         "\"sim\" device"));
 #endif
   } else {
-    return Report(absl::InvalidArgumentError("unknown device \"" + device_name +
-                                             "\" (\"sim\" or \"cuda\")"));
+    return Report(
+        absl::InvalidArgumentError("unknown device \"" + device_name +
+                                   "\" (\"sim\", \"sim-chunks\" or \"cuda\")"));
   }
   deltad::client::ClientOptions options;
   if (o->socket_path != nullptr) options.link.socket_path = o->socket_path;
@@ -99,7 +109,11 @@ int deltad_client_connect(const deltad_client_options* o,
   return 0;
 }
 
-void deltad_client_close(deltad_client* client) { delete client; }
+void deltad_client_close(deltad_client* client) {
+  if (client == nullptr) return;
+  deltad::client::capi::ForgetAllocatorClient(client);
+  delete client;
+}
 
 int deltad_track(deltad_client* client, const deltad_tensor_info* info,
                  deltad_recompute_fn recompute, void* user_data, void** out) {

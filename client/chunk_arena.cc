@@ -211,6 +211,7 @@ absl::StatusOr<void*> ChunkArena::AllocateBlock(int64_t bytes) {
     partial.insert(slot);
   }
   Page& page = pages_.at(slot);
+  if (page.live == 0) empty_pages_.erase(block_bytes);
   int64_t block = 0;
   if (!page.free_blocks.empty()) {
     block = page.free_blocks.back();
@@ -264,11 +265,16 @@ void ChunkArena::Free(void* p, int64_t bytes) {
   allocated_ -= bytes;
   std::set<int64_t>& partial = partial_[page.block_bytes];
   if (--page.live == 0) {
-    partial.erase(slot);
-    const uint64_t chunk = page.chunk;
-    pages_.erase(it);
-    UnmapToFree(slot, chunk);
-    return;
+    if (empty_pages_.contains(page.block_bytes)) {
+      partial.erase(slot);
+      const uint64_t chunk = page.chunk;
+      pages_.erase(it);
+      UnmapToFree(slot, chunk);
+      return;
+    }
+    // The class's first empty page stays mapped for its next block, so
+    // that an allocate-and-free pair maps nothing.
+    empty_pages_[page.block_bytes] = slot;
   }
   page.free_blocks.push_back(block);
   partial.insert(slot);
@@ -299,7 +305,8 @@ int64_t ChunkArena::held_bytes() const {
 
 int64_t ChunkArena::free_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return (static_cast<int64_t>(free_chunks_.size()) + kept_chunks_) *
+  return (static_cast<int64_t>(free_chunks_.size() + empty_pages_.size()) +
+          kept_chunks_) *
          chunk_bytes_;
 }
 
@@ -367,6 +374,17 @@ std::pair<int64_t, ChunkArena::Run> ChunkArena::TakeKept(
 }
 
 void ChunkArena::UnkeepUntil(int64_t chunks) {
+  // Empty pages first: one chunk each, mapped again at the cost of one Map.
+  while (static_cast<int64_t>(free_chunks_.size()) < chunks &&
+         !empty_pages_.empty()) {
+    const auto [block_bytes, slot] = *empty_pages_.begin();
+    empty_pages_.erase(empty_pages_.begin());
+    partial_[block_bytes].erase(slot);
+    auto page = pages_.find(slot);
+    const uint64_t chunk = page->second.chunk;
+    pages_.erase(page);
+    UnmapToFree(slot, chunk);
+  }
   while (static_cast<int64_t>(free_chunks_.size()) < chunks &&
          !kept_by_count_.empty()) {
     const auto [first, run] = TakeKept(std::prev(kept_by_count_.end()));
@@ -377,8 +395,8 @@ void ChunkArena::UnkeepUntil(int64_t chunks) {
 }
 
 std::string ChunkArena::Describe() const {
-  return absl::StrCat(free_chunks_.size() + kept_chunks_, " of ",
-                      handles_.size(), " chunks (", chunk_bytes_,
+  return absl::StrCat(free_chunks_.size() + empty_pages_.size() + kept_chunks_,
+                      " of ", handles_.size(), " chunks (", chunk_bytes_,
                       " bytes each) free, ", allocated_, " bytes allocated");
 }
 

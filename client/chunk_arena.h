@@ -37,8 +37,12 @@ namespace deltad::client {
 // Smaller allocations share chunks: a chunk mapped for one size class
 // (multiples of 256 bytes, four classes per power of two from 1 KiB, so
 // the waste is under 256 bytes or 25%) is cut into equal blocks; when its
-// last block is freed it goes back to the free list. All addresses are
-// 256-byte aligned, as cudaMalloc's are.
+// last block is freed it goes back to the free list, but for one empty
+// page per class, which stays mapped as it is: an allocator that takes and
+// gives back one block at a time (PyTorch's, without its cache) would
+// otherwise map and unmap a chunk for every pair. Like kept runs, empty
+// pages count as free and are unmapped first when chunks are needed. All
+// addresses are 256-byte aligned, as cudaMalloc's are.
 //
 // The address range is reserved once, twice the chunks the arena may hold,
 // so that runs of whole chunks find room however the mapped slots lie in
@@ -142,8 +146,8 @@ class ChunkArena {
   // lists: its first slot and the run, still mapped.
   std::pair<int64_t, Run> TakeKept(
       std::multimap<int64_t, int64_t>::iterator by_count);
-  // Unmaps kept runs, the largest first, until `chunks` chunks are on the
-  // free list or none is kept.
+  // Unmaps empty pages, then kept runs, the largest first, until `chunks`
+  // chunks are on the free list or none is kept.
   void UnkeepUntil(int64_t chunks);
   std::string Describe() const;  // sizes for error messages
 
@@ -171,6 +175,9 @@ class ChunkArena {
   std::unordered_map<int64_t, Run> kept_;
   std::multimap<int64_t, int64_t> kept_by_count_;
   int64_t kept_chunks_ = 0;
+  // Pages with no live block, still mapped and among partial_: block size
+  // -> slot, one per size class.
+  std::map<int64_t, int64_t> empty_pages_;
   // Slot -> chunk for mappings the mapper failed to undo.
   std::unordered_map<int64_t, uint64_t> stuck_;
   int64_t allocated_ = 0;

@@ -515,6 +515,7 @@ ClientStats Client::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   ClientStats s = stats_;
   s.device_bytes = device_bytes_;
+  s.raw_bytes = raw_bytes_;
   s.budget_bytes = budget_bytes_;
   s.host_bytes = arena_.used_bytes();
   return s;
@@ -541,7 +542,8 @@ void Client::Close() {
     if (r->host.data != nullptr) arena_.Free(r->host);
   }
   records_.clear();
-  device_bytes_ = 0;
+  // AllocateRaw's blocks stay mapped, and FreeRaw may still come for them.
+  device_bytes_ = raw_bytes_;
   // Imported chunks keep their memory alive until dropped, whatever the
   // daemon's accounting says once the session is gone.
   (void)device_->ShrinkChunksTo(0);
@@ -811,13 +813,14 @@ absl::StatusOr<bool> Client::MakeRoom(int64_t bytes, int64_t extra) {
       // Every batch sent so far is named, so the daemon applies them first.
       std::lock_guard<std::mutex> send_lock(send_mu_);
       v1::EventBatch batch;
-      // Memory held for rebuilds the daemon has not been told of yet is
-      // asked for too, or its view of the GPU would be short by that much.
+      // Memory held for rebuilds the daemon has not been told of yet, and
+      // AllocateRaw's, which it never hears of, are asked for too, or its
+      // view of the GPU would be short by that much.
       int64_t unreported;
       {
         std::lock_guard<std::mutex> lock(mu_);
         batch = TakeBatchLocked();
-        unreported = unreported_bytes_;
+        unreported = unreported_bytes_ + raw_bytes_;
       }
       response =
           link->Release(bytes + extra + unreported, batch, batches_sent_);
@@ -899,6 +902,32 @@ absl::Status Client::ReleaseInProcess(int64_t need, int64_t start_ns) {
 }
 
 absl::StatusOr<void*> Client::AllocateDevice(int64_t bytes) {
+  if (void* p = TryAllocateWithinBudget(bytes, /*raw=*/false)) return p;
+  return AllocateDeviceSlow(bytes);
+}
+
+void* Client::TryAllocateWithinBudget(int64_t bytes, bool raw) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (device_bytes_ + bytes > budget_bytes_ || (raw && stopping_)) {
+      return nullptr;
+    }
+    device_bytes_ += bytes;
+    if (raw) raw_bytes_ += bytes;
+    stats_.peak_device_bytes =
+        std::max(stats_.peak_device_bytes, device_bytes_);
+  }
+  // Outside mu_: the device has a lock of its own, and a chunk-backed one
+  // may map memory.
+  absl::StatusOr<void*> device = device_->Allocate(bytes);
+  if (device.ok()) return *device;
+  std::lock_guard<std::mutex> lock(mu_);
+  device_bytes_ -= bytes;
+  if (raw) raw_bytes_ -= bytes;
+  return nullptr;
+}
+
+absl::StatusOr<void*> Client::AllocateDeviceSlow(int64_t bytes) {
   // A few rounds: a release can be undone by a concurrent allocation, an
   // order can be refused (its tensor just got pinned), and a chunk-backed
   // device can be short of what the byte count says (chunks not fetched

@@ -91,6 +91,7 @@ struct ClientStats {
   int64_t orders_refused = 0;  // pinned or gone: RELEASE_FAILED
   int64_t sync_releases = 0;   // allocations that waited for releases
   int64_t sync_release_ns = 0;
+  int64_t raw_bytes = 0;        // of device_bytes, held by AllocateRaw
   int64_t stall_ns = 0;         // compute waiting for reloads and offloads
   int64_t local_decisions = 0;  // releases chosen in-process
   int64_t local_refused = 0;    // of them, not carried out
@@ -148,6 +149,23 @@ class Client {
   // Whether the tensor's bytes are on the device now (a framework can then
   // read them instead of rebuilding them its own way).
   bool Resident(uint64_t id) const;
+
+  // Device memory with no tensor behind it: what a framework's own
+  // allocator holds (PyTorch's, through deltad_torch_malloc), so that one
+  // budget covers everything the process allocates. Counted in the device
+  // bytes and the peak as a tensor is, but never released by a policy, and
+  // known to the daemon only as bytes (a synchronous release asks for room
+  // for them too). When the budget is short, tracked tensors are released
+  // for it as for Track. While the device has room within the budget it
+  // takes one short critical section and the device's own: no record, no
+  // event, no daemon round trip. INVALID_ARGUMENT for bytes <= 0;
+  // FAILED_PRECONDITION once closed; RESOURCE_EXHAUSTED, naming the
+  // budget, what is held and the request, when no release makes room.
+  absl::StatusOr<void*> AllocateRaw(int64_t bytes);
+  // `p` and `bytes` as AllocateRaw gave and was given; the caller keeps
+  // them (the client has no record of its own to check them against).
+  // Valid after Close: the memory stays mapped until the client dies.
+  void FreeRaw(void* p, int64_t bytes);
 
   // Ends the session with the daemon and stops the executor; tensors still
   // tracked are freed. Idempotent.
@@ -214,6 +232,12 @@ class Client {
   absl::Status Reload(uint64_t id, Need need);
   absl::Status Recompute(uint64_t id);
   absl::StatusOr<void*> AllocateDevice(int64_t bytes);
+  // AllocateDevice's common case: the bytes fit the budget and the device
+  // has them. Null when either is short (nothing is then reserved); `raw`
+  // counts them as AllocateRaw's, and refuses once closed.
+  void* TryAllocateWithinBudget(int64_t bytes, bool raw);
+  // The rest of AllocateDevice: releases, chunks from the daemon, waits.
+  absl::StatusOr<void*> AllocateDeviceSlow(int64_t bytes);
   // Releases so that `bytes` more fit, and `extra` beyond them (device
   // memory lost to rounding, which the byte counts miss): true when the
   // daemon made room on the GPU for it (possibly beyond this session's
@@ -263,6 +287,9 @@ class Client {
   // Device bytes the daemon does not know are held: tensors being
   // recomputed (reported once rebuilt) and freed ones rebuilt for a child.
   int64_t unreported_bytes_ = 0;
+  // Of device_bytes_, held by AllocateRaw: never released by a policy,
+  // and unknown to the daemon, which sees tensors only.
+  int64_t raw_bytes_ = 0;
   int64_t budget_bytes_ = 0;
   ClientStats stats_;
   v1::EventBatch pending_;

@@ -8,6 +8,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h> /* ssize_t */
 
 #ifdef __cplusplus
 extern "C" {
@@ -28,8 +29,12 @@ typedef struct {
   int64_t fallback_host_bytes;    /* heap for offloads without a daemon */
   /* The device. "sim": device memory from the heap, up to
    * sim_memory_bytes, copies throttled to the bandwidths (0: memcpy speed).
-   * "cuda" (in a build with the CUDA toolkit): the GPU `cuda_device`, with
-   * memory from the daemon's chunks (or the process's own without one). */
+   * "sim-chunks": the same in the daemon's sim-backend chunks (memfds)
+   * mapped into one reserved range, as "cuda" maps its chunks: the path a
+   * GPU's allocations take, without one (or in-process chunks without a
+   * daemon). "cuda" (in a build with the CUDA toolkit): the GPU
+   * `cuda_device`, with memory from the daemon's chunks (or the process's
+   * own without one). */
   const char* device;              /* default "sim" */
   int64_t sim_memory_bytes;        /* default 80 GiB */
   double sim_d2h_bytes_per_second; /* default 25e9 */
@@ -100,6 +105,56 @@ int deltad_set_compute_stream(deltad_client* client, void* stream);
 
 /* The message of the calling thread's last failed call; "" if none. */
 const char* deltad_last_error(void);
+
+/* --- The process's device allocator (docs/ALLOCATOR.md) ---------------
+ *
+ * deltad_torch_malloc and deltad_torch_free have the signatures of
+ * PyTorch's CUDAPluggableAllocator:
+ *   torch.cuda.memory.CUDAPluggableAllocator(
+ *       "libdeltad_client.so", "deltad_torch_malloc", "deltad_torch_free")
+ * They serve memory from the attached client within its budget, as raw
+ * allocations: counted with its tracked tensors, which are released to
+ * make room for them, but never released themselves. Thread safe; no
+ * daemon round trip while the budget and the device have room. */
+
+/* Makes `client` the one behind the entry points. FAILED_PRECONDITION
+ * while a client is attached (the same one included): detach it first. */
+int deltad_allocator_attach(deltad_client* client);
+/* Attaches none: deltad_torch_malloc fails until the next attach. Blocks
+ * allocated before stay their client's, and freeing one still returns its
+ * memory to that client. FAILED_PRECONDITION when none was attached.
+ * Closing an attached client detaches it; a block of a closed client is
+ * gone with it, and freeing it later is ignored. */
+int deltad_allocator_detach(void);
+
+/* `size` bytes of device memory, 256-byte aligned, or NULL with
+ * deltad_last_error() saying why: nothing attached, `device` not the
+ * attached "cuda" client's CUDA ordinal (the simulated devices take any
+ * index), no room within the budget (RESOURCE_EXHAUSTED's message names
+ * the budget, what is held and the request). Size 0 returns NULL without an
+ * error, as PyTorch's allocators do for empty tensors. `stream` is not
+ * used: the memory is the caller's until freed, on any stream; a caller
+ * that frees memory still in use by queued work must wait for that work
+ * (PyTorch's caching allocator over a MemPool does, with events). */
+void* deltad_torch_malloc(ssize_t size, int device, void* stream);
+/* Returns `ptr` to the client that allocated it, even after a detach. The
+ * size recorded at allocation is the one freed, whatever `size` says; a
+ * pointer deltad_torch_malloc did not return, or one already freed, is
+ * ignored (deltad_last_error() says so). `device` and `stream` are not
+ * used. */
+void deltad_torch_free(void* ptr, ssize_t size, int device, void* stream);
+
+typedef struct {
+  int32_t attached;          /* 1 when a client is attached */
+  int64_t allocated_bytes;   /* the attached client's, through malloc */
+  int64_t device_bytes;      /* its whole: the allocator's and tensors' */
+  int64_t peak_device_bytes; /* the most device_bytes held at once */
+  int64_t budget_bytes;      /* its budget now */
+  int64_t blocks;            /* live blocks of every client */
+} deltad_allocator_usage;
+
+/* What the allocator holds: zeros (but blocks) when none is attached. */
+int deltad_allocator_stats(deltad_allocator_usage* usage);
 
 #ifdef __cplusplus
 }

@@ -57,6 +57,17 @@ class Stats(ctypes.Structure):
     ]
 
 
+class AllocatorUsage(ctypes.Structure):
+    _fields_ = [
+        ("attached", ctypes.c_int32),
+        ("allocated_bytes", ctypes.c_int64),
+        ("device_bytes", ctypes.c_int64),
+        ("peak_device_bytes", ctypes.c_int64),
+        ("budget_bytes", ctypes.c_int64),
+        ("blocks", ctypes.c_int64),
+    ]
+
+
 RecomputeFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64,
                                ctypes.c_void_p)
 
@@ -115,4 +126,19 @@ def load():
     lib.deltad_set_compute_stream.restype = ctypes.c_int
     lib.deltad_last_error.argtypes = []
     lib.deltad_last_error.restype = ctypes.c_char_p
+    # The process allocator (deltad.allocator); absent from libraries built
+    # before it, which then still serve everything else.
+    if hasattr(lib, "deltad_allocator_attach"):
+        lib.deltad_allocator_attach.argtypes = [ctypes.c_void_p]
+        lib.deltad_allocator_attach.restype = ctypes.c_int
+        lib.deltad_allocator_detach.argtypes = []
+        lib.deltad_allocator_detach.restype = ctypes.c_int
+        lib.deltad_allocator_stats.argtypes = [ctypes.POINTER(AllocatorUsage)]
+        lib.deltad_allocator_stats.restype = ctypes.c_int
+        lib.deltad_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int,
+                                            ctypes.c_void_p]
+        lib.deltad_torch_malloc.restype = ctypes.c_void_p
+        lib.deltad_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t,
+                                          ctypes.c_int, ctypes.c_void_p]
+        lib.deltad_torch_free.restype = None
     return lib

@@ -13,8 +13,8 @@ tensor someone else can still write to must not be snapshotted early. A
 group is
 
 - offloaded: its storage copied to host memory, on CUDA asynchronously on a
-  copy stream (the caching allocator reuses the device block once that
-  copy's event has completed: record_stream), or
+  copy stream (the device bytes are let go once that copy's event has
+  completed, found by polling, never by waiting), or
 - evicted: dropped, and rebuilt when needed by running the module call that
   produced it again (deltad.recompute),
 
@@ -144,6 +144,8 @@ class SavedStore:
         self.closed = False
         self.copy_stream = (_torch.cuda.Stream(device) if self.cuda
                             else None)
+        # CUDA: (event, tensor) for device bytes a copy still reads.
+        self.in_flight = []
 
     # --- pack and unpack (the hot path)
 
@@ -227,6 +229,8 @@ class SavedStore:
     def _new_iteration(self):
         """No saved tensor is alive: a new forward begins."""
         self._end_iteration()
+        if self.in_flight:
+            self._poll_copies()
         self.unpacked = []
         self.by_position = []
         self.order = []
@@ -276,6 +280,11 @@ class SavedStore:
 
     def _drop(self, group):
         c = self.counters
+        if group.event is not None:
+            # Prefetched and never read: its block may be reused only once
+            # the copy into it has run.
+            self.in_flight.append((group.event, group.flat))
+            group.event = None
         if self.groups.get(group.key) is group:
             del self.groups[group.key]
         if group.state == RESIDENT:
@@ -293,11 +302,29 @@ class SavedStore:
 
     # --- releasing
 
+    def _keep_until_copied(self, tensor):
+        event = _torch.cuda.Event()
+        event.record(self.copy_stream)
+        self.in_flight.append((event, tensor))
+
+    def _poll_copies(self):
+        """Lets go of device bytes whose copy out has run. Copies on one
+        stream finish in order: the first one still running ends it."""
+        done = 0
+        for event, _ in self.in_flight:
+            if not event.query():
+                break
+            done += 1
+        if done:
+            del self.in_flight[:done]
+
     def _make_room(self, budget, protect=None, extra=0):
         """Releases the oldest groups this store alone holds until the
         resident bytes plus `extra` fit in `budget` less some slack (so
         that the next packs do not each release again)."""
         c = self.counters
+        if self.in_flight:
+            self._poll_copies()
         slack = budget // 16
         target = budget - slack - extra
         kept = []
@@ -369,9 +396,11 @@ class SavedStore:
                     host = _torch.empty(flat.shape, dtype=flat.dtype,
                                         pin_memory=True)
                     host.copy_(flat, non_blocking=True)
-                # The block goes back to the allocator, which reuses it once
-                # the copy stream has passed this copy: no host wait.
-                flat.record_stream(self.copy_stream)
+                # The device bytes stay referenced until the copy has run
+                # (polled, never waited for). Not record_stream: PyTorch's
+                # pluggable allocator drops it, and a MemPool routed for
+                # every thread defers such frees until routing ends.
+                self._keep_until_copied(flat)
             else:
                 host = _torch.empty_like(flat)
                 host.copy_(flat)
@@ -406,9 +435,13 @@ class SavedStore:
         if group.state == OFFLOADED:
             host = group.host
             if self.cuda:
+                # Allocated on the compute stream, which will read it and
+                # free it: it waits for the copy's event before either.
+                current = _torch.cuda.current_stream(self.device)
+                flat = _torch.empty(host.shape, dtype=host.dtype,
+                                    device=self.device)
+                self.copy_stream.wait_stream(current)
                 with _torch.cuda.stream(self.copy_stream):
-                    flat = _torch.empty(host.shape, dtype=host.dtype,
-                                        device=self.device)
                     flat.copy_(host, non_blocking=True)
                 event = _torch.cuda.Event()
                 event.record(self.copy_stream)
@@ -457,10 +490,7 @@ class SavedStore:
         if flat is None:
             return
         if group.event is not None:
-            current = _torch.cuda.current_stream(self.device)
-            current.wait_event(group.event)
-            # Allocated on the copy stream, read on the compute stream.
-            flat.record_stream(current)
+            _torch.cuda.current_stream(self.device).wait_event(group.event)
             group.event = None
         for i, meta in enumerate(group.metas):
             if meta is None:
@@ -509,6 +539,8 @@ class SavedStore:
             self._end_iteration()
             self.unpacked = []
             self.closed = True
+            if self.in_flight:
+                self._poll_copies()
             self.budget = lambda: 1 << 62
 
 

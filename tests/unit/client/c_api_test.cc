@@ -63,6 +63,8 @@ TEST(CApi, RejectsNullArgumentsAndUnknownDevices) {
   deltad_client* c = nullptr;
   EXPECT_EQ(deltad_client_connect(&o, &c), 3);  // INVALID_ARGUMENT
   EXPECT_NE(std::string(deltad_last_error()).find("tpu"), std::string::npos);
+  EXPECT_NE(std::string(deltad_last_error()).find("\"sim-chunks\""),
+            std::string::npos);
   EXPECT_EQ(deltad_pin(nullptr, 1, nullptr), 3);
   EXPECT_EQ(deltad_set_compute_stream(nullptr, nullptr), 3);
   deltad_prefetch(nullptr, nullptr, 0);  // ignored, no crash

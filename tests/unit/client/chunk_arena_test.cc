@@ -376,7 +376,7 @@ TEST(ChunkArena, SizeClassesGetChunksOfTheirOwn) {
   s.arena->Free(*c, 5000);
 }
 
-TEST(ChunkArena, AChunkWhoseBlocksAreAllFreedGoesBackToTheFreeList) {
+TEST(ChunkArena, AChunkWhoseBlocksAreAllFreedCountsAsFreeAndServesALargeOne) {
   FakeSetup s(2);
   std::vector<void*> blocks;
   for (int i = 0; i < 3; ++i) {
@@ -391,13 +391,55 @@ TEST(ChunkArena, AChunkWhoseBlocksAreAllFreedGoesBackToTheFreeList) {
   EXPECT_EQ(s.mapper.mapped.size(), 1u);
   EXPECT_EQ(s.arena->free_bytes(), kChunk);
   s.arena->Free(blocks[1], 256);
-  EXPECT_TRUE(s.mapper.mapped.empty());
+  // Kept mapped for the next block of its class, but free all the same.
+  EXPECT_EQ(s.mapper.mapped.size(), 1u);
   EXPECT_EQ(s.arena->free_bytes(), 2 * kChunk);
   EXPECT_EQ(s.arena->allocated_bytes(), 0);
-  // Both chunks now serve one large allocation.
+  // Both chunks now serve one large allocation: the empty page is unmapped.
   auto big = s.arena->Allocate(2 * kChunk);
   ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_EQ(s.mapper.mapped.size(), 2u);
   s.arena->Free(*big, 2 * kChunk);
+}
+
+TEST(ChunkArena, AnAllocateAndFreePairOfOneSmallBlockMapsNothingAfterTheFirst) {
+  FakeSetup s(4);
+  auto first = s.arena->Allocate(512);
+  ASSERT_TRUE(first.ok()) << first.status();
+  s.arena->Free(*first, 512);
+  const size_t maps = s.mapper.map_calls.size();
+  const int unmaps = s.mapper.unmap_calls;
+  for (int i = 0; i < 100; ++i) {
+    auto p = s.arena->Allocate(512);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(*p, *first);
+    s.arena->Free(*p, 512);
+  }
+  EXPECT_EQ(s.mapper.map_calls.size(), maps);
+  EXPECT_EQ(s.mapper.unmap_calls, unmaps);
+}
+
+TEST(ChunkArena, OnlyOneEmptyPagePerSizeClassStaysMapped) {
+  FakeSetup s(4);
+  const int64_t per_page = kChunk / 512;
+  std::vector<void*> blocks;
+  for (int64_t i = 0; i < per_page + 1; ++i) {  // two pages of one class
+    auto p = s.arena->Allocate(512);
+    ASSERT_TRUE(p.ok()) << p.status();
+    blocks.push_back(*p);
+  }
+  auto other = s.arena->Allocate(5000);  // a third page, another class
+  ASSERT_TRUE(other.ok()) << other.status();
+  ASSERT_EQ(s.mapper.mapped.size(), 3u);
+  for (void* p : blocks) s.arena->Free(p, 512);
+  s.arena->Free(*other, 5000);
+  // One empty page of each class stays; the second of the first class went.
+  EXPECT_EQ(s.mapper.mapped.size(), 2u);
+  EXPECT_EQ(s.arena->free_bytes(), 4 * kChunk);
+  // Released when asked, although mapped (the mapper checks the order).
+  EXPECT_EQ(s.arena->ShrinkTo(0).size(), 4u);
+  EXPECT_TRUE(s.mapper.mapped.empty());
+  EXPECT_EQ(s.arena->held_bytes(), 0);
 }
 
 TEST(ChunkArena, RunningOutLeavesTheFreeListAsItWas) {
@@ -498,7 +540,8 @@ TEST(ChunkArena, FreeIgnoresPointersItDidNotHandOut) {
   s.arena->Free(b, 2 * kChunk);
   EXPECT_EQ(s.arena->allocated_bytes(), 0);
   EXPECT_EQ(s.arena->free_bytes(), 4 * kChunk);
-  EXPECT_EQ(s.mapper.mapped.size(), 2u);  // the large one, kept
+  // The large one and the small one's page, kept.
+  EXPECT_EQ(s.mapper.mapped.size(), 3u);
 }
 
 TEST(ChunkArena, AMapperFailureWhileAllocatingLosesNoChunk) {

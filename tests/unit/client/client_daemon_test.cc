@@ -240,6 +240,32 @@ TEST_F(ClientDaemonTest, ClosingAChunkClientGivesTheChunksBack) {
   EXPECT_TRUE(Eventually([&] { return GpuChunkBytes() == 0; }));
 }
 
+TEST_F(ClientDaemonTest, RawAllocationsTakeTheDaemonsChunksBesideTensors) {
+  Connect(8 * kMiB, ChunkDevice());
+  ASSERT_TRUE(client_->connected());
+  TrackFilled(1, 4);  // every chunk of the budget in use
+  auto raw = client_->AllocateRaw(4 * kMiB);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  std::memset(*raw, 0xee, 4 * kMiB);
+  ClientStats s = client_->Stats();
+  EXPECT_EQ(s.raw_bytes, 4 * kMiB);
+  EXPECT_TRUE(s.connected);
+  EXPECT_EQ(s.rejected_batches, 0);
+  EXPECT_LE(GpuChunkBytes(), server_->node().Status().gpus(0).budget_bytes());
+  // Past the GPU's whole budget: refused, saying what the budget holds.
+  auto huge = client_->AllocateRaw(128 * kMiB);
+  ASSERT_FALSE(huge.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(huge.status())) << huge.status();
+  EXPECT_NE(huge.status().message().find("within the budget of"),
+            std::string::npos)
+      << huge.status();
+  client_->FreeRaw(*raw, 4 * kMiB);
+  ExpectBytes(1, 4);
+  s = client_->Stats();
+  EXPECT_EQ(s.raw_bytes, 0);
+  EXPECT_EQ(s.rejected_batches, 0);
+}
+
 TEST_F(ClientDaemonTest, AChunkDeviceWithoutADaemonMakesItsOwnChunks) {
   server_.reset();
   Connect(4 * kMiB, ChunkDevice());

@@ -1,0 +1,235 @@
+"""deltad as the process's CUDA allocator: one budget for everything the
+process allocates on its GPU.
+
+    import deltad.allocator
+    deltad.allocator.install(budget_bytes=20 << 30)  # before any CUDA use
+    model = Model().cuda()  # its memory now comes from deltad's budget
+
+PyTorch calls the client library's `deltad_torch_malloc` and
+`deltad_torch_free` (through `torch.cuda.memory.CUDAPluggableAllocator`) for
+its device memory; the library serves it from the daemon's chunks within the
+process's budget, releasing the tensors it tracks (saved activations) when
+the budget is short. How it plugs in depends on the PyTorch:
+
+- 2.8 and later: a `torch.cuda.MemPool` over the library, with every
+  allocation of the device, from every thread (autograd's backward runs on
+  threads of its own) and every stream, routed to it. PyTorch's caching
+  allocator still splits, rounds and reuses blocks and orders reuse across
+  streams with events; the library is asked only for segments.
+- 2.0 to 2.7: the library replaces the CUDA allocator
+  (`change_current_allocator`): every tensor is one call, with no cache,
+  and it must happen before CUDA is first used. A MemPool there routes the
+  library's memory to the calling thread only, which backward escapes.
+- older: not supported; `install()` says so.
+
+`DELTAD_DISABLE=1` in the environment makes `install()` do nothing (it
+returns None). See docs/ALLOCATOR.md for what is measured and what is not.
+"""
+
+import ctypes
+import dataclasses
+import os
+import threading
+
+from deltad import _capi
+from deltad.client import DEFAULT_SOCKET, Client, _check, _library
+
+_MALLOC = "deltad_torch_malloc"
+_FREE = "deltad_torch_free"
+
+_lock = threading.Lock()
+_active = None  # the _Installation in force
+# Installations undone by uninstall(): their pools may still hold segments
+# that tensors use, and freeing those needs the pool, the allocator object
+# and the client alive (a pool destroyed first frees with the wrong
+# function, pytorch/pytorch#146431). Kept for the process's life.
+_retired = []
+
+
+@dataclasses.dataclass
+class AllocatorStats:
+    attached: bool           # a client serves the entry points
+    allocated_bytes: int     # the attached client's, through the allocator
+    device_bytes: int        # its whole: the allocator's and its tensors'
+    peak_device_bytes: int
+    budget_bytes: int
+    blocks: int              # live blocks, of every client
+
+
+@dataclasses.dataclass
+class _Installation:
+    client: Client
+    owns_client: bool
+    device: int
+    mode: str               # "mempool" or "global"
+    allocator: object       # the CUDAPluggableAllocator
+    pool: object = None     # the MemPool ("mempool" mode)
+
+
+def _disabled():
+    return os.environ.get("DELTAD_DISABLE", "").strip().lower() in (
+        "1", "true", "yes", "on")
+
+
+def _routing(torch):
+    """How this PyTorch can hand all of a device's allocations to deltad:
+    "mempool" or "global". RuntimeError when it cannot at all."""
+    memory = getattr(torch.cuda, "memory", None)
+    if memory is None or not hasattr(memory, "CUDAPluggableAllocator"):
+        raise RuntimeError(
+            f"deltad.allocator.install() needs PyTorch 2.0 or later "
+            f"(torch.cuda.memory.CUDAPluggableAllocator); this is "
+            f"{torch.__version__}. Upgrade PyTorch, or set DELTAD_DISABLE=1 "
+            f"to run without deltad's allocator.")
+    c = torch._C
+    # _cuda_beginAllocateCurrentThreadToPool came with the release (2.8)
+    # whose pools call their own allocator whatever the thread; there,
+    # _cuda_beginAllocateToPool (an always-true filter) routes every thread
+    # and stream of the device to the pool.
+    if (hasattr(torch.cuda, "MemPool")
+            and hasattr(c, "_cuda_beginAllocateToPool")
+            and hasattr(c, "_cuda_beginAllocateCurrentThreadToPool")
+            and hasattr(c, "_cuda_endAllocateToPool")):
+        return "mempool"
+    return "global"
+
+
+def _device_index(torch, device):
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    d = torch.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"deltad's allocator serves CUDA devices, not {d}")
+    return torch.cuda.current_device() if d.index is None else d.index
+
+
+def _check_unused(torch, index, mode):
+    """RuntimeError when PyTorch's own allocator already holds memory that
+    deltad's budget would not cover (or, for the global swap, when it can
+    no longer be replaced)."""
+    if not torch.cuda.is_initialized():
+        return
+    if mode == "global":
+        raise RuntimeError(
+            f"deltad.allocator.install(): CUDA is already initialized, so "
+            f"PyTorch {torch.__version__} can no longer replace its "
+            f"allocator (that needs PyTorch 2.8 or later once CUDA is up). "
+            f"Call install() first thing, before any .cuda(), torch.cuda "
+            f"call or CUDA tensor; or set DELTAD_DISABLE=1.")
+    held = torch.cuda.memory_allocated(index)
+    if held > 0:
+        raise RuntimeError(
+            f"deltad.allocator.install(): PyTorch's own allocator already "
+            f"holds {held} bytes on cuda:{index}, which deltad's budget "
+            f"would not cover (one budget per process). Call install() "
+            f"before the first CUDA allocation (before model.cuda()), or "
+            f"free those tensors first; or set DELTAD_DISABLE=1.")
+
+
+def install(client=None, budget_bytes=0, socket=DEFAULT_SOCKET, device=None):
+    """Makes the deltad client library this process's CUDA allocator for
+    `device` (default: the current one) and returns the deltad.Client that
+    serves it, or None when DELTAD_DISABLE=1.
+
+    client: a deltad.Client on the "cuda" device to serve the memory; by
+    default one is opened (on `socket`, None for no daemon, asking for
+    `budget_bytes`, 0 for a fair share) and owned by the allocator.
+    Raises RuntimeError with what to do when this PyTorch has no CUDA, is
+    too old, or has allocated CUDA memory already, and when an installation
+    is in force.
+    """
+    if _disabled():
+        return None
+    import torch  # here: a process that never installs need not load it
+
+    global _active
+    with _lock:
+        if _active is not None:
+            raise RuntimeError(
+                "deltad.allocator.install(): already installed (one "
+                "allocator, one budget per process); uninstall() first")
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"deltad.allocator.install(): this PyTorch "
+                f"({torch.__version__}, CUDA {torch.version.cuda}) sees no "
+                f"usable GPU, and deltad's allocator serves CUDA memory "
+                f"only. Run on a GPU with a CUDA build of PyTorch, or set "
+                f"DELTAD_DISABLE=1 to go without it.")
+        mode = _routing(torch)
+        index = _device_index(torch, device)
+        _check_unused(torch, index, mode)
+        owns = client is None
+        if owns:
+            client = Client(socket=socket, budget_bytes=budget_bytes,
+                            device="cuda", cuda_device=index,
+                            label="pytorch allocator")
+        lib = _library()
+        try:
+            _check(lib.deltad_allocator_attach(client._open()))
+        except Exception:
+            if owns:
+                client.close()
+            raise
+        try:
+            allocator = torch.cuda.memory.CUDAPluggableAllocator(
+                lib._name, _MALLOC, _FREE)
+            installation = _Installation(client, owns, index, mode, allocator)
+            if mode == "mempool":
+                if torch.cuda.is_initialized():
+                    # Cached, unused blocks of PyTorch's own pool: given
+                    # back, so that the GPU holds deltad's budget only.
+                    torch.cuda.empty_cache()
+                installation.pool = torch.cuda.MemPool(allocator.allocator())
+                torch._C._cuda_beginAllocateToPool(index,
+                                                   installation.pool.id)
+            else:
+                torch.cuda.memory.change_current_allocator(allocator)
+        except Exception:
+            lib.deltad_allocator_detach()
+            if owns:
+                client.close()
+            raise
+        _active = installation
+        return client
+
+
+def uninstall():
+    """Ends the routing: new allocations go to PyTorch's own allocator
+    again. Memory already served stays valid (the pool and the client are
+    kept for it). RuntimeError for a global swap, which PyTorch cannot
+    undo; nothing to do when not installed."""
+    global _active
+    with _lock:
+        if _active is None:
+            return
+        import torch
+
+        if _active.mode != "mempool":
+            raise RuntimeError(
+                "deltad.allocator.uninstall(): on this PyTorch deltad "
+                "replaced the CUDA allocator, which cannot be put back")
+        torch._C._cuda_endAllocateToPool(_active.device, _active.pool.id)
+        if hasattr(torch._C, "_cuda_releasePool"):
+            torch._C._cuda_releasePool(_active.device, _active.pool.id)
+        _library().deltad_allocator_detach()
+        _retired.append(_active)
+        _active = None
+
+
+def mode():
+    """"mempool" or "global" while installed, else None."""
+    with _lock:
+        return None if _active is None else _active.mode
+
+
+def stats():
+    """What the allocator holds (cheap: one call, no daemon)."""
+    lib = _library()
+    u = _capi.AllocatorUsage()
+    _check(lib.deltad_allocator_stats(ctypes.byref(u)))
+    return AllocatorStats(
+        attached=bool(u.attached), allocated_bytes=u.allocated_bytes,
+        device_bytes=u.device_bytes, peak_device_bytes=u.peak_device_bytes,
+        budget_bytes=u.budget_bytes, blocks=u.blocks)

@@ -1,0 +1,193 @@
+// The process's device allocator: deltad_torch_malloc / deltad_torch_free,
+// the entry points PyTorch's CUDAPluggableAllocator calls, over the raw
+// allocations of the attached client (Client::AllocateRaw). See
+// deltad_client.h for the contract and docs/ALLOCATOR.md for how PyTorch
+// uses it.
+//
+// Every live block is recorded with its client and size, because a free
+// must reach the client that allocated the block: the attached one may have
+// changed since (detach, attach), and the "sim" device's blocks are plain
+// heap memory, which another client's device would free as its own. The
+// record also makes a stray or repeated free harmless, and lets a client be
+// closed while PyTorch still holds blocks (at exit, Python may close it
+// before PyTorch frees its pools): its blocks are forgotten with it, and
+// their frees ignored.
+#include <sys/types.h>
+
+#include <cstdint>
+#include <mutex>
+#include <shared_mutex>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "client/capi_client.h"
+#include "client/deltad_client.h"
+
+namespace deltad::client::capi {
+namespace {
+
+struct Block {
+  deltad_client* owner;
+  int64_t bytes;
+};
+
+struct AllocatorState {
+  // Held shared by malloc and free while they use a client, exclusively to
+  // change which one is attached and before a client is closed: a client
+  // never dies under a call using it. Allocations that must wait (for
+  // releases, for the daemon) hold it shared meanwhile, so a close waits
+  // for them; readers are not blocked by a waiting writer (glibc's
+  // default), so no call waits behind a close that waits for it.
+  std::shared_mutex lifetime_mu;
+  deltad_client* attached = nullptr;  // lifetime_mu
+
+  // The live blocks. A lock of its own, held only for the map, so that
+  // frees do not wait for an allocation that is making room.
+  std::mutex blocks_mu;
+  absl::flat_hash_map<void*, Block> blocks;  // blocks_mu
+};
+
+AllocatorState& State() {
+  // Never destroyed: PyTorch may free blocks while the process exits,
+  // after this library's static destructors would have run.
+  static AllocatorState* const state = new AllocatorState;
+  return *state;
+}
+
+}  // namespace
+
+void ForgetAllocatorClient(deltad_client* client) {
+  AllocatorState& s = State();
+  std::unique_lock<std::shared_mutex> lifetime(s.lifetime_mu);
+  if (s.attached == client) s.attached = nullptr;
+  std::lock_guard<std::mutex> lock(s.blocks_mu);
+  for (auto it = s.blocks.begin(); it != s.blocks.end();) {
+    if (it->second.owner == client) {
+      s.blocks.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace deltad::client::capi
+
+namespace {
+
+using deltad::client::capi::AllocatorState;
+using deltad::client::capi::Block;
+using deltad::client::capi::Report;
+using deltad::client::capi::State;
+
+}  // namespace
+
+extern "C" {
+
+int deltad_allocator_attach(deltad_client* client) {
+  if (client == nullptr) {
+    return Report(absl::InvalidArgumentError("client must not be NULL"));
+  }
+  AllocatorState& s = State();
+  std::unique_lock<std::shared_mutex> lifetime(s.lifetime_mu);
+  if (s.attached != nullptr) {
+    return Report(absl::FailedPreconditionError(
+        s.attached == client
+            ? "this deltad client is already the allocator's"
+            : "another deltad client is the allocator's: detach it first "
+              "(deltad_allocator_detach); one budget per process"));
+  }
+  s.attached = client;
+  return 0;
+}
+
+int deltad_allocator_detach(void) {
+  AllocatorState& s = State();
+  std::unique_lock<std::shared_mutex> lifetime(s.lifetime_mu);
+  if (s.attached == nullptr) {
+    return Report(absl::FailedPreconditionError(
+        "no deltad client is attached to the allocator"));
+  }
+  s.attached = nullptr;
+  return 0;
+}
+
+void* deltad_torch_malloc(ssize_t size, int device, void* /*stream*/) {
+  if (size == 0) return nullptr;
+  if (size < 0) {
+    Report(absl::InvalidArgumentError(
+        absl::StrCat("cannot allocate ", size, " device bytes")));
+    return nullptr;
+  }
+  AllocatorState& s = State();
+  std::shared_lock<std::shared_mutex> lifetime(s.lifetime_mu);
+  deltad_client* client = s.attached;
+  if (client == nullptr) {
+    Report(absl::FailedPreconditionError(absl::StrCat(
+        "no deltad client is attached to the allocator (call "
+        "deltad_allocator_attach, or deltad.allocator.install() from "
+        "Python): no device memory for ",
+        size, " bytes")));
+    return nullptr;
+  }
+  if (client->cuda_ordinal >= 0 && device != client->cuda_ordinal) {
+    // One client serves one GPU; memory of another would be unusable.
+    Report(absl::InvalidArgumentError(absl::StrCat(
+        "the deltad allocator serves CUDA device ", client->cuda_ordinal,
+        ", not device ", device, " (one client per GPU)")));
+    return nullptr;
+  }
+  absl::StatusOr<void*> p = client->impl->AllocateRaw(size);
+  if (!p.ok()) {
+    Report(p.status());
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(s.blocks_mu);
+  s.blocks.insert_or_assign(*p, Block{client, static_cast<int64_t>(size)});
+  return *p;
+}
+
+void deltad_torch_free(void* ptr, ssize_t /*size*/, int /*device*/,
+                       void* /*stream*/) {
+  if (ptr == nullptr) return;
+  AllocatorState& s = State();
+  std::shared_lock<std::shared_mutex> lifetime(s.lifetime_mu);
+  Block block;
+  {
+    std::lock_guard<std::mutex> lock(s.blocks_mu);
+    auto it = s.blocks.find(ptr);
+    if (it == s.blocks.end()) {
+      Report(absl::NotFoundError(absl::StrCat(
+          "freeing 0x", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
+          ": not a live block of the deltad allocator (freed already, or "
+          "its client was closed); ignored")));
+      return;
+    }
+    block = it->second;
+    s.blocks.erase(it);
+  }
+  block.owner->impl->FreeRaw(ptr, block.bytes);
+}
+
+int deltad_allocator_stats(deltad_allocator_usage* usage) {
+  if (usage == nullptr) {
+    return Report(absl::InvalidArgumentError("usage must not be NULL"));
+  }
+  *usage = deltad_allocator_usage{};
+  AllocatorState& s = State();
+  std::shared_lock<std::shared_mutex> lifetime(s.lifetime_mu);
+  {
+    std::lock_guard<std::mutex> lock(s.blocks_mu);
+    usage->blocks = static_cast<int64_t>(s.blocks.size());
+  }
+  if (s.attached == nullptr) return 0;
+  const deltad::client::ClientStats stats = s.attached->impl->Stats();
+  usage->attached = 1;
+  usage->allocated_bytes = stats.raw_bytes;
+  usage->device_bytes = stats.device_bytes;
+  usage->peak_device_bytes = stats.peak_device_bytes;
+  usage->budget_bytes = stats.budget_bytes;
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,199 @@
+"""deltad.allocator where there is no GPU: DELTAD_DISABLE, the refusals
+(no CUDA, a PyTorch too old, CUDA memory already held), the choice of
+routing per PyTorch version on stand-ins, and the C entry points PyTorch
+would call (deltad_torch_malloc / free) through ctypes on the chunk-backed
+simulated device."""
+
+import ctypes
+import os
+import threading
+import types
+import unittest
+from unittest import mock
+
+import deltad
+import deltad.allocator as allocator
+from deltad.client import _library
+
+MiB = 1 << 20
+
+
+def fake_torch(version, pluggable=True, mempool=True, current_thread=True,
+               initialized=False, allocated=0):
+    """Just what deltad.allocator looks at of a CUDA PyTorch."""
+    c = types.SimpleNamespace()
+    if mempool:
+        c._cuda_beginAllocateToPool = lambda *a: None
+        c._cuda_endAllocateToPool = lambda *a: None
+        if current_thread:
+            c._cuda_beginAllocateCurrentThreadToPool = lambda *a: None
+    memory = types.SimpleNamespace()
+    if pluggable:
+        memory.CUDAPluggableAllocator = object
+    cuda = types.SimpleNamespace(
+        memory=memory, is_initialized=lambda: initialized,
+        memory_allocated=lambda index: allocated)
+    if mempool:
+        cuda.MemPool = object
+    return types.SimpleNamespace(__version__=version, _C=c, cuda=cuda)
+
+
+class RefusalTest(unittest.TestCase):
+
+    def test_deltad_disable_makes_install_a_no_op(self):
+        with mock.patch.dict(os.environ, {"DELTAD_DISABLE": "1"}):
+            self.assertIsNone(allocator.install(budget_bytes=MiB))
+        self.assertIsNone(allocator.mode())
+        self.assertFalse(allocator.stats().attached)
+
+    def test_install_without_cuda_says_what_to_do(self):
+        import torch
+        if torch.cuda.is_available():
+            self.skipTest("a GPU is here: the refusal is for machines "
+                          "without one")
+        with mock.patch.dict(os.environ, {"DELTAD_DISABLE": "0"}):
+            with self.assertRaises(RuntimeError) as e:
+                allocator.install(socket=None, budget_bytes=MiB)
+        self.assertIn("no usable GPU", str(e.exception))
+        self.assertIn("DELTAD_DISABLE=1", str(e.exception))
+        self.assertFalse(allocator.stats().attached)
+        self.assertIsNone(allocator.mode())
+
+    def test_a_pytorch_without_pluggable_allocators_is_too_old(self):
+        with self.assertRaises(RuntimeError) as e:
+            allocator._routing(fake_torch("1.13.1", pluggable=False,
+                                          mempool=False))
+        self.assertIn("PyTorch 2.0 or later", str(e.exception))
+        self.assertIn("1.13.1", str(e.exception))
+
+    def test_this_machines_pytorch_is_judged_without_failing_to_import(self):
+        import torch
+        try:
+            self.assertIn(allocator._routing(torch), ("mempool", "global"))
+        except RuntimeError as e:
+            self.assertIn("PyTorch 2.0 or later", str(e))
+
+    def test_memory_already_held_by_pytorch_is_refused_with_the_amount(self):
+        torch = fake_torch("2.9.0", initialized=True, allocated=12345)
+        with self.assertRaises(RuntimeError) as e:
+            allocator._check_unused(torch, 0, "mempool")
+        self.assertIn("12345 bytes on cuda:0", str(e.exception))
+        # Initialized with nothing held: fine for a pool.
+        allocator._check_unused(fake_torch("2.9.0", initialized=True), 0,
+                                "mempool")
+
+    def test_a_global_swap_after_cuda_started_is_refused(self):
+        torch = fake_torch("2.4.0", mempool=False, initialized=True)
+        with self.assertRaises(RuntimeError) as e:
+            allocator._check_unused(torch, 0, "global")
+        self.assertIn("before any .cuda()", str(e.exception))
+
+
+class RoutingTest(unittest.TestCase):
+
+    def test_a_pool_for_every_thread_from_pytorch_2_8(self):
+        self.assertEqual(allocator._routing(fake_torch("2.8.0")), "mempool")
+
+    def test_the_global_swap_before_2_8_even_with_mem_pools(self):
+        # 2.5 to 2.7 have MemPool, but the pool's allocator served only
+        # the thread that entered it: backward would escape the budget.
+        self.assertEqual(
+            allocator._routing(fake_torch("2.6.0", current_thread=False)),
+            "global")
+        self.assertEqual(
+            allocator._routing(fake_torch("2.1.0", mempool=False)),
+            "global")
+
+
+class EntryPointsTest(unittest.TestCase):
+    """The functions PyTorch calls, on a client whose device memory is
+    memfd chunks (the path a GPU's memory takes)."""
+
+    def setUp(self):
+        self.lib = _library()
+        self.client = deltad.Client(socket=None, budget_bytes=8 * MiB,
+                                    device="sim-chunks",
+                                    device_memory_bytes=64 * MiB)
+        rc = self.lib.deltad_allocator_attach(self.client._handle)
+        self.assertEqual(rc, 0, self.lib.deltad_last_error())
+
+    def tearDown(self):
+        self.lib.deltad_allocator_detach()
+        self.client.close()
+
+    def malloc(self, size, device=0):
+        return self.lib.deltad_torch_malloc(size, device, None)
+
+    def free(self, address, size, device=0):
+        self.lib.deltad_torch_free(address, size, device, None)
+
+    def test_malloc_serves_writable_memory_counted_in_the_stats(self):
+        p = self.malloc(MiB)
+        self.assertIsNotNone(p, self.lib.deltad_last_error())
+        self.assertEqual(p % 256, 0)
+        ctypes.memset(p, 0xab, MiB)
+        self.assertEqual(ctypes.string_at(p + MiB - 4, 4), b"\xab" * 4)
+        s = allocator.stats()
+        self.assertTrue(s.attached)
+        self.assertEqual(s.allocated_bytes, MiB)
+        self.assertEqual(s.budget_bytes, 8 * MiB)
+        self.assertEqual(s.blocks, 1)
+        self.free(p, MiB)
+        s = allocator.stats()
+        self.assertEqual(s.allocated_bytes, 0)
+        self.assertEqual(s.blocks, 0)
+        self.assertEqual(s.peak_device_bytes, MiB)
+
+    def test_past_the_budget_malloc_returns_null_and_the_error_says_why(self):
+        held = [self.malloc(2 * MiB) for _ in range(4)]
+        self.assertNotIn(None, held)
+        self.assertIsNone(self.malloc(2 * MiB))
+        error = self.lib.deltad_last_error().decode()
+        self.assertIn("budget of 8388608", error)
+        self.assertIn("8388608 held", error)
+        self.free(held.pop(), 2 * MiB)
+        p = self.malloc(2 * MiB)
+        self.assertIsNotNone(p, self.lib.deltad_last_error())
+        for q in held + [p]:
+            self.free(q, 2 * MiB)
+        self.assertEqual(allocator.stats().allocated_bytes, 0)
+
+    def test_size_zero_is_null_without_an_error_and_any_device_index_works(
+            self):
+        self.assertIsNone(self.malloc(0))
+        p = self.malloc(4096, device=3)  # the simulated device is any GPU
+        self.assertIsNotNone(p, self.lib.deltad_last_error())
+        self.free(p, 4096, device=3)
+
+    def test_malloc_with_nothing_attached_returns_null(self):
+        self.lib.deltad_allocator_detach()
+        self.assertIsNone(self.malloc(MiB))
+        self.assertIn(b"deltad_allocator_attach", self.lib.deltad_last_error())
+        self.assertFalse(allocator.stats().attached)
+
+    def test_threads_allocate_and_free_at_once(self):
+        errors = []
+
+        def work(seed):
+            for i in range(200):
+                size = (512, 64 << 10, MiB)[(i + seed) % 3]
+                p = self.malloc(size)
+                if p is None:
+                    errors.append(self.lib.deltad_last_error())
+                    continue
+                ctypes.memset(p, seed, size)
+                if ctypes.string_at(p + size - 1, 1) != bytes([seed]):
+                    errors.append(f"bytes of thread {seed} changed")
+                self.free(p, size)
+
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        self.assertEqual(allocator.stats().allocated_bytes, 0)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,190 @@
+"""The store's CUDA ordering without a GPU: deltad.saved runs its CUDA
+branch against a stand-in torch.cuda that logs streams and events, on CPU
+tensors. Checked: an offload's device bytes stay referenced until its
+copy's event has completed (polled, never waited for on the host); a
+reload is allocated on the compute stream, copied on the copy stream after
+it, and the compute stream waits for the copy before the tensor is handed
+out; a prefetched group that dies unread keeps its bytes until the copy
+into them has run. A GPU runs the real thing (bench/torch_bench.py)."""
+
+import contextlib
+import unittest
+
+import torch
+
+import deltad.saved as saved
+
+
+class FakeEvent:
+    def __init__(self, log):
+        self.log = log
+        self.done = False
+        self.stream = None
+
+    def record(self, stream=None):
+        self.stream = stream
+        self.log.append(("record", stream.name))
+
+    def query(self):
+        self.log.append(("query", self.done))
+        return self.done
+
+    def synchronize(self):
+        raise AssertionError("the store must never wait on the host")
+
+
+class FakeStream:
+    def __init__(self, name, log):
+        self.name = name
+        self.log = log
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event):
+        self.log.append(("wait_event", self.name, event.stream.name))
+
+    def synchronize(self):
+        raise AssertionError("the store must never wait on the host")
+
+
+class FakeCuda:
+    """What deltad.saved uses of torch.cuda."""
+
+    def __init__(self):
+        self.log = []
+        self.events = []
+        self.compute = FakeStream("compute", self.log)
+        self.current = self.compute
+
+    def Stream(self, device):  # noqa: N802 (torch's name)
+        return FakeStream("copy", self.log)
+
+    def Event(self):  # noqa: N802
+        event = FakeEvent(self.log)
+        self.events.append(event)
+        return event
+
+    def current_stream(self, device=None):
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        before, self.current = self.current, s
+        self.log.append(("enter", s.name))
+        try:
+            yield
+        finally:
+            self.current = before
+            self.log.append(("leave", s.name))
+
+
+class FakeTorch:
+    """torch, with the stand-in cuda and pinned allocations on the CPU."""
+
+    def __init__(self, cuda):
+        self.cuda = cuda
+        self.log = cuda.log
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *args, pin_memory=False, device=None, **kwargs):
+        self.log.append(("empty", "pinned" if pin_memory else "device",
+                         self.cuda.current.name))
+        return torch.empty(*args, **kwargs)
+
+
+class Plan:
+    pressure = False
+    unpack_order = []
+    groups = 0
+
+
+class NoRecompute:
+    def produced(self, key):
+        return None
+
+    def can_rebuild(self, group):
+        return False
+
+
+class StreamOrderTest(unittest.TestCase):
+
+    def setUp(self):
+        self.cuda = FakeCuda()
+        self.real = saved._torch
+        saved._torch = FakeTorch(self.cuda)
+        self.budget = 1 << 30
+        self.store = saved.SavedStore(
+            torch.device("cpu"), lambda: self.budget,
+            lambda group: "offload", NoRecompute(), host_bytes=1 << 30,
+            prefetch_bytes=1 << 30, plan=Plan(), on_iteration=lambda: None)
+        self.store.cuda = True
+        self.store.copy_stream = self.cuda.Stream(None)
+
+    def tearDown(self):
+        saved._torch = self.real
+
+    def save(self, tensor):
+        return self.store.pack(tensor, saved._storage(tensor))
+
+    def test_offloaded_bytes_stay_referenced_until_the_copy_ran(self):
+        a = torch.arange(1024, dtype=torch.float32)
+        address = a.data_ptr()
+        sa = self.save(a)
+        del a
+
+        def held():
+            return [t.data_ptr() for _, t in self.store.in_flight]
+
+        self.budget = 1024  # the next save pushes `a` out
+        sb = self.save(torch.ones(1024))
+        self.assertEqual(self.store.counters.offloads, 1)
+        log = self.cuda.log
+        self.assertIn(("wait_stream", "copy", "compute"), log)
+        self.assertIn(("empty", "pinned", "copy"), log)
+        # The store's tensors of `a` are gone; only the copy's hold remains.
+        self.assertEqual(held(), [address], "freed under its copy")
+        self.store._poll_copies()  # copy still running
+        self.assertEqual(held(), [address])
+        self.assertNotIn(("query", True), log)
+        self.cuda.events[0].done = True
+        self.store._poll_copies()
+        self.assertEqual(held(), [], "kept after its copy ran")
+        del sb
+        # Reloading: on the compute stream's memory, copied on the copy
+        # stream after it, waited for by the compute stream before use.
+        self.budget = 1 << 30
+        log.clear()
+        out = self.store.unpack(sa)
+        self.assertEqual(log[0], ("empty", "device", "compute"))
+        self.assertLess(log.index(("wait_stream", "copy", "compute")),
+                        log.index(("enter", "copy")))
+        self.assertIn(("wait_event", "compute", "copy"), log)
+        self.assertTrue(torch.equal(out, torch.arange(1024,
+                                                      dtype=torch.float32)))
+
+    def test_a_prefetched_group_that_dies_unread_keeps_its_bytes(self):
+        a = torch.arange(1024, dtype=torch.float32)
+        sa = self.save(a)
+        del a
+        self.budget = 1024
+        sb = self.save(torch.ones(1024))
+        self.cuda.events[0].done = True
+        self.store._poll_copies()
+        self.budget = 1 << 30
+        # Backward unpacks b and prefetches a, which then dies unread.
+        self.store.unpack(sb)
+        self.assertEqual(self.store.counters.prefetches, 1)
+        reload_event = self.cuda.events[-1]
+        del sa
+        self.assertEqual(len(self.store.in_flight), 1)
+        self.assertIs(self.store.in_flight[0][0], reload_event)
+        reload_event.done = True
+        self.store._poll_copies()
+        self.assertEqual(self.store.in_flight, [])
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,241 @@
+// The process allocator's C entry points (deltad_torch_malloc / free, the
+// functions PyTorch's CUDAPluggableAllocator calls) over an attached client.
+// The allocator is process-wide: every test leaves none attached.
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/deltad_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+constexpr int kFailedPrecondition = 9;
+
+deltad_client* Connect(int64_t budget, const char* device = "sim-chunks") {
+  deltad_client_options o;
+  deltad_client_options_init(&o);
+  o.use_daemon = 0;
+  o.device = device;
+  o.fallback_budget_bytes = budget;
+  o.sim_memory_bytes = int64_t{256} << 20;
+  o.sim_d2h_bytes_per_second = 0;
+  o.sim_h2d_bytes_per_second = 0;
+  deltad_client* c = nullptr;
+  EXPECT_EQ(deltad_client_connect(&o, &c), 0) << deltad_last_error();
+  return c;
+}
+
+deltad_allocator_usage Usage() {
+  deltad_allocator_usage u;
+  EXPECT_EQ(deltad_allocator_stats(&u), 0);
+  return u;
+}
+
+class TorchAllocatorTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    (void)deltad_allocator_detach();
+    for (deltad_client* c : clients_) deltad_client_close(c);
+  }
+  deltad_client* Attached(int64_t budget, const char* device = "sim-chunks") {
+    deltad_client* c = Connect(budget, device);
+    clients_.push_back(c);
+    EXPECT_EQ(deltad_allocator_attach(c), 0) << deltad_last_error();
+    return c;
+  }
+  std::vector<deltad_client*> clients_;
+};
+
+TEST_F(TorchAllocatorTest, MallocWithNothingAttachedReturnsNullAndSaysWhy) {
+  EXPECT_EQ(deltad_torch_malloc(1024, 0, nullptr), nullptr);
+  EXPECT_THAT(deltad_last_error(),
+              AllOf(HasSubstr("no deltad client is attached"),
+                    HasSubstr("deltad_allocator_attach")));
+  EXPECT_EQ(Usage().attached, 0);
+}
+
+TEST_F(TorchAllocatorTest, ServesWritableMemoryAndCountsItInTheStats) {
+  Attached(16 * kMiB);
+  void* p = deltad_torch_malloc(3 * kMiB, 0, nullptr);
+  ASSERT_NE(p, nullptr) << deltad_last_error();
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 256, 0u);
+  std::memset(p, 0x7e, 3 * kMiB);
+  void* q = deltad_torch_malloc(1000, 0, nullptr);
+  ASSERT_NE(q, nullptr) << deltad_last_error();
+  deltad_allocator_usage u = Usage();
+  EXPECT_EQ(u.attached, 1);
+  EXPECT_EQ(u.allocated_bytes, 3 * kMiB + 1000);
+  EXPECT_EQ(u.device_bytes, 3 * kMiB + 1000);
+  EXPECT_EQ(u.budget_bytes, 16 * kMiB);
+  EXPECT_EQ(u.blocks, 2);
+  deltad_torch_free(p, 3 * kMiB, 0, nullptr);
+  deltad_torch_free(q, 1000, 0, nullptr);
+  u = Usage();
+  EXPECT_EQ(u.allocated_bytes, 0);
+  EXPECT_EQ(u.blocks, 0);
+  EXPECT_EQ(u.peak_device_bytes, 3 * kMiB + 1000);
+}
+
+TEST_F(TorchAllocatorTest, TheBudgetIsEnforcedWithAMessageAndFreeingMakesRoom) {
+  Attached(4 * kMiB);
+  void* a = deltad_torch_malloc(2 * kMiB, 0, nullptr);
+  void* b = deltad_torch_malloc(2 * kMiB, 0, nullptr);
+  ASSERT_NE(a, nullptr) << deltad_last_error();
+  ASSERT_NE(b, nullptr) << deltad_last_error();
+  EXPECT_EQ(deltad_torch_malloc(2 * kMiB, 0, nullptr), nullptr);
+  EXPECT_THAT(deltad_last_error(),
+              AllOf(HasSubstr("no room for 2097152 bytes"),
+                    HasSubstr("budget of 4194304"), HasSubstr("4194304 held")));
+  deltad_torch_free(b, 2 * kMiB, 0, nullptr);
+  void* c = deltad_torch_malloc(2 * kMiB, 0, nullptr);
+  EXPECT_NE(c, nullptr) << deltad_last_error();
+  deltad_torch_free(a, 2 * kMiB, 0, nullptr);
+  deltad_torch_free(c, 2 * kMiB, 0, nullptr);
+}
+
+TEST_F(TorchAllocatorTest, SizeZeroReturnsNullAndANegativeSizeIsAnError) {
+  Attached(4 * kMiB);
+  EXPECT_EQ(deltad_torch_malloc(0, 0, nullptr), nullptr);
+  EXPECT_EQ(Usage().blocks, 0);
+  EXPECT_EQ(deltad_torch_malloc(-1, 0, nullptr), nullptr);
+  EXPECT_THAT(deltad_last_error(), HasSubstr("-1"));
+  deltad_torch_free(nullptr, 0, 0, nullptr);  // ignored
+}
+
+TEST_F(TorchAllocatorTest, ASecondAttachIsRefusedUntilDetached) {
+  deltad_client* first = Attached(4 * kMiB);
+  deltad_client* second = Connect(4 * kMiB);
+  clients_.push_back(second);
+  EXPECT_EQ(deltad_allocator_attach(second), kFailedPrecondition);
+  EXPECT_THAT(deltad_last_error(), HasSubstr("detach it first"));
+  EXPECT_EQ(deltad_allocator_attach(first), kFailedPrecondition);
+  EXPECT_EQ(deltad_allocator_detach(), 0);
+  EXPECT_EQ(deltad_allocator_detach(), kFailedPrecondition);
+  EXPECT_EQ(deltad_allocator_attach(second), 0) << deltad_last_error();
+  EXPECT_EQ(deltad_allocator_attach(nullptr), 3);
+}
+
+TEST_F(TorchAllocatorTest, ABlockFreedAfterADetachGoesBackToItsOwnClient) {
+  // Heap-backed clients: the second could otherwise free the first's
+  // memory as its own.
+  deltad_client* first = Attached(8 * kMiB, "sim");
+  void* p = deltad_torch_malloc(kMiB, 0, nullptr);
+  ASSERT_NE(p, nullptr) << deltad_last_error();
+  ASSERT_EQ(deltad_allocator_detach(), 0);
+  EXPECT_EQ(deltad_torch_malloc(kMiB, 0, nullptr), nullptr);
+  deltad_client* second = Attached(8 * kMiB, "sim");
+  void* q = deltad_torch_malloc(kMiB, 0, nullptr);
+  ASSERT_NE(q, nullptr) << deltad_last_error();
+  deltad_torch_free(p, kMiB, 0, nullptr);
+  deltad_client_stats s;
+  ASSERT_EQ(deltad_stats(first, &s), 0);
+  EXPECT_EQ(s.device_bytes, 0);
+  ASSERT_EQ(deltad_stats(second, &s), 0);
+  EXPECT_EQ(s.device_bytes, kMiB);
+  deltad_torch_free(q, kMiB, 0, nullptr);
+  ASSERT_EQ(deltad_stats(second, &s), 0);
+  EXPECT_EQ(s.device_bytes, 0);
+}
+
+TEST_F(TorchAllocatorTest, FreeingABlockOfAClosedClientIsIgnored) {
+  deltad_client* c = Connect(8 * kMiB);
+  ASSERT_EQ(deltad_allocator_attach(c), 0) << deltad_last_error();
+  void* p = deltad_torch_malloc(kMiB, 0, nullptr);
+  ASSERT_NE(p, nullptr) << deltad_last_error();
+  deltad_client_close(c);  // detaches it; its memory goes with it
+  EXPECT_EQ(Usage().attached, 0);
+  EXPECT_EQ(Usage().blocks, 0);
+  deltad_torch_free(p, kMiB, 0, nullptr);
+  EXPECT_THAT(deltad_last_error(), HasSubstr("ignored"));
+  EXPECT_EQ(deltad_allocator_detach(), kFailedPrecondition);
+}
+
+TEST_F(TorchAllocatorTest, StrayAndRepeatedFreesAreIgnored) {
+  deltad_client* c = Attached(8 * kMiB);
+  void* p = deltad_torch_malloc(kMiB, 0, nullptr);
+  ASSERT_NE(p, nullptr) << deltad_last_error();
+  int local = 0;
+  deltad_torch_free(&local, sizeof(local), 0, nullptr);
+  deltad_torch_free(static_cast<char*>(p) + 256, kMiB, 0, nullptr);
+  EXPECT_EQ(Usage().allocated_bytes, kMiB);
+  // A wrong size: the one recorded at allocation is freed.
+  deltad_torch_free(p, 5, 0, nullptr);
+  deltad_torch_free(p, kMiB, 0, nullptr);
+  deltad_client_stats s;
+  ASSERT_EQ(deltad_stats(c, &s), 0);
+  EXPECT_EQ(s.device_bytes, 0);
+}
+
+TEST_F(TorchAllocatorTest, ConcurrentMallocAndFreeFromSeveralThreads) {
+  Attached(64 * kMiB);
+  constexpr int kThreads = 4;
+  std::vector<std::thread> threads;
+  std::vector<int> failures(kThreads, 0);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const int64_t sizes[] = {512, 64 << 10, 2 * kMiB, 4 * kMiB};
+      std::vector<std::pair<void*, int64_t>> held;
+      for (int i = 0; i < 400; ++i) {
+        const int64_t bytes = sizes[(i * 7 + t) % 4];
+        void* p = deltad_torch_malloc(bytes, t, nullptr);
+        if (p == nullptr) {
+          ++failures[static_cast<size_t>(t)];
+          continue;
+        }
+        static_cast<unsigned char*>(p)[bytes - 1] =
+            static_cast<unsigned char>(t);
+        held.emplace_back(p, bytes);
+        if (held.size() > 2) {  // a few live at once, freed out of order
+          auto [q, n] = held[static_cast<size_t>(i) % held.size()];
+          if (static_cast<unsigned char*>(q)[n - 1] != t) {
+            ++failures[static_cast<size_t>(t)];
+          }
+          deltad_torch_free(q, n, t, nullptr);
+          held.erase(held.begin() + static_cast<std::ptrdiff_t>(
+                                        static_cast<size_t>(i) % held.size()));
+        }
+      }
+      for (auto [q, n] : held) deltad_torch_free(q, n, t, nullptr);
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(failures[static_cast<size_t>(t)], 0) << "thread " << t;
+  }
+  const deltad_allocator_usage u = Usage();
+  EXPECT_EQ(u.allocated_bytes, 0);
+  EXPECT_EQ(u.blocks, 0);
+  EXPECT_LE(u.peak_device_bytes, 64 * kMiB);
+}
+
+TEST_F(TorchAllocatorTest, ATrackedTensorIsOffloadedForAnAllocation) {
+  deltad_client* c = Attached(8 * kMiB);
+  deltad_tensor_info t{};
+  t.id = 1;
+  t.bytes = 4 * kMiB;
+  t.uncomputable = 1;
+  void* tensor = nullptr;
+  ASSERT_EQ(deltad_track(c, &t, nullptr, nullptr, &tensor), 0)
+      << deltad_last_error();
+  std::memset(tensor, 0x33, 4 * kMiB);
+  deltad_unpin(c, 1);
+  void* p = deltad_torch_malloc(6 * kMiB, 0, nullptr);
+  ASSERT_NE(p, nullptr) << deltad_last_error();
+  EXPECT_EQ(deltad_resident(c, 1), 0);
+  deltad_torch_free(p, 6 * kMiB, 0, nullptr);
+  void* back = nullptr;
+  ASSERT_EQ(deltad_pin(c, 1, &back), 0) << deltad_last_error();
+  EXPECT_EQ(static_cast<unsigned char*>(back)[12345], 0x33);
+  deltad_unpin(c, 1);
+  EXPECT_EQ(deltad_free(c, 1), 0);
+}
+
+}  // namespace
