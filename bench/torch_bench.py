@@ -40,21 +40,19 @@ On a GPU machine scripts/gpu-pack runs it after gpu_bench.
 import argparse
 import contextlib
 import csv
-import datetime
+import functools
 import gc
 import inspect
 import math
 import os
-import platform
-import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+import benchlib
+
 TAG = "torch_bench"
 GIB = 1 << 30
 MIB = 1 << 20
@@ -66,42 +64,22 @@ RESOURCE_EXHAUSTED = 8
 NO_GPU = 77
 
 
-def note(message):
-    print(f"torch_bench: {message}", file=sys.stderr, flush=True)
+note = functools.partial(benchlib.note, TAG)
 
-
-def fail(message, status=2):
-    note(message)
-    sys.exit(status)
-
-
-try:
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-    import torch.utils.checkpoint as torch_checkpoint
-except ImportError as e:  # nothing to measure without it
-    fail(f"PyTorch is not importable ({e}); install it (Debian: "
-         f"python3-torch) or run with an interpreter that has it")
+benchlib.require_torch(TAG)
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
 
 
 def import_deltad():
     """deltad and deltad.torch, from PYTHONPATH or this checkout
     (client/python); (None, reason) when neither has it."""
-    if "DELTAD_CLIENT_LIBRARY" not in os.environ:
-        built = os.path.join(REPO, "build", "client", "libdeltad_client.so")
-        if os.path.exists(built):
-            os.environ["DELTAD_CLIENT_LIBRARY"] = built
     try:
-        import deltad.torch  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, os.path.join(REPO, "client", "python"))
-        try:
-            import deltad.torch  # noqa: F401
-        except ImportError as e:
-            return None, f"the deltad package is not importable ({e})"
-    import deltad
-    return deltad, None
+        return benchlib.import_deltad(), None
+    except ImportError as e:
+        return None, f"the deltad package is not importable ({e})"
 
 
 # --- models
@@ -331,17 +309,6 @@ def meminfo_bytes(field):
     except OSError:
         pass
     return None
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def gib(nbytes):
@@ -630,12 +597,11 @@ def run_bench(args):
     gpu_name = torch.cuda.get_device_name(bench.device) if cuda else None
     if cuda:
         machine = (f"{gpu_name}, {gib(bench.total)} GiB (CUDA "
-                   f"{torch.version.cuda}); host {cpu_model()}, "
-                   f"{os.cpu_count()} cores")
+                   f"{torch.version.cuda}); host "
+                   f"{benchlib.cpu_description()}")
     else:
-        machine = (f"CPU: {cpu_model()}, {os.cpu_count()} cores (no GPU: "
-                   f"memory limits not enforced)")
-    versions = f"torch {torch.__version__}, Python {platform.python_version()}"
+        machine = (f"CPU: {benchlib.cpu_description()} (no GPU: memory "
+                   f"limits not enforced)")
 
     policy_bench = args.policy_bench
     trace_reason = None
@@ -713,15 +679,14 @@ def run_bench(args):
     if not args.trace_dir:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    command = os.environ.get("DELTAD_BENCH_COMMAND") or " ".join(
-        ["bench/torch_bench.py"] + [shlex.quote(a) for a in sys.argv[1:]])
+    command = benchlib.command_line("bench/torch_bench.py")
     smoke = " (smoke run: tiny models, not a benchmark)" if args.smoke else ""
     md = [f"## torch_bench: PyTorch training under one memory limit{smoke}",
           "",
           f"Command: `{command}`  ",
           f"Machine: {machine}  ",
-          f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}  ",
-          f"Software: {versions}",
+          f"Date: {benchlib.today()}  ",
+          f"Software: {benchlib.software()}",
           "",
           intro(args, bench, cuda), ""]
     md += sections
@@ -731,13 +696,7 @@ def run_bench(args):
         md.append("**Errors** (not out of memory):\n")
         md += [f"- {e}" for e in bench.errors]
         md.append("")
-    text = "\n".join(md)
-    if not text.endswith("\n"):
-        text += "\n"
-    print(text, end="", flush=True)
-    if args.update_doc:
-        update_doc(args.update_doc, text)
-        note(f"updated {args.update_doc}")
+    benchlib.print_report(TAG, md, args.update_doc)
     return 1 if bench.errors else 0
 
 
@@ -944,25 +903,6 @@ def sim_section(args, trace_reason, rows, gpu_name, cuda):
     lines += rows
     lines.append("")
     return "\n".join(lines)
-
-
-def update_doc(path, section):
-    """Replaces the torch_bench section of the Markdown file at `path` (or
-    appends it), as bench/report.cc's UpdateDocSection."""
-    begin, end = f"<!-- {TAG}:begin -->", f"<!-- {TAG}:end -->"
-    try:
-        with open(path) as f:
-            doc = f.read()
-    except FileNotFoundError:
-        doc = ""
-    block = f"{begin}\n{section}{end}"
-    b, e = doc.find(begin), doc.find(end)
-    if b != -1 and e != -1 and e > b:
-        doc = doc[:b] + block + doc[e + len(end):]
-    else:
-        doc += f"\n{block}\n"
-    with open(path, "w") as f:
-        f.write(doc)
 
 
 # --- arguments

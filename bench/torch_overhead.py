@@ -40,53 +40,26 @@ Exit status: 0 when every mode ran, 1 when one failed, 2 for bad arguments.
 
 import argparse
 import contextlib
-import datetime
+import functools
 import gc
 import os
-import platform
-import shlex
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+
+import benchlib
+from sim_daemon import SimDaemon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 TAG = "torch_overhead"
 TARGET_US = 5.0  # per saved tensor, over bare hooks
 
+note = functools.partial(benchlib.note, TAG)
 
-def note(message):
-    print(f"{TAG}: {message}", file=sys.stderr, flush=True)
-
-
-def fail(message, status=2):
-    note(message)
-    sys.exit(status)
-
-
-try:
-    import torch
-    import torch.nn as nn
-except ImportError as e:  # nothing to measure without it
-    fail(f"PyTorch is not importable ({e}); install it (Debian: "
-         f"python3-torch) or run with an interpreter that has it")
-
-
-def import_deltad():
-    """deltad.torch, from PYTHONPATH or this checkout (client/python)."""
-    if "DELTAD_CLIENT_LIBRARY" not in os.environ:
-        built = os.path.join(REPO, "build", "client", "libdeltad_client.so")
-        if os.path.exists(built):
-            os.environ["DELTAD_CLIENT_LIBRARY"] = built
-    try:
-        import deltad.torch  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, os.path.join(REPO, "client", "python"))
-        import deltad.torch  # noqa: F401
-    return deltad.torch
+benchlib.require_torch(TAG)
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
 
 # --- models
@@ -145,53 +118,6 @@ MODELS = {"mlp": make_mlp, "cnn": make_cnn, "transformer": make_transformer,
           "resnet18": make_resnet18}
 
 
-# --- the daemon
-
-
-class Daemon:
-    """deltad with one simulated GPU, on a socket of its own (as
-    tests/python/test_torch_managed.py's Daemon)."""
-
-    def __init__(self, binary, gpu_bytes=1 << 30):
-        self.binary = binary
-        self.gpu_bytes = gpu_bytes
-        self.proc = None
-
-    def __enter__(self):
-        self.dir = tempfile.mkdtemp(prefix="torch_overhead-")
-        self.socket = os.path.join(self.dir, "d.sock")
-        config = os.path.join(self.dir, "deltad.conf")
-        with open(config, "w") as f:
-            f.write("min_session_bytes: 262144\ngpu_share: 0.5\n"
-                    "sim { chunk_bytes: 65536 }\n")
-        self.proc = subprocess.Popen(
-            [self.binary, f"--config={config}", "--backend=sim",
-             "--sim_gpus=1", f"--sim_memory={self.gpu_bytes}",
-             "--host_pool=256MiB", "--host_slab=16MiB",
-             f"--socket={self.socket}", "--metrics=127.0.0.1:0"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.time() + 30
-        while not os.path.exists(self.socket + ".fds"):
-            if self.proc.poll() is not None or time.time() > deadline:
-                err = self.proc.stderr.read().decode()
-                self.__exit__()
-                raise RuntimeError(f"deltad did not start: {err.strip()}")
-            time.sleep(0.02)
-        return self.socket
-
-    def __exit__(self, *exc):
-        if self.proc is not None:
-            self.proc.stderr.close()
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 # --- modes
 
 
@@ -201,12 +127,7 @@ class Mode:
     it. `min_bytes`/`socket`: managed()'s (min_bytes None: no deltad)."""
 
     def __init__(self, name, title, hooks=None, min_bytes=None,
-                 socket=None, loop=True, shared=False):
-        # The blocks of a run share one deltad.Client, opened before the
-        # run and closed after it, untimed (a process has one session per
-        # GPU: the other daemon modes cannot run while it is open).
-        self.shared = shared
-        self.client = None
+                 socket=None, loop=True):
         self.name = name
         self.title = title
         self.hooks = hooks  # "bare" or None
@@ -245,28 +166,13 @@ class Runner:
             return self.dt.managed(self.model, budget_bytes=self.budget,
                                    socket=mode.socket,
                                    min_bytes=mode.min_bytes, policy="auto",
-                                   label="torch_overhead",
-                                   client=mode.client)
+                                   label="torch_overhead")
         if mode.hooks == "bare":
             return torch.autograd.graph.saved_tensors_hooks(identity,
                                                             identity)
         return contextlib.nullcontext()
 
     def run(self, mode, steps, record=True):
-        if mode.shared:
-            import deltad
-            mode.client = deltad.Client(
-                socket=mode.socket, budget_bytes=self.budget,
-                label="torch_overhead", device_memory_bytes=self.budget)
-            try:
-                self._run(mode, steps, record)
-            finally:
-                mode.client.close()
-                mode.client = None
-        else:
-            self._run(mode, steps, record)
-
-    def _run(self, mode, steps, record):
         clock = time.perf_counter
         times = []
         if mode.loop:
@@ -435,10 +341,7 @@ def bench_model(args, dt, name, socket, errors):
         modes += [Mode("daemon", "managed + daemon", min_bytes=1,
                        socket=socket),
                   Mode("daemon/step", "managed + daemon", min_bytes=1,
-                       socket=socket, loop=False),
-                  Mode("daemon/step client=", "managed + daemon, client= "
-                       "one session", min_bytes=1, socket=socket,
-                       loop=False, shared=True)]
+                       socket=socket, loop=False)]
     try:
         for mode in modes:  # warm-up: first calls, the bandwidth probe
             runner.run(mode, args.warmup, record=False)
@@ -518,11 +421,10 @@ def summary(results):
              "trip per step.", "",
              "| model | saved per step | block around the loop (us per "
              "tensor) | block per step (us per tensor) | min_bytes 64 KiB, "
-             "around / per step | daemon: around / per step / per step with "
-             "client= | host waits, "
+             "around / per step | daemon: around / per step | host waits, "
              "round trips per step (worst) | (1) around the loop | (1) per "
              "step | (2) |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
+             "|---|---:|---:|---:|---:|---:|---|---|---|"]
     for name, saved, v in results:
         def us(key):
             return f"{v[key][0]:.2f}" if key in v else "-"
@@ -536,8 +438,7 @@ def summary(results):
         lines.append(
             f"| {name} | {saved} | {us('managed')} | {us('managed/step')} | "
             f"{us('managed64')} / {us('managed64/step')} | "
-            f"{us('daemon')} / {us('daemon/step')} / "
-            f"{us('daemon/step client=')} | "
+            f"{us('daemon')} / {us('daemon/step')} | "
             f"{worst_w:g}, {worst_t:.2g} | {met('managed')} | "
             f"{met('managed/step')} | {'met' if met2 else 'missed'} |")
     lines.append("")
@@ -579,7 +480,7 @@ def profile_section(args, dt):
 
 
 def run_bench(args):
-    dt = import_deltad()
+    dt = benchlib.import_deltad().torch
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.monotonic()
@@ -595,7 +496,7 @@ def run_bench(args):
         daemon_note = (f"the daemon modes were not run: {binary} is not an "
                        f"executable (--daemon)")
     else:
-        daemon = Daemon(binary)
+        daemon = SimDaemon(binary, prefix="torch_overhead-")
         try:
             socket = daemon.__enter__()
         except RuntimeError as e:
@@ -613,32 +514,29 @@ def run_bench(args):
             sections.append(profile_section(args, dt))
     finally:
         if daemon is not None:
+            # Sessions end first: a daemon stopping waits for them to.
+            dt.close_sessions()
             daemon.__exit__()
 
-    command = os.environ.get("DELTAD_BENCH_COMMAND") or " ".join(
-        ["python3 bench/torch_overhead.py"] +
-        [shlex.quote(a) for a in sys.argv[1:]])
+    command = benchlib.command_line("python3 bench/torch_overhead.py")
     smoke = " (smoke run: tiny models, not a benchmark)" if args.smoke else ""
     threads = (f"torch.set_num_threads({args.threads})" if args.threads
                else f"{torch.get_num_threads()} intra-op threads")
     md = [f"## torch_overhead: deltad.torch.managed's cost when nothing is "
           f"released{smoke}", "",
           f"Command: `{command}`  ",
-          f"Machine: CPU {cpu_model()}, {os.cpu_count()} cores, {threads}  ",
-          f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}  ",
-          f"Software: torch {torch.__version__}, Python "
-          f"{platform.python_version()}", "",
+          f"Machine: CPU {benchlib.cpu_description()}, {threads}  ",
+          f"Date: {benchlib.today()}  ",
+          f"Software: {benchlib.software()}", "",
           "One step: the gradients set to None, forward, `square().mean()`, "
           "backward (no optimizer). Modes, interleaved: `none` (no hooks), "
           "`bare` (`saved_tensors_hooks` whose pack and unpack return the "
           "tensor), `managed` (`deltad.torch.managed(model, budget, "
           "socket=None, policy=\"auto\")`, min_bytes=1 or the default 64 "
           "KiB, `64` in the name), `daemon` (min_bytes=1 with a deltad "
-          "daemon on a simulated GPU, `socket=` its socket; `client=`: the "
-          "blocks of a run share one `deltad.Client`, opened before them and "
-          "closed after them, untimed: the daemon gives a process one "
-          "session per GPU, so a trainer that enters the block per step "
-          "keeps its session this way); `/step`: the "
+          "daemon on a simulated GPU, `socket=` its socket: the process's "
+          "first block opens the session, the others reuse it); `/step`: "
+          "the "
           "block entered once per step and timed with it, else once around "
           f"each run of {args.chunk} steps, its entry not timed. Every "
           f"repetition runs {args.chunk} steps of each mode, in an order "
@@ -659,44 +557,8 @@ def run_bench(args):
         md.append("**Errors:**\n")
         md += [f"- {e}" for e in errors]
         md.append("")
-    text = "\n".join(md)
-    if not text.endswith("\n"):
-        text += "\n"
-    print(text, end="", flush=True)
-    if args.update_doc:
-        update_doc(args.update_doc, text)
-        note(f"updated {args.update_doc}")
+    benchlib.print_report(TAG, md, args.update_doc)
     return 1 if errors else 0
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def update_doc(path, section):
-    """Replaces the torch_overhead section of the Markdown file at `path`
-    (or appends it), as bench/report.cc's UpdateDocSection."""
-    begin, end = f"<!-- {TAG}:begin -->", f"<!-- {TAG}:end -->"
-    try:
-        with open(path) as f:
-            doc = f.read()
-    except FileNotFoundError:
-        doc = ""
-    block = f"{begin}\n{section}{end}"
-    b, e = doc.find(begin), doc.find(end)
-    if b != -1 and e != -1 and e > b:
-        doc = doc[:b] + block + doc[e + len(end):]
-    else:
-        doc += f"\n{block}\n"
-    with open(path, "w") as f:
-        f.write(doc)
 
 
 def parse_args(argv):

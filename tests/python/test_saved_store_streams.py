@@ -102,8 +102,7 @@ class Plan:
 
 
 class NoRecompute:
-    def produced(self, key):
-        return None
+    calls = {}
 
     def can_rebuild(self, group):
         return False
@@ -115,9 +114,8 @@ class StreamOrderTest(unittest.TestCase):
         self.cuda = FakeCuda()
         self.real = saved._torch
         saved._torch = FakeTorch(self.cuda)
-        self.budget = 1 << 30
         self.store = saved.SavedStore(
-            torch.device("cpu"), lambda: self.budget,
+            torch.device("cpu"), 1 << 30,
             lambda group: "offload", NoRecompute(), host_bytes=1 << 30,
             prefetch_bytes=1 << 30, plan=Plan(), on_iteration=lambda: None)
         self.store.cuda = True
@@ -127,7 +125,8 @@ class StreamOrderTest(unittest.TestCase):
         saved._torch = self.real
 
     def save(self, tensor):
-        return self.store.pack(tensor, saved._storage(tensor))
+        storage = saved._storage(tensor)
+        return self.store.pack(tensor, storage.data_ptr(), storage)
 
     def test_offloaded_bytes_stay_referenced_until_the_copy_ran(self):
         a = torch.arange(1024, dtype=torch.float32)
@@ -138,7 +137,7 @@ class StreamOrderTest(unittest.TestCase):
         def held():
             return [t.data_ptr() for _, t in self.store.in_flight]
 
-        self.budget = 1024  # the next save pushes `a` out
+        self.store.budget = 1024  # the next save pushes `a` out
         sb = self.save(torch.ones(1024))
         self.assertEqual(self.store.counters.offloads, 1)
         log = self.cuda.log
@@ -155,7 +154,7 @@ class StreamOrderTest(unittest.TestCase):
         del sb
         # Reloading: on the compute stream's memory, copied on the copy
         # stream after it, waited for by the compute stream before use.
-        self.budget = 1 << 30
+        self.store.budget = 1 << 30
         log.clear()
         out = self.store.unpack(sa)
         self.assertEqual(log[0], ("empty", "device", "compute"))
@@ -169,11 +168,11 @@ class StreamOrderTest(unittest.TestCase):
         a = torch.arange(1024, dtype=torch.float32)
         sa = self.save(a)
         del a
-        self.budget = 1024
+        self.store.budget = 1024
         sb = self.save(torch.ones(1024))
         self.cuda.events[0].done = True
         self.store._poll_copies()
-        self.budget = 1 << 30
+        self.store.budget = 1 << 30
         # Backward unpacks b and prefetches a, which then dies unread.
         self.store.unpack(sb)
         self.assertEqual(self.store.counters.prefetches, 1)

@@ -5,14 +5,12 @@ with the in-process policy and with a daemon. (tests/python/
 test_torch_correctness.py checks the cases one by one: views, in-place
 updates, shared storages, double backward, AMP, ...)"""
 
+import contextlib
 import ctypes
 import gc
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
-import time
 import unittest
 
 import torch
@@ -20,6 +18,12 @@ import torch
 import deltad
 import deltad.torch
 from models import CASES, small_cnn, small_mlp
+
+# The daemon the benchmarks start too (bench/sim_daemon.py says why it
+# lives there).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "..", "..", "bench"))
+from sim_daemon import SimDaemon  # noqa: E402
 
 STEPS = 3
 
@@ -122,8 +126,9 @@ class ManagedTrainingTest(unittest.TestCase):
         self.assertGreater(sum(s.offloaded_bytes + s.evictions
                                for s in stats), 0)
         self.assertEqual(all(s.connected for s in stats), connected)
+        # One session for the process, opened by the first block.
         self.assertEqual(sum(s.daemon_round_trips for s in stats),
-                         len(stats) if socket else 0)
+                         1 if socket else 0)
         return stats
 
     def test_cnn_in_process(self):
@@ -157,7 +162,7 @@ class ManagedTrainingTest(unittest.TestCase):
             # GPU has some: a GPU whose budget (half of it) is 45% of the
             # case's peak keeps that below half of the peak too.
             gpu_bytes = int(train(case)[2] * 0.9) // (64 << 10) * (64 << 10)
-            with Daemon(gpu_bytes) as socket:
+            with daemon_or_skip(gpu_bytes) as socket:
                 stats = self.check_case(case, socket=socket, connected=True,
                                         policy=policy)
             if policy == "recompute":
@@ -229,6 +234,65 @@ class ManagedTrainingTest(unittest.TestCase):
             self.assertTrue(torch.equal(a, p.grad))
 
 
+class ErrorsTest(unittest.TestCase):
+
+    def test_out_of_memory_in_a_block_says_what_deltad_held(self):
+        model = small_mlp()
+        with self.assertRaises(torch.cuda.OutOfMemoryError) as e:
+            with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                      budget_bytes=8 << 20):
+                model(torch.randn(128, 256))  # saves some activations
+                # What PyTorch's allocator raises when it has no room.
+                raise torch.cuda.OutOfMemoryError(
+                    "CUDA out of memory. Tried to allocate 2.00 GiB")
+        self.assertIsInstance(e.exception, deltad.torch.OutOfMemoryError)
+        self.assertRegex(
+            str(e.exception),
+            r"Tried to allocate 2\.00 GiB\ndeltad: a budget of 8\.0 MiB, "
+            r"8\.0 MiB of it for saved activations; they hold [\d.]+ "
+            r"[KM]iB in \d+ storages, [\d.]+ [KM]?i?B of it releasable")
+
+    def test_a_compiled_model_is_refused_with_what_to_do(self):
+        class Compiled(torch.nn.Module):  # what torch.compile returns
+            def __init__(self, inner):
+                super().__init__()
+                self._orig_mod = inner
+
+        with self.assertRaisesRegex(NotImplementedError,
+                                    "before torch.compile"):
+            with deltad.torch.managed(Compiled(small_mlp()), socket=None):
+                pass
+
+    def test_deltad_disable_leaves_the_block_unmanaged(self):
+        os.environ["DELTAD_DISABLE"] = "1"
+        try:
+            with deltad.torch.managed(small_mlp(), socket=None) as manager:
+                self.assertIsNone(manager)
+        finally:
+            del os.environ["DELTAD_DISABLE"]
+
+    def test_without_a_model_parameters_stay_and_activations_offload(self):
+        torch.manual_seed(0)
+        model = small_mlp()
+        x = torch.randn(128, 256)
+        torch.manual_seed(1)
+        model(x).sum().backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        with deltad.torch.managed(None, socket=None, min_bytes=1,
+                                  budget_bytes=1 << 20) as manager:
+            torch.manual_seed(1)
+            model(x).sum().backward()
+        stats = manager.stats()
+        self.assertGreater(stats.offloads, 0)
+        self.assertEqual((stats.evictions, stats.recorded_calls), (0, 0))
+        for a, p in zip(expected, model.parameters()):
+            self.assertTrue(torch.equal(a, p.grad))
+        with self.assertRaisesRegex(ValueError, "pass the model"):
+            with deltad.torch.managed(None, socket=None, policy="recompute"):
+                pass
+
+
 class ClientTest(unittest.TestCase):
 
     def test_a_client_that_cannot_connect_raises_and_leaves_nothing(self):
@@ -275,50 +339,20 @@ class _Recording:
         return self.cm.__exit__(*exc)
 
 
-class Daemon:
-    """deltad ($DELTAD_BINARY) with one simulated GPU of `gpu_bytes`, on a
-    socket of its own."""
-
-    def __init__(self, gpu_bytes):
-        self.gpu_bytes = gpu_bytes
-
-    def __enter__(self):
-        binary = os.environ.get("DELTAD_BINARY")
-        if not binary:
-            raise unittest.SkipTest("DELTAD_BINARY is not set")
-        self.dir = tempfile.mkdtemp(prefix="deltad-python-")
-        self.socket = os.path.join(self.dir, "d.sock")
-        config = os.path.join(self.dir, "deltad.conf")
-        with open(config, "w") as f:
-            # Chunks small enough that rounding the GPU's budget down to
-            # whole ones leaves it about as it is.
-            f.write("min_session_bytes: 262144\ngpu_share: 0.5\n"
-                    "sim { chunk_bytes: 65536 }\n")
-        self.proc = subprocess.Popen(
-            [binary, f"--config={config}", "--backend=sim", "--sim_gpus=1",
-             f"--sim_memory={self.gpu_bytes}", "--host_pool=256MiB",
-             "--host_slab=16MiB", f"--socket={self.socket}",
-             "--metrics=127.0.0.1:0"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.time() + 30
-        while not os.path.exists(self.socket + ".fds"):
-            if self.proc.poll() is not None or time.time() > deadline:
-                err = self.proc.stderr.read().decode()
-                self.__exit__()
-                raise RuntimeError(f"deltad did not start: {err}")
-            time.sleep(0.02)
-        return self.socket
-
-    def __exit__(self, *exc):
-        self.proc.stderr.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+@contextlib.contextmanager
+def daemon_or_skip(gpu_bytes):
+    """A SimDaemon of $DELTAD_BINARY with one simulated GPU of `gpu_bytes`
+    (entering it returns its socket); the test is skipped when
+    DELTAD_BINARY is not set. The sessions managed blocks kept open end
+    before it stops (else it waits for them to drain)."""
+    binary = os.environ.get("DELTAD_BINARY")
+    if not binary:
+        raise unittest.SkipTest("DELTAD_BINARY is not set")
+    with SimDaemon(binary, gpu_bytes, prefix="deltad-python-") as socket:
+        try:
+            yield socket
+        finally:
+            deltad.torch.close_sessions()
 
 
 if __name__ == "__main__":

@@ -66,7 +66,8 @@ class _Installation:
     pool: object = None     # the MemPool ("mempool" mode)
 
 
-def _disabled():
+def disabled():
+    """True when DELTAD_DISABLE turns deltad off (1, true, yes or on)."""
     return os.environ.get("DELTAD_DISABLE", "").strip().lower() in (
         "1", "true", "yes", "on")
 
@@ -140,7 +141,7 @@ def install(client=None, budget_bytes=0, socket=DEFAULT_SOCKET, device=None):
     too old, or has allocated CUDA memory already, and when an installation
     is in force.
     """
-    if _disabled():
+    if disabled():
         return None
     import torch  # here: a process that never installs need not load it
 
@@ -233,3 +234,10 @@ def stats():
         attached=bool(u.attached), allocated_bytes=u.allocated_bytes,
         device_bytes=u.device_bytes, peak_device_bytes=u.peak_device_bytes,
         budget_bytes=u.budget_bytes, blocks=u.blocks)
+
+
+def installed_client():
+    """The deltad.Client serving the installed allocator, else None: a
+    managed block on its GPU uses that session instead of opening one."""
+    with _lock:
+        return None if _active is None else _active.client

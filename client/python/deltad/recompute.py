@@ -14,8 +14,8 @@ small (copied when the call ran). It is run under no_grad with the RNG
 state, autocast state and module buffers of the original run, so dropout
 draws the same mask and BatchNorm does not count the batch twice.
 
-Thread safety: wrappers run on the forward thread; produced() and the
-store's calls into this module hold the store's lock.
+Thread safety: wrappers run on the forward thread; the store reads `calls`
+and calls into this module with its lock held.
 """
 
 import itertools
@@ -205,9 +205,6 @@ class Recorder:
         raise _NotRecomputable()
 
     # --- for the store
-
-    def produced(self, key):
-        return self.calls.get(key)
 
     def can_rebuild(self, group):
         call = group.call

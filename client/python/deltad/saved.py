@@ -62,18 +62,15 @@ class SavedTensor:
 class _Group:
     """One storage's bytes and the saved tensors that view them."""
 
-    __slots__ = ("store", "key", "nbytes", "device", "dtype", "seq",
-                 "position", "state", "tensors", "live", "metas", "host",
-                 "flat", "event", "call", "dependents", "retained",
-                 "used", "rebuilt", "evicted_sources")
+    __slots__ = ("store", "key", "nbytes", "position", "state", "tensors",
+                 "live", "metas", "host", "flat", "event", "call",
+                 "dependents", "retained", "used", "rebuilt",
+                 "evicted_sources")
 
-    def __init__(self, store, key, nbytes, tensor, seq, position):
+    def __init__(self, store, key, nbytes, position, call):
         self.store = store
         self.key = key
         self.nbytes = nbytes
-        self.device = tensor.device
-        self.dtype = tensor.dtype
-        self.seq = seq            # pack order across the store
         self.position = position  # pack order within the iteration
         self.state = RESIDENT
         self.tensors = []  # member tensors; None once dead or released
@@ -82,7 +79,7 @@ class _Group:
         self.host = None   # the host copy while offloaded
         self.flat = None   # the restored storage, until members are rebuilt
         self.event = None  # CUDA: the copy that fills `flat` or `host`
-        self.call = None   # the module call that produced it, if known
+        self.call = call   # the module call that produced it, if known
         self.dependents = 0  # evicted groups whose recompute reads this
         self.retained = None  # keeps the bytes for dependents when unused
         self.used = False  # unpacked: backward is reading it
@@ -116,10 +113,11 @@ class Counters:
 class SavedStore:
     """The saved activations of one managed block.
 
-    budget(): the bytes saved activations may hold on the device now.
-    director(group) -> "offload" or "evict" (deltad.torch decides with the
-    policy and the prices). recompute(group) -> the producing call's output
-    tensor, rebuilt. host_bytes: the most host memory offloads may use.
+    budget: the bytes saved activations may hold on the device now (an
+    attribute the owner updates: read on every new storage). director(group) -> "offload" or "evict" (deltad.torch decides with the
+    policy and the prices). recompute: the deltad.recompute.Recorder (its
+    `calls` by storage address, can_rebuild, sources_of, rebuild).
+    host_bytes: the most host memory offloads may use.
     """
 
     def __init__(self, device, budget, director, recompute, host_bytes,
@@ -139,7 +137,6 @@ class SavedStore:
         self.order = []   # groups in pack order (victims from the front)
         self.by_position = []  # this iteration's groups by position
         self.unpacked = []     # positions in unpack order, this iteration
-        self.seq = 0
         self.released_this_iteration = False
         self.closed = False
         self.copy_stream = (_torch.cuda.Stream(device) if self.cuda
@@ -149,27 +146,41 @@ class SavedStore:
 
     # --- pack and unpack (the hot path)
 
-    def pack(self, tensor, storage):
-        key = storage.data_ptr()
-        with self.lock:
+    def pack(self, tensor, key, storage):
+        """Records `tensor`, whose storage (at `key`) the hook looked up."""
+        lock = self.lock
+        lock.acquire()
+        try:
+            c = self.counters
+            c.saved_tensors += 1
             group = self.groups.get(key)
-            fresh = group is None or group.state != RESIDENT
-            if fresh:
-                if not self.groups:
-                    self._new_iteration()
-                group = self._new_group(key, storage.nbytes(), tensor)
-            index = len(group.tensors)
+            if group is not None and group.state == RESIDENT:
+                index = len(group.tensors)
+                group.tensors.append(tensor)
+                group.live += 1
+                return SavedTensor(group, index, tensor._version)
+            if not self.groups:
+                self._new_iteration()
+            nbytes = storage.nbytes()
+            calls = self.recompute.calls
+            group = _Group(self, key, nbytes, len(self.by_position),
+                           calls.get(key) if calls else None)
+            self.groups[key] = group
+            self.order.append(group)
+            self.by_position.append(group)
+            c.saved_groups += 1
+            c.resident_bytes += nbytes
+            if c.resident_bytes > c.peak_resident_bytes:
+                # Past the budget only until _make_room below.
+                c.peak_resident_bytes = c.resident_bytes
             group.tensors.append(tensor)
-            group.live += 1
-            self.counters.saved_tensors += 1
-            saved = SavedTensor(group, index, tensor._version)
-            if fresh:
-                budget = self.budget()
-                if self.counters.resident_bytes > budget:
-                    # On failure `saved` dies with the exception, and the
-                    # group with it.
-                    self._make_room(budget, group)
+            group.live = 1
+            saved = SavedTensor(group, 0, tensor._version)
+            if c.resident_bytes > self.budget:
+                self._make_room(self.budget, group)
             return saved
+        finally:
+            lock.release()
 
     def unpack(self, saved):
         group = saved.group
@@ -179,22 +190,33 @@ class SavedStore:
                 if tensor._version != saved.version and not group.rebuilt:
                     raise _modified(tensor, saved.version)
                 return tensor
-        with self.lock:
-            start = time.perf_counter_ns()
-            restored = group.state != RESIDENT
-            if restored:
+        self.lock.acquire()
+        try:
+            if group.state != RESIDENT:
+                start = time.perf_counter_ns()
                 self._restore(group, need=True)
-            self._settle(group)
+                self._settle(group)
+                self.counters.stall_ns += time.perf_counter_ns() - start
+            elif group.flat is not None:
+                self._settle(group)  # prefetched
             tensor = group.tensors[saved.index]
             if not group.used:
                 group.used = True
                 self.unpacked.append(group.position)
-            if restored:
-                self.counters.stall_ns += time.perf_counter_ns() - start
-            self._prefetch_after(group)
+                if self.counters.host_bytes:
+                    self._prefetch_after(group)
+        finally:
+            self.lock.release()
         if tensor._version != saved.version and not group.rebuilt:
             raise _modified(tensor, saved.version)
         return tensor
+
+    def holding(self):
+        """(resident bytes, of them releasable now, resident storages)."""
+        with self.lock:
+            held = [g for g in self.groups.values() if g.state == RESIDENT]
+            releasable = sum(g.nbytes for g in held if self._releasable(g))
+            return self.counters.resident_bytes, releasable, len(held)
 
     def group_at(self, key):
         """The resident group of the storage at `key`, if any."""
@@ -246,28 +268,14 @@ class SavedStore:
             self.plan.pressure = True
         self.released_this_iteration = False
 
-    def _new_group(self, key, nbytes, tensor):
-        c = self.counters
-        group = _Group(self, key, nbytes, tensor, self.seq,
-                       len(self.by_position))
-        self.seq += 1
-        self.groups[key] = group
-        self.order.append(group)
-        self.by_position.append(group)
-        c.saved_groups += 1
-        c.resident_bytes += nbytes
-        if c.resident_bytes > c.peak_resident_bytes:
-            # Past the budget only until _make_room below.
-            c.peak_resident_bytes = c.resident_bytes
-        group.call = self.recompute.produced(key)
-        return group
-
     def _member_died(self, group, index):
-        with self.lock:
-            tensor = group.tensors[index] if index < len(group.tensors) \
-                else None
-            if index < len(group.tensors):
-                group.tensors[index] = None
+        lock = self.lock
+        lock.acquire()
+        try:
+            tensors = group.tensors
+            tensor = tensors[index] if index < len(tensors) else None
+            if tensor is not None:
+                tensors[index] = None
             group.live -= 1
             if group.live > 0:
                 return
@@ -276,7 +284,19 @@ class SavedStore:
                 if group.state == RESIDENT and tensor is not None:
                     group.retained = tensor
                 return
+            if group.state == RESIDENT and group.flat is None and \
+                    not group.evicted_sources:
+                # The common end of a saved storage: backward used it.
+                if self.groups.get(group.key) is group:
+                    del self.groups[group.key]
+                self.counters.resident_bytes -= group.nbytes
+                group.state = None
+                group.tensors = []
+                group.call = group.retained = None
+                return
             self._drop(group)
+        finally:
+            lock.release()
 
     def _drop(self, group):
         c = self.counters
@@ -427,7 +447,7 @@ class SavedStore:
         """Brings a released group back (its storage in group.flat; the
         members are rebuilt by _settle)."""
         c = self.counters
-        budget = self.budget()
+        budget = self.budget
         if c.resident_bytes + group.nbytes > budget:
             if not need:
                 return False
@@ -508,22 +528,24 @@ class SavedStore:
         """Restores, ahead of use and within the budget, the released
         groups backward will unpack next: in the previous iteration's
         unpack order when this one has the same groups, else in reverse
-        pack order."""
+        pack order. Called only while some group is offloaded."""
         if self.prefetch_bytes <= 0:
             return
         plan = self.plan
-        if plan.unpack_order and plan.groups == len(self.by_position):
+        by_position = self.by_position
+        if plan.unpack_order and plan.groups == len(by_position):
             order = plan.unpack_order
-            at = len(self.unpacked)
-            upcoming = order[at:]
+            i, step, end = len(self.unpacked), 1, len(order)
         else:
-            upcoming = range(group.position - 1, -1, -1)
+            order = None
+            i, step, end = group.position - 1, -1, -1
         ahead = 0
-        for position in upcoming:
-            if position >= len(self.by_position) or ahead >= \
-                    self.prefetch_bytes:
+        while i != end and ahead < self.prefetch_bytes:
+            position = order[i] if order is not None else i
+            i += step
+            if position >= len(by_position):
                 break
-            other = self.by_position[position]
+            other = by_position[position]
             if other.state is None or other.used:
                 continue
             ahead += other.nbytes
@@ -541,7 +563,7 @@ class SavedStore:
             self.closed = True
             if self.in_flight:
                 self._poll_copies()
-            self.budget = lambda: 1 << 62
+            self.budget = 1 << 62
 
 
 def _flat(tensor, nbytes):

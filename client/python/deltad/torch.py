@@ -41,6 +41,8 @@ import weakref
 
 import torch as _torch
 
+from deltad import allocator as _allocator
+from deltad.allocator import disabled
 from deltad.client import DEFAULT_SOCKET, Client, DeltadError
 from deltad.recompute import Recorder
 from deltad.saved import SavedStore, SavedTensor, _storage
@@ -56,13 +58,36 @@ _plans = weakref.WeakKeyDictionary()
 _bandwidths = {}
 
 
+class OutOfMemoryError(_torch.cuda.OutOfMemoryError):
+    """PyTorch ran out of memory inside a managed block: its message, and
+    what deltad held then."""
+
+
 class _Plan:
-    __slots__ = ("pressure", "unpack_order", "groups")
+    __slots__ = ("pressure", "unpack_order", "groups", "memory", "anchor")
 
     def __init__(self):
         self.pressure = False
         self.unpack_order = []
         self.groups = 0
+        self.memory = None  # _model_memory's answer, while `anchor` holds
+        self.anchor = None  # the first parameter's address then
+
+
+# The plan of blocks given no model.
+_any_model_plan = _Plan()
+
+
+def _memory_of(model, plan):
+    """_model_memory, walked again only when the model's parameters moved
+    (model.to() and the like give them new storages): a block entered
+    every step would pay the walk every step."""
+    first = next(iter(model.parameters()), None)
+    anchor = None if first is None else first.data_ptr()
+    if plan.memory is None or anchor != plan.anchor:
+        plan.memory = _model_memory(model)
+        plan.anchor = anchor
+    return plan.memory
 
 
 @dataclasses.dataclass
@@ -135,7 +160,8 @@ def _host_default():
 class Manager:
     """The hooks of one `managed` block, its store and its recorder."""
 
-    def __init__(self, model, device, budget_bytes, min_bytes, policy,
+    def __init__(self, model, plan, device, fixed, budget_bytes, min_bytes,
+                 policy,
                  prefetch_bytes, max_depth, host_bytes, reserve_bytes,
                  client, link_bytes_per_second):
         self.model = model
@@ -148,14 +174,13 @@ class Manager:
         self.client = client
         self.round_trips = 0
         self.iterations = 0
-        self.plan = _plans.setdefault(model, _Plan())
+        self.plan = plan
         self.bandwidth = link_bytes_per_second or _measure_bandwidth(device)
         self.recorder = Recorder(device, min_bytes, max_depth)
-        self.store = SavedStore(device, self._budget, self._director,
+        self.store = SavedStore(device, budget_bytes, self._director,
                                 self.recorder, host_bytes, prefetch_bytes,
                                 self.plan, self._on_iteration)
         self.recorder.store = self.store
-        self.activation_budget = budget_bytes
         self._final = None
         index = device.index if self.cuda else -1
         store_pack, store_unpack = self.store.pack, self.store.unpack
@@ -163,35 +188,59 @@ class Manager:
         min_bytes = self.min_bytes
         cuda = self.cuda
 
-        # Parameters and buffers are the model's memory, not autograd's:
-        # saved as they are (BatchNorm saves its running statistics, which
-        # it then updates in place).
-        fixed = {_storage(t).data_ptr() for t in
-                 list(model.parameters()) + list(model.buffers())}
+        # `fixed`: the storages of parameters and buffers, the model's
+        # memory, not autograd's: saved as they are (BatchNorm saves its
+        # running statistics, which it then updates in place).
+
+        capturing = (_torch.cuda.is_current_stream_capturing if cuda
+                     else None)
 
         # The hooks, as closures over locals: the hot path of the block.
         def pack(tensor):
             if (tensor.is_cuda != cuda or
-                    (cuda and tensor.get_device() != index) or
+                    (cuda and (tensor.get_device() != index or
+                               capturing())) or
+                    tensor.layout != strided or
+                    tensor.numel() * tensor.element_size() < min_bytes):
+                # A CUDA graph being captured keeps its tensors where
+                # they are: nothing of it is released.
+                return tensor
+            storage = _storage(tensor)
+            key = storage.data_ptr()
+            if key in fixed:
+                return tensor
+            return store_pack(tensor, key, storage)
+
+        def pack_any_model(tensor):
+            # No model to list its parameters: leaves that need grad and
+            # their views are taken for them.
+            if (tensor.is_cuda != cuda or
+                    (cuda and (tensor.get_device() != index or
+                               capturing())) or
                     tensor.layout != strided or
                     tensor.numel() * tensor.element_size() < min_bytes):
                 return tensor
-            storage = _storage(tensor)
-            if storage.data_ptr() in fixed:
+            if tensor.requires_grad and tensor.is_leaf:
                 return tensor
-            return store_pack(tensor, storage)
+            base = tensor._base
+            if base is not None and base.is_leaf and base.requires_grad:
+                return tensor
+            storage = _storage(tensor)
+            return store_pack(tensor, storage.data_ptr(), storage)
 
         def unpack(saved):
             if saved.__class__ is SavedTensor:
                 return store_unpack(saved)
             return saved
 
-        self.pack, self.unpack = pack, unpack
+        self.pack = pack if fixed is not None else pack_any_model
+        self.unpack = unpack
 
     # --- budget and decisions
 
-    def _budget(self):
-        return self.activation_budget
+    @property
+    def activation_budget(self):
+        return self.store.budget
 
     def _on_iteration(self):
         """A forward begins: the budget saved activations get in it, and
@@ -207,7 +256,7 @@ class Manager:
             # caching allocator holds while no activation is saved.
             others = _torch.cuda.memory_allocated(self.device)
             budget = budget - others - self.reserve
-        self.activation_budget = max(budget, 0)
+        self.store.budget = max(budget, 0)
         if self.policy == "auto" and self.plan.pressure:
             self.recorder.wrap(self.model)
 
@@ -225,6 +274,18 @@ class Manager:
         return "evict" if c_r <= c_s else "offload"
 
     # --- stats and end
+
+    def describe_memory(self):
+        """What deltad held and could release, for an out-of-memory error."""
+        held, releasable, storages = self.store.holding()
+        c = self.store.counters
+        return (f"deltad: a budget of {_size(self.requested_budget)}, "
+                f"{_size(self.store.budget)} of it for saved activations; "
+                f"they hold {_size(held)} in {storages} storages, "
+                f"{_size(releasable)} of it releasable now (the rest is "
+                f"still in use by the step or referenced outside autograd), "
+                f"{_size(c.host_bytes)} offloaded to host memory. Lower the "
+                f"batch, raise the budget, or use policy='recompute'.")
 
     def stats(self):
         """What the block did (after the block, as it ended)."""
@@ -253,17 +314,25 @@ class Manager:
             iterations=self.iterations, overshoots=c.overshoots,
             host_full=c.host_full)
 
-    def _close(self, own_client):
+    def _close(self):
         self.recorder.unwrap()
         self._final = self.stats()
         self.store.close()
-        if own_client and self.client is not None:
-            self.client.close()
 
 
-def _device_of(model):
-    devices = {p.device for p in model.parameters()}
-    devices |= {b.device for b in model.buffers()}
+def _model_memory(model):
+    """The model's device, and the storages of its parameters and buffers
+    (saved as they are), in one walk over the modules' own tables."""
+    devices, fixed = set(), set()
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        for table in (module._parameters, module._buffers):
+            for t in table.values():
+                if t is not None:
+                    devices.add(t.device)
+                    fixed.add(_storage(t).data_ptr())
+        stack.extend(m for m in module._modules.values() if m is not None)
     if len(devices) > 1:
         raise NotImplementedError(
             f"deltad.torch manages a model on one device; this one has "
@@ -274,24 +343,52 @@ def _device_of(model):
             f"deltad.torch manages CPU and CUDA models, not {device.type}")
     if device.type == "cuda" and device.index is None:
         device = _torch.device("cuda", _torch.cuda.current_device())
-    return device
+    return device, fixed
 
 
-def disabled():
-    """True when DELTAD_DISABLE is set to anything but 0 or empty."""
-    return os.environ.get("DELTAD_DISABLE", "") not in ("", "0")
+# Daemon sessions by (socket, label, budget, host bytes), opened by the
+# first block that asks and kept for the process: a script that enters the
+# block every step opens one session, not one per step (the daemon allows
+# one per process).
+_sessions = {}
+
+
+def _session(socket, label, budget_bytes, host_bytes):
+    """(client, round trips): the process's session for these settings."""
+    key = (socket, label, budget_bytes, host_bytes)
+    client = _sessions.get(key)
+    if client is not None:
+        return client, 0
+    for other in _sessions.values():
+        other.close()  # one session per process
+    _sessions.clear()
+    client = Client(socket=socket, budget_bytes=budget_bytes,
+                    host_bytes=host_bytes, label=label,
+                    device_memory_bytes=budget_bytes)
+    _sessions[key] = client
+    return client, 1
+
+
+def close_sessions():
+    """Ends the daemon sessions managed blocks opened (they otherwise last
+    as long as the process)."""
+    for client in _sessions.values():
+        client.close()
+    _sessions.clear()
 
 
 @contextlib.contextmanager
 def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
             min_bytes=64 << 10, host_bytes=0, label="pytorch", client=None,
             policy="auto", prefetch_bytes=None, max_depth=4,
-            reserve_bytes=None, link_bytes_per_second=None):
+            reserve_bytes=None, link_bytes_per_second=None, device=None):
     """Keeps the activations autograd saves inside the block within a
     budget.
 
     model: the nn.Module trained in the block, all on one device (CPU or
-    one CUDA GPU). budget_bytes: on the CPU the bytes saved activations may
+    one CUDA GPU); None for any model on `device` (default: the current
+    CUDA device, else the CPU), offloading only, since recompute reruns the
+    model's modules (what `python -m deltad.run` uses). budget_bytes: on the CPU the bytes saved activations may
     hold; on CUDA all the process may hold (asked of the daemon, whose
     grant lowers it). socket: the daemon's; None for the in-process policy
     only. policy: "auto" (the Director chooses offload or recompute per
@@ -302,12 +399,24 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
     (default: half the machine's). reserve_bytes (CUDA): what temporaries
     and workspaces need beside saved activations (default: an eighth of
     the budget). client: an open deltad.Client for the daemon session
-    instead of a new one (kept open at the end).
+    (default: the installed allocator's on its GPU, else the process's
+    session on `socket`, opened by the first block and kept; see
+    close_sessions()).
     Yields the Manager, whose stats() says what the block did.
     """
-    if not isinstance(model, _torch.nn.Module):
+    if model is not None and not isinstance(model, _torch.nn.Module):
         raise TypeError(
             f"managed() takes an nn.Module, got {type(model).__name__}")
+    if model is not None and hasattr(model, "_orig_mod"):
+        # torch.compile's OptimizedModule. Saved-tensor hooks and module
+        # wrappers under compiled autograd have not been tried yet.
+        raise NotImplementedError(
+            "deltad.torch.managed does not manage a torch.compile'd model "
+            "yet: pass the module before torch.compile (and run it "
+            "eagerly), or set DELTAD_DISABLE=1 to run without deltad")
+    if model is None and policy == "recompute":
+        raise ValueError("policy='recompute' reruns the model's modules: "
+                         "pass the model")
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
     if policy not in _POLICIES:
@@ -317,22 +426,32 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
     if disabled():
         yield None
         return
-    device = _device_of(model)
-    own = client is None and socket is not None
+    if model is None:
+        plan, fixed = _any_model_plan, None
+        device = _torch.device(device) if device is not None else (
+            _torch.device("cuda", _torch.cuda.current_device())
+            if _torch.cuda.is_available() else _torch.device("cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = _torch.device("cuda", _torch.cuda.current_device())
+        policy = "offload"
+    else:
+        plan = _plans.setdefault(model, _Plan())
+        device, fixed = _memory_of(model, plan)
     round_trips = 0
-    if own:
+    if client is None and device.type == "cuda":
+        client = _allocator.installed_client()
+    if client is None and socket is not None:
         # The daemon session: its grant bounds the budget. Connecting is
-        # the block's one round trip; without a daemon the client falls
-        # back to the budget asked for.
-        client = Client(socket=socket, budget_bytes=budget_bytes,
-                        host_bytes=host_bytes, label=label,
-                        device_memory_bytes=budget_bytes)
-        round_trips = 1
+        # the one round trip, at the process's first block; without a
+        # daemon the client falls back to the budget asked for.
+        client, round_trips = _session(socket, label, budget_bytes,
+                                       host_bytes)
     if prefetch_bytes is None:
         prefetch_bytes = budget_bytes // 4
     if reserve_bytes is None:
         reserve_bytes = budget_bytes // 8 if device.type == "cuda" else 0
-    manager = Manager(model, device, budget_bytes, min_bytes, policy,
+    manager = Manager(model, plan, device, fixed, budget_bytes, min_bytes,
+                      policy,
                       prefetch_bytes, max_depth,
                       host_bytes or _host_default(), reserve_bytes, client,
                       link_bytes_per_second)
@@ -343,9 +462,21 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
         with _torch.autograd.graph.saved_tensors_hooks(manager.pack,
                                                        manager.unpack):
             yield manager
+    except _torch.cuda.OutOfMemoryError as e:
+        if isinstance(e, OutOfMemoryError):
+            raise
+        raise OutOfMemoryError(
+            f"{str(e).strip()}\n{manager.describe_memory()}") from e
     finally:
-        manager._close(own)
+        manager._close()
+
+
+def _size(nbytes):
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} B"
 
 
 __all__ = ["managed", "Manager", "ManagerStats", "DeltadError",
-           "record_trace", "disabled"]
+           "OutOfMemoryError", "record_trace", "disabled", "close_sessions"]

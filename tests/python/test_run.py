@@ -1,0 +1,77 @@
+"""python -m deltad.run: a training script run with deltad and no change
+to it trains exactly as without it, within the budget, offloading; the
+launcher says what it did, and DELTAD_DISABLE=1 runs the script as it is."""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import unittest
+
+SCRIPT = """
+import sys, torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Sequential(
+    torch.nn.Linear(256, 256), torch.nn.ReLU()) for _ in range(8)])
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(int(sys.argv[1])):
+    opt.zero_grad()
+    loss = model(torch.randn(512, 256)).square().mean()
+    loss.backward()
+    opt.step()
+print("final", repr(loss.item()),
+      repr(sum(p.double().sum().item() for p in model.parameters())))
+"""
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, *args], capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+class RunTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.TemporaryDirectory()
+        cls.script = os.path.join(cls.dir.name, "train.py")
+        with open(cls.script, "w") as f:
+            f.write(SCRIPT)
+        plain = run(cls.script, "3")
+        assert plain.returncode == 0, plain.stderr
+        cls.expected = plain.stdout
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.dir.cleanup()
+
+    def test_a_script_trains_as_without_deltad_within_the_budget(self):
+        r = run("-m", "deltad.run", "--budget", "1MiB", "--socket", "",
+                "--min_bytes", "1", self.script, "3")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout, self.expected)
+        line = re.search(r"deltad: (\d+) iterations, (\d+) saved tensors, "
+                         r"peak \d+ bytes resident of a 1048576-byte "
+                         r"budget, (\d+) offloads", r.stderr)
+        self.assertIsNotNone(line, r.stderr)
+        self.assertEqual(int(line.group(1)), 3)
+        self.assertGreater(int(line.group(2)), 0)
+        self.assertGreater(int(line.group(3)), 0)
+
+    def test_deltad_disable_runs_the_script_as_it_is(self):
+        r = run("-m", "deltad.run", "--budget", "1MiB", self.script, "3",
+                env={"DELTAD_DISABLE": "1"})
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout, self.expected)
+        self.assertNotIn("deltad:", r.stderr)
+
+    def test_a_bad_budget_is_refused(self):
+        r = run("-m", "deltad.run", "--budget", "lots", self.script, "3")
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("not a size", r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
