@@ -175,26 +175,30 @@ class Runner:
     def run(self, mode, steps, record=True):
         clock = time.perf_counter
         times = []
+        # Each block's stats, taken when it ends: a trainer keeps no
+        # manager alive past its block, and neither may the benchmark (its
+        # objects would slow the garbage collector of later steps).
+        stats = []
         if mode.loop:
             with self.block(mode) as manager:
                 for _ in range(steps):
                     begin = clock()
                     self.step()
                     times.append(clock() - begin)
-            managers = [manager]
+            stats.append(manager.stats() if mode.managed else None)
         else:
-            managers = []
             for _ in range(steps):
                 begin = clock()
                 with self.block(mode) as manager:
                     self.step()
                 times.append(clock() - begin)
-                managers.append(manager)
+                stats.append(manager.stats() if mode.managed else None)
+        manager = None
         if record:
             mode.times += times
             mode.steps += steps
             if mode.managed:
-                mode.stats += [m.stats() for m in managers]
+                mode.stats += stats
 
 
 def count_saved(model, make_input):

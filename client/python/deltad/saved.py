@@ -564,6 +564,14 @@ class SavedStore:
             if self.in_flight:
                 self._poll_copies()
             self.budget = 1 << 62
+            # Graphs of the block may still be unpacked, restoring what
+            # they need, but nothing is released or prefetched any more:
+            # the store lets go of the block's lists and of its owner, so
+            # that nothing but live groups keeps it.
+            self.prefetch_bytes = 0
+            self.order = []
+            self.by_position = []
+            self.director = self.on_iteration = None
 
 
 def _flat(tensor, nbytes):

@@ -149,12 +149,15 @@ def _measure_bandwidth(device):
     return _bandwidths[key]
 
 
-def _host_default():
-    """Half of the machine's memory."""
+def _half_the_memory():
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
     except (ValueError, OSError):
         return 16 << 30
+
+
+# Host memory for offloads when the block is given none.
+_HOST_DEFAULT = _half_the_memory()
 
 
 class Manager:
@@ -180,7 +183,9 @@ class Manager:
         self.store = SavedStore(device, budget_bytes, self._director,
                                 self.recorder, host_bytes, prefetch_bytes,
                                 self.plan, self._on_iteration)
-        self.recorder.store = self.store
+        # Weak: the store keeps the recorder for rebuilds, and a cycle
+        # would leave every block's objects to the garbage collector.
+        self.recorder.store = weakref.proxy(self.store)
         self._final = None
         index = device.index if self.cuda else -1
         store_pack, store_unpack = self.store.pack, self.store.unpack
@@ -453,7 +458,7 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
     manager = Manager(model, plan, device, fixed, budget_bytes, min_bytes,
                       policy,
                       prefetch_bytes, max_depth,
-                      host_bytes or _host_default(), reserve_bytes, client,
+                      host_bytes or _HOST_DEFAULT, reserve_bytes, client,
                       link_bytes_per_second)
     manager.round_trips = round_trips
     if policy == "recompute":
