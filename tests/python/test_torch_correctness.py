@@ -1,8 +1,8 @@
 """deltad.torch.managed gives bit-identical results, case by case.
 
-Every case trains (or runs forward and backward on) a small model on the
-CPU unmanaged and then managed four ways, and compares losses, gradients,
-buffers and the random number generator's state with torch.equal:
+Every case trains (or runs forward and backward on) a small model
+unmanaged and then managed four ways, and compares losses, gradients,
+buffers and the random number generators' states with torch.equal:
 
 - "fits": a budget far above what the case saves, so nothing is released
   (and, held by reference, nothing is copied: no host wait either);
@@ -17,21 +17,43 @@ The small-budget runs also assert that something was actually released
 where the case has something releasable, so that a case cannot pass by
 never leaving the fast path. min_bytes=1: the test tensors are small.
 DELTAD_TEST_VERBOSE=1 prints each mode's stats.
+
+The cases (Cases) run on the CPU (CpuCorrectnessTest) and, where PyTorch
+sees a GPU, on it (CudaCorrectnessTest: model and inputs moved to "cuda",
+torch.use_deterministic_algorithms(True), cuDNN deterministic and without
+benchmarking, CUBLAS_WORKSPACE_CONFIG set before CUDA starts). Without one
+the CUDA tests are reported as skipped ("no CUDA device: ..."). A case
+with an op that has no deterministic CUDA implementation is skipped on
+CUDA, with the op PyTorch names. On CUDA the budget is the whole
+process's (docs/PYTORCH.md): the tests add what the process holds when
+the block begins (the model, its inputs) and reserve nothing for
+temporaries, so that every mode keeps its meaning; results are copied to
+pinned host memory without waiting, and compared after one
+torch.cuda.synchronize() at the end. The CUDA tests also check what the
+CPU cannot show: the manager never waits on the host (host_waits == 0 in
+every mode, where the CPU's copies block) while offloading and
+prefetching across the iterations of one block.
 """
 
-import contextlib
-import gc
 import os
-import socket as _socket
-import sys
-import tempfile
-import unittest
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+# cuBLAS is deterministic only with a fixed workspace, read when CUDA
+# starts: set before torch is imported (a value already set is kept).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-import deltad.torch
+import contextlib  # noqa: E402
+import functools  # noqa: E402
+import gc  # noqa: E402
+import socket as _socket  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import unittest  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import deltad.torch  # noqa: E402
 
 # The daemon the benchmarks start too (bench/sim_daemon.py says why it
 # lives there).
@@ -46,26 +68,83 @@ OFFLOAD = dict(budget_bytes=SMALL_BUDGET, policy="offload")
 RECOMPUTE = dict(budget_bytes=SMALL_BUDGET, policy="recompute")
 MODES = {"fits": FITS, "offload": OFFLOAD, "recompute": RECOMPUTE}
 
+CPU = torch.device("cpu")
+CUDA = torch.cuda.is_available()
+NO_CUDA = (f"no CUDA device: PyTorch {torch.__version__} "
+           + (f"(CUDA {torch.version.cuda}) sees no GPU"
+              if torch.version.cuda else "is built without CUDA")
+           + "; the cases ran on the CPU only")
+# What PyTorch's message says of an op without a deterministic
+# implementation under torch.use_deterministic_algorithms(True).
+NOT_DETERMINISTIC = "does not have a deterministic implementation"
+
+
+def _device_of(model):
+    for t in model.parameters():
+        return t.device
+    return CPU
+
 
 def _managed(model, **options):
+    """deltad.torch.managed with the tests' defaults. On CUDA the budget
+    is the whole process's: what the process holds now (the model, its
+    inputs) is added to the budget asked for, and nothing is reserved for
+    temporaries, so that a budget means about as much saved activations
+    as on the CPU."""
     options = dict(options)
     options.setdefault("socket", None)
     options.setdefault("min_bytes", 1)
+    device = _device_of(model)
+    if device.type == "cuda":
+        gc.collect()  # no earlier run's garbage counted in, then freed
+        options["budget_bytes"] += torch.cuda.memory_allocated(device)
+        options.setdefault("reserve_bytes", 0)
     return deltad.torch.managed(model, **options)
 
 
-def run(make_model, make_inputs, step, options=None, iterations=1, lr=0.1,
-        seed=0):
-    """Builds the model and inputs from `seed`, then runs `iterations`
-    steps of SGD, managed with `options` (None: unmanaged) in ONE block
-    around the loop, as a training script does. step(model, x) runs forward
-    and backward and returns the tensors to compare (losses, outputs).
+def _keep(tensor):
+    """A copy of `tensor` to compare. From the GPU into pinned host memory
+    without waiting (valid after the synchronize that ends every run), so
+    that the test neither synchronizes inside the block nor lets its
+    copies grow the device memory the block's budget is measured against."""
+    tensor = tensor.detach()
+    if not tensor.is_cuda:
+        return tensor.clone()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
-    Returns (per-step [returned tensors + gradients], final parameters and
-    buffers, the manager's stats or None)."""
+
+def _final_state(model, device):
+    """The model's parameters and buffers, and draws from the random number
+    generators (CPU, and the GPU's on CUDA), which must be where the
+    unmanaged run left them (a recompute replays dropout's draws, then
+    restores the states). On CUDA, synchronizes: everything kept is read
+    only after the GPU has run every step."""
+    after = [torch.rand(4)]
+    if device.type == "cuda":
+        after.append(torch.rand(4, device=device))
+    state = [_keep(p) for p in model.parameters()]
+    state += [_keep(b) for b in model.buffers()] + [_keep(a) for a in after]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return state
+
+
+def run(make_model, make_inputs, step, options=None, iterations=1, lr=0.1,
+        seed=0, device=CPU, on_step=None):
+    """Builds the model and inputs from `seed` (on the CPU, then moved to
+    `device`), then runs `iterations` steps of SGD, managed with `options`
+    (None: unmanaged) in ONE block around the loop, as a training script
+    does. step(model, x) runs forward and backward and returns the tensors
+    to compare (losses, outputs); on_step(manager), if given, runs after
+    each step.
+
+    Returns (per-step [returned tensors + gradients], final parameters,
+    buffers and RNG draws, the manager's stats or None)."""
     torch.manual_seed(seed)
-    model = make_model()
-    inputs = [make_inputs() for _ in range(iterations)]
+    model = make_model().to(device)
+    inputs = [make_inputs().to(device) for _ in range(iterations)]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     # Dropout draws from here on: the same in every run.
     torch.manual_seed(seed + 1)
@@ -76,15 +155,13 @@ def run(make_model, make_inputs, step, options=None, iterations=1, lr=0.1,
         for x in inputs:
             optimizer.zero_grad(set_to_none=True)
             returned = step(model, x)
-            grads = [p.grad.clone() if p.grad is not None else None
+            grads = [_keep(p.grad) if p.grad is not None else None
                      for p in model.parameters()]
-            steps.append([t.detach().clone() for t in returned] + grads)
+            steps.append([_keep(t) for t in returned] + grads)
             optimizer.step()
-    # The random number generator must be where the unmanaged run left it
-    # (a recompute replays dropout's draws, then restores the state).
-    after = torch.rand(4)
-    state = [p.detach().clone() for p in model.parameters()]
-    state += [b.clone() for b in model.buffers()] + [after]
+            if on_step is not None:
+                on_step(manager)
+    state = _final_state(model, device)
     return steps, state, (manager.stats() if manager is not None else None)
 
 
@@ -94,7 +171,20 @@ def simple_step(model, x):
     return [loss]
 
 
-class CorrectnessTest(unittest.TestCase):
+class Cases:
+    """The cases, on `device`: a mixin of the TestCases below (not one
+    itself, so that unittest runs the cases only through them)."""
+
+    device = CPU
+
+    def run_case(self, make_model, make_inputs, step=simple_step,
+                 options=None, iterations=1, **kwargs):
+        """run() on this class's device."""
+        return run(make_model, make_inputs, step, options, iterations,
+                   device=self.device, **kwargs)
+
+    def randn(self, *shape):
+        return torch.randn(*shape).to(self.device)
 
     def assert_identical(self, expected, got, what):
         e_steps, e_state, _ = expected
@@ -123,7 +213,8 @@ class CorrectnessTest(unittest.TestCase):
         results, that "fits" released and recorded nothing and that every
         other mode released (offload: only offloaded; recompute: evicted
         and recomputed some). Returns {mode: stats}."""
-        expected = run(make_model, make_inputs, step, None, iterations)
+        expected = self.run_case(make_model, make_inputs, step, None,
+                                 iterations)
         out = {}
         partial = ("partial",) if "fits" in modes else ()
         for mode in modes + partial:
@@ -136,13 +227,18 @@ class CorrectnessTest(unittest.TestCase):
                             prefetch_bytes=peak)
             else:
                 opts = dict(MODES[mode], **(options or {}))
-            got = run(make_model, make_inputs, step, opts, iterations)
+            got = self.run_case(make_model, make_inputs, step, opts,
+                                iterations)
             self.assert_identical(expected, got, mode)
             stats = got[2]
             out[mode] = stats
             if os.environ.get("DELTAD_TEST_VERBOSE"):
                 print(f"\n{self.id()} {mode}: {stats}")
             self.assertGreater(stats.saved_tensors, 0, mode)
+            if self.device.type == "cuda":
+                # Copies on the copy stream, events polled: the host never
+                # waits for the GPU, whatever the mode.
+                self.assertEqual(stats.host_waits, 0, f"{mode}: {stats}")
             if mode == "fits":
                 self.assertEqual((stats.offloads, stats.evictions,
                                   stats.host_waits, stats.recomputes,
@@ -230,7 +326,7 @@ class CorrectnessTest(unittest.TestCase):
     # --- in-place updates
 
     def test_inplace_after_save_raises_as_unmanaged(self):
-        lin = nn.Linear(16, 16)
+        lin = nn.Linear(16, 16).to(self.device)
 
         def output_changed(x):
             s = lin(x).sigmoid()  # saves its output
@@ -258,7 +354,7 @@ class CorrectnessTest(unittest.TestCase):
                     with self.assertRaisesRegex(RuntimeError,
                                                 "modified by an inplace"):
                         with block:
-                            forward(torch.randn(64, 16)).sum().backward()
+                            forward(self.randn(64, 16)).sum().backward()
 
     def test_legal_inplace_ops_in_models(self):
         def cnn():
@@ -367,7 +463,7 @@ class CorrectnessTest(unittest.TestCase):
 
     def test_autocast_bfloat16(self):
         def step(model, x):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
                 out = model(x)
                 loss = out.float().square().mean()
             loss.backward()
@@ -381,10 +477,10 @@ class CorrectnessTest(unittest.TestCase):
         self.check(model, lambda: torch.randn(16, 32), step, iterations=2)
 
     def test_no_grad_sections_save_nothing(self):
-        model = mlp()
+        model = mlp().to(self.device)
         with _managed(model, **OFFLOAD) as manager:
             with torch.no_grad():
-                model(torch.randn(8, 32))
+                model(self.randn(8, 32))
         stats = manager.stats()
         self.assertEqual((stats.saved_tensors, stats.offloads,
                           stats.recorded_calls), (0, 0, 0), stats)
@@ -445,30 +541,25 @@ class CorrectnessTest(unittest.TestCase):
         for mode in ("offload", "recompute", "auto"):
             options = dict(budget_bytes=12 << 10, policy=mode,
                            prefetch_bytes=1 << 30)
-            expected = run(mlp, lambda: torch.randn(16, 32), simple_step,
-                           None, iterations=5)
-            torch.manual_seed(0)
-            model = mlp()
-            inputs = [torch.randn(16, 32) for _ in range(5)]
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            torch.manual_seed(1)
-            steps, per_iteration = [], []
-            with _managed(model, **options) as manager:
-                for x in inputs:
-                    optimizer.zero_grad(set_to_none=True)
-                    steps.append(simple_step(model, x) + [
-                        p.grad.clone() for p in model.parameters()])
-                    optimizer.step()
-                    per_iteration.append(manager.stats())
-            after = torch.rand(4)
-            state = [p.detach().clone() for p in model.parameters()]
-            state += [b.clone() for b in model.buffers()] + [after]
-            self.assert_identical(expected, (steps, state, None), mode)
-            stats = manager.stats()
+            expected = self.run_case(mlp, lambda: torch.randn(16, 32),
+                                     iterations=5)
+            per_iteration, managers = [], []
+
+            def on_step(manager):
+                managers[:] = [manager]
+                per_iteration.append(manager.stats())
+
+            got = self.run_case(mlp, lambda: torch.randn(16, 32),
+                                options=options, iterations=5,
+                                on_step=on_step)
+            self.assert_identical(expected, got, mode)
+            stats, manager = got[2], managers[0]
             self.assertEqual(stats.iterations, 5, stats)
             self.assertEqual(
                 [s.iterations for s in per_iteration], [1, 2, 3, 4, 5])
             self.assertGreater(stats.offloads + stats.evictions, 0, mode)
+            if self.device.type == "cuda":
+                self.assertEqual(stats.host_waits, 0, stats)
             if mode == "offload":
                 # Iterations after the first reload ahead in the order the
                 # one before unpacked.
@@ -486,8 +577,8 @@ class CorrectnessTest(unittest.TestCase):
     def test_backward_after_the_block(self):
         def forward_only(options):
             torch.manual_seed(0)
-            model = mlp()
-            x = torch.randn(16, 32)
+            model = mlp().to(self.device)
+            x = self.randn(16, 32)
             torch.manual_seed(1)
             block = (contextlib.nullcontext() if options is None
                      else _managed(model, **options))
@@ -523,6 +614,97 @@ def mlp():
     return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.GELU(),
                          nn.Dropout(0.2), nn.Linear(64, 64), nn.ReLU(),
                          nn.Linear(64, 8))
+
+
+class CpuCorrectnessTest(Cases, unittest.TestCase):
+    """The cases on the CPU."""
+
+
+def _skip_cases_without_determinism(cls):
+    """Wraps the class's tests: a case that reaches an op without a
+    deterministic CUDA implementation is skipped, naming the op, instead
+    of failing (managed and unmanaged could not be compared bit for bit)."""
+
+    def wrap(test):
+        @functools.wraps(test)
+        def deterministic_or_skip(self):
+            try:
+                return test(self)
+            except RuntimeError as e:
+                if NOT_DETERMINISTIC not in str(e):
+                    raise
+                first = str(e).strip().splitlines()[0]
+                self.skipTest("cannot be deterministic on CUDA: "
+                              f"{first.split(', but you set')[0]}")
+        return deterministic_or_skip
+
+    for name in dir(cls):
+        if name.startswith("test_"):
+            setattr(cls, name, wrap(getattr(cls, name)))
+    return cls
+
+
+@unittest.skipUnless(CUDA, NO_CUDA)
+@_skip_cases_without_determinism
+class CudaCorrectnessTest(Cases, unittest.TestCase):
+    """The cases on the GPU, deterministic (torch.use_deterministic_
+    algorithms, cuDNN without benchmarking, cuBLAS's fixed workspace), and
+    what only CUDA has: the copy stream and its events."""
+
+    device = torch.device("cuda")
+
+    @classmethod
+    def setUpClass(cls):
+        cudnn = torch.backends.cudnn
+        cls._before = (torch.are_deterministic_algorithms_enabled(),
+                       cudnn.benchmark, cudnn.deterministic)
+        torch.use_deterministic_algorithms(True)
+        cudnn.benchmark = False
+        cudnn.deterministic = True
+
+    @classmethod
+    def tearDownClass(cls):
+        cudnn = torch.backends.cudnn
+        enabled, cudnn.benchmark, cudnn.deterministic = cls._before
+        torch.use_deterministic_algorithms(enabled)
+
+    def test_offload_never_waits_on_the_host(self):
+        # 13 saved storages of 512 KiB a step, a budget of about half of
+        # them (above what the process holds when the block begins),
+        # several iterations in one block: offloads on the copy stream,
+        # reloads ahead of use, and never a host wait; after the
+        # synchronize that ends the run, the results of the unmanaged run.
+        def wide():
+            layers = []
+            for _ in range(6):
+                layers += [nn.Linear(512, 512), nn.GELU()]
+            return nn.Sequential(*layers, nn.Linear(512, 8))
+
+        def inputs():
+            return torch.randn(256, 512)
+
+        iterations = 4
+        expected = self.run_case(wide, inputs, iterations=iterations)
+        per_iteration = []
+        got = self.run_case(
+            wide, inputs, iterations=iterations,
+            options=dict(budget_bytes=3 << 20, policy="offload",
+                         prefetch_bytes=1 << 30),
+            on_step=lambda manager: per_iteration.append(manager.stats()))
+        self.assert_identical(expected, got, "offload")
+        stats = got[2]
+        if os.environ.get("DELTAD_TEST_VERBOSE"):
+            print(f"\n{self.id()}: {stats}")
+        self.assertEqual(stats.host_waits, 0, stats)
+        self.assertEqual(stats.iterations, iterations, stats)
+        self.assertEqual(stats.evictions, 0, stats)
+        self.assertGreater(stats.offloads, 0, stats)
+        self.assertGreater(stats.reloads, 0, stats)
+        self.assertGreater(stats.prefetches, 0, stats)
+        later = [b.prefetches - a.prefetches
+                 for a, b in zip(per_iteration, per_iteration[1:])]
+        self.assertTrue(all(n > 0 for n in later),
+                        f"prefetches per iteration: {later}")
 
 
 # --- DistributedDataParallel, one process per (CPU) device
@@ -594,7 +776,9 @@ class DistributedTest(unittest.TestCase):
             mp.spawn(_ddp_worker, args=(world, _free_port(), out_dir,
                                         daemon_socket),
                      nprocs=world, join=True)
-            results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"))
+            # Not weights_only (PyTorch 2.6's default): ManagerStats.
+            results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"),
+                                  weights_only=False)
                        for r in range(world)]
         for rank, by_mode in enumerate(results):
             expected, _ = by_mode["unmanaged"]
