@@ -66,10 +66,17 @@ class Call:
         return itertools.chain(self.args, self.kwargs.values())
 
 
-def _autocast_state():
-    return (_torch.is_autocast_enabled(), _torch.get_autocast_gpu_dtype(),
-            _torch.is_autocast_cpu_enabled(),
-            _torch.get_autocast_cpu_dtype())
+if hasattr(_torch, "get_autocast_dtype"):  # 2.4 on: the old names warn
+    def _autocast_state():
+        return (_torch.is_autocast_enabled("cuda"),
+                _torch.get_autocast_dtype("cuda"),
+                _torch.is_autocast_enabled("cpu"),
+                _torch.get_autocast_dtype("cpu"))
+else:
+    def _autocast_state():
+        return (_torch.is_autocast_enabled(), _torch.get_autocast_gpu_dtype(),
+                _torch.is_autocast_cpu_enabled(),
+                _torch.get_autocast_cpu_dtype())
 
 
 class Recorder:
