@@ -323,6 +323,283 @@ class ClientTest(unittest.TestCase):
             self.assertEqual(e.exception.code, 5)  # NOT_FOUND
 
 
+class InplaceChangeBeforeReleaseTest(unittest.TestCase):
+    """A saved tensor changed in place and then released (offloaded) must
+    still raise in backward, as PyTorch does without deltad: the restored
+    copy has a fresh version counter."""
+
+    def test_a_tensor_changed_in_place_then_offloaded_still_raises(self):
+        a = torch.randn(256, 256, requires_grad=True)
+        with deltad.torch.managed(None, socket=None, min_bytes=1,
+                                  budget_bytes=1 << 10,
+                                  policy="offload") as manager:
+            h = a * 2
+            y = h.sin()  # saves h at version 0
+            h.add_(1)    # ... which backward would then read changed
+            del h
+            z = (a * 3).sin()  # pushes h's storage out to host memory
+            self.assertGreater(manager.stats().offloads, 0)
+            with self.assertRaisesRegex(RuntimeError, "inplace operation"):
+                (y.sum() + z.sum()).backward()
+
+    def test_an_unchanged_offloaded_tensor_does_not_raise(self):
+        a = torch.randn(256, 256, requires_grad=True)
+        with deltad.torch.managed(None, socket=None, min_bytes=1,
+                                  budget_bytes=1 << 10,
+                                  policy="offload") as manager:
+            h = a * 2
+            y = h.sin()
+            del h
+            z = (a * 3).sin()
+            (y.sum() + z.sum()).backward()
+        self.assertGreater(manager.stats().reloads, 0)
+        expected = (2 * torch.cos(a * 2) + 3 * torch.cos(a * 3)).detach()
+        self.assertTrue(torch.allclose(a.grad, expected))
+
+
+class _CollectingTorch:
+    """torch, whose empty_like first runs the garbage collector: what any
+    allocation in the store may trigger on the thread holding its lock."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def empty_like(self, *args, **kwargs):
+        gc.collect()
+        return self.real.empty_like(*args, **kwargs)
+
+
+class CollectedWhileTheStoreWorksTest(unittest.TestCase):
+    """SavedTensor.__del__ may run inside the store's own work (the garbage
+    collector runs at any allocation, and the lock is re-entrant): a group
+    that dies while it is being released or restored must be accounted
+    once and end dropped, with the store's counters back at zero."""
+
+    def setUp(self):
+        import deltad.saved as saved
+        self.saved = saved
+        self.real = saved._torch
+        saved._torch = _CollectingTorch(self.real)
+        gc.collect()
+        gc.disable()  # only the store's allocations collect
+
+    def tearDown(self):
+        gc.enable()
+        self.saved._torch = self.real
+
+    def check_empty(self, store):
+        gc.collect()
+        c = store.counters
+        self.assertEqual((c.resident_bytes, c.host_bytes), (0, 0))
+        self.assertEqual(store.groups, {})
+
+    def test_a_group_collected_while_it_is_offloaded(self):
+        a = torch.randn(256, 256, requires_grad=True)
+        with deltad.torch.managed(None, socket=None, min_bytes=1 << 10,
+                                  budget_bytes=1 << 10,
+                                  policy="offload") as manager:
+            y = (a * 2).sin()  # saves a * 2
+            cycle = [y]
+            cycle.append(cycle)
+            del y, cycle  # the graph now lives only in a cycle
+            z = (a * 3).sin()  # offloads a * 2: the collector runs there
+            z.sum().backward()
+            del z
+        self.check_empty(manager.store)
+
+    def test_a_group_collected_while_it_is_prefetched(self):
+        a = torch.randn(256, 256, requires_grad=True)
+        # min_bytes: the scalars mul saves stay out of the store.
+        with deltad.torch.managed(None, socket=None, min_bytes=1 << 10,
+                                  budget_bytes=1 << 30,
+                                  policy="offload") as manager:
+            store = manager.store
+            z = (a * 3).sin()
+            y = (a * 2).sin()
+            store.budget = 1 << 10
+            w = (a * 4).sin()  # offloads the older groups
+            store.budget = 1 << 30
+            cycle = [y]
+            cycle.append(cycle)
+            del y, cycle
+            # Backward unpacks w first and prefetches the group saved just
+            # before it, y's: it dies while being reloaded.
+            (z.sum() + w.sum()).backward()
+            self.assertGreater(store.counters.prefetches, 0)
+            del z, w
+        self.check_empty(manager.store)
+
+
+class NestedBlocksTest(unittest.TestCase):
+    """A block with other settings inside another closes the process's
+    daemon session (one per process): the outer block goes on with the
+    budget it asked for instead of failing on the closed client."""
+
+    def test_the_outer_block_survives_an_inner_one(self):
+        a = torch.randn(256, 256, requires_grad=True)
+
+        def step():
+            (a * 2).sin().sum().backward()
+
+        with tempfile.TemporaryDirectory() as d:
+            socket = os.path.join(d, "none.sock")
+            try:
+                with deltad.torch.managed(None, socket=socket, min_bytes=1,
+                                          budget_bytes=1 << 20) as outer:
+                    step()
+                    with deltad.torch.managed(None, socket=socket,
+                                              min_bytes=1,
+                                              budget_bytes=2 << 20):
+                        step()
+                    step()  # a new iteration of the outer block
+                self.assertEqual(outer.stats().iterations, 2)
+                self.assertEqual(outer.stats().budget_bytes, 1 << 20)
+            finally:
+                deltad.torch.close_sessions()
+
+
+class CudaBudgetWithDeltadAllocatorTest(unittest.TestCase):
+    """On PyTorch 2.0-2.7 deltad's allocator replaces PyTorch's
+    (allocator mode "global"), and torch.cuda.memory_allocated then raises
+    ("CUDAPluggableAllocator does not yet support getDeviceStats"): the
+    budget of an iteration must come from the allocator's own count. (A
+    stand-in for CUDA: this checks Manager._on_iteration alone.)"""
+
+    def test_the_iteration_budget_reads_the_allocators_count(self):
+        import types
+        import deltad.allocator as allocator
+
+        def no_stats(device=None):
+            raise RuntimeError("CUDAPluggableAllocator does not yet "
+                               "support getDeviceStats.")
+
+        stand_in = types.SimpleNamespace(
+            iterations=0, requested_budget=1 << 30, client=None,
+            cuda=True, device=torch.device("cuda", 0), reserve=1 << 20,
+            store=types.SimpleNamespace(budget=0), policy="offload",
+            plan=types.SimpleNamespace(pressure=False))
+        saved = (torch.cuda.memory_allocated, allocator.mode,
+                 allocator.stats)
+        torch.cuda.memory_allocated = no_stats
+        allocator.mode = lambda: "global"
+        allocator.stats = lambda: allocator.AllocatorStats(
+            attached=True, allocated_bytes=100 << 20,
+            device_bytes=100 << 20, peak_device_bytes=100 << 20,
+            budget_bytes=1 << 30, blocks=1)
+        try:
+            deltad.torch.Manager._on_iteration(stand_in)
+        finally:
+            (torch.cuda.memory_allocated, allocator.mode,
+             allocator.stats) = saved
+        self.assertEqual(stand_in.store.budget,
+                         (1 << 30) - (100 << 20) - (1 << 20))
+
+
+class PendingCopiesAtCloseTest(unittest.TestCase):
+    """Nothing polls the copies still running when the block ends, and the
+    store may die any time after: their device memory must not go back to
+    the compute stream's pool before the copy (a reload writes into it).
+    The compute stream waits for the last copy instead (no host wait).
+    Checked with test_saved_store_streams' stand-in torch.cuda."""
+
+    def test_close_orders_the_compute_stream_after_pending_copies(self):
+        import deltad.saved as saved
+        from test_saved_store_streams import (FakeCuda, FakeTorch,
+                                              NoRecompute, Plan)
+        cuda = FakeCuda()
+        real = saved._torch
+        saved._torch = FakeTorch(cuda)
+        try:
+            store = saved.SavedStore(
+                torch.device("cpu"), 1 << 30, lambda group: "offload",
+                NoRecompute(), host_bytes=1 << 30, prefetch_bytes=1 << 30,
+                plan=Plan(), on_iteration=lambda: None)
+            store.cuda = True
+            store.copy_stream = cuda.Stream(None)
+
+            def save(tensor):
+                storage = saved._storage(tensor)
+                return store.pack(tensor, storage.data_ptr(), storage)
+
+            sa = save(torch.arange(1024, dtype=torch.float32))
+            store.budget = 1024
+            sb = save(torch.ones(1024))  # offloads a: its copy runs on
+            self.assertEqual(len(store.in_flight), 1)
+            cuda.log.clear()
+            store.close()
+            self.assertEqual(store.in_flight, [],
+                             "device bytes kept past the block, then freed "
+                             "with no order after their copy")
+            self.assertIn(("wait_event", "compute", "copy"), cuda.log)
+            del sa, sb
+        finally:
+            saved._torch = real
+
+
+class RunInstallsTheAllocatorBeforeCudaTest(unittest.TestCase):
+    """python -m deltad.run with no --budget must install deltad's
+    allocator before anything initializes CUDA in the process: on PyTorch
+    2.0-2.7 install() refuses once it is (get_device_properties and
+    current_device both initialize it). A stand-in for CUDA."""
+
+    def test_no_cuda_initialization_before_install(self):
+        import deltad.allocator as allocator
+        import deltad.run as run
+        state = {"initialized": False, "install": None}
+
+        def initializing(value):
+            def f(*args, **kwargs):
+                state["initialized"] = True
+                return value
+            return f
+
+        def install(budget_bytes=0, socket=None, **kwargs):
+            state["install"] = (state["initialized"], budget_bytes)
+
+        class Stats:
+            iterations = saved_tensors = peak_device_bytes = 0
+            budget_bytes = offloads = offloaded_bytes = prefetches = 0
+            connected = False
+
+        @contextlib.contextmanager
+        def managed(model, **kwargs):
+            yield types.SimpleNamespace(stats=Stats)
+
+        import types
+        props = types.SimpleNamespace(total_memory=80 << 30)
+        names = ("is_available", "get_device_properties", "current_device")
+        before = [getattr(torch.cuda, n) for n in names]
+        saved = (allocator.install, deltad.torch.managed,
+                 getattr(run, "_gpu_memory", None), sys.argv[:],
+                 sys.path[:])
+        torch.cuda.is_available = lambda: True
+        torch.cuda.get_device_properties = initializing(props)
+        torch.cuda.current_device = initializing(0)
+        allocator.install = install
+        deltad.torch.managed = managed
+        # The child process that reads the GPU's memory: not run here.
+        run._gpu_memory = lambda: 80 << 30
+        with tempfile.TemporaryDirectory() as d:
+            script = os.path.join(d, "train.py")
+            with open(script, "w") as f:
+                f.write("pass\n")
+            try:
+                self.assertEqual(run.main(["--socket", "", script]), 0)
+            finally:
+                for n, f in zip(names, before):
+                    setattr(torch.cuda, n, f)
+                (allocator.install, deltad.torch.managed, gpu_memory,
+                 sys.argv, sys.path) = saved
+                if gpu_memory is None:
+                    del run._gpu_memory
+                else:
+                    run._gpu_memory = gpu_memory
+        self.assertEqual(state["install"], (False, 80 << 30))
+
+
 class _Recording:
     """managed() that keeps the client's stats of the block."""
 

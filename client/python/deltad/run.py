@@ -65,6 +65,18 @@ def _arguments(argv):
     return p.parse_args(argv)
 
 
+def _gpu_memory():
+    """The current GPU's memory in bytes, read in a child process so that
+    CUDA stays uninitialized in this one (the child inherits
+    CUDA_VISIBLE_DEVICES, and this process has not picked a device)."""
+    import subprocess
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda."
+         "get_device_properties(0).total_memory)"],
+        check=True, capture_output=True, text=True)
+    return int(out.stdout.split()[-1])
+
+
 def main(argv=None):
     args = _arguments(sys.argv[1:] if argv is None else argv)
     sys.argv = [args.script] + args.args
@@ -81,8 +93,15 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     budget = args.budget
     if budget is None:
-        budget = (torch.cuda.get_device_properties(
-            torch.cuda.current_device()).total_memory if cuda else 1 << 30)
+        if cuda and not args.no_allocator:
+            # Read by another process: get_device_properties (and
+            # current_device) initialize CUDA here, and PyTorch 2.0-2.7
+            # can then no longer swap its allocator (install() raises).
+            budget = _gpu_memory()
+        else:
+            budget = (torch.cuda.get_device_properties(
+                torch.cuda.current_device()).total_memory if cuda
+                else 1 << 30)
     if cuda and not args.no_allocator:
         allocator.install(budget_bytes=budget, socket=socket)
     with deltad.torch.managed(None, budget_bytes=budget, socket=socket,

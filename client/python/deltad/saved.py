@@ -65,7 +65,7 @@ class _Group:
     __slots__ = ("store", "key", "nbytes", "position", "state", "tensors",
                  "live", "metas", "host", "flat", "event", "call",
                  "dependents", "retained", "used", "rebuilt",
-                 "evicted_sources")
+                 "evicted_sources", "versions")
 
     def __init__(self, store, key, nbytes, position, call):
         self.store = store
@@ -85,6 +85,10 @@ class _Group:
         self.used = False  # unpacked: backward is reading it
         self.rebuilt = False  # members are views of a restored storage
         self.evicted_sources = ()  # groups this one's recompute reads
+        # Released: each member's version then. Rebuilt: each member's
+        # version less that (views of a new storage count anew), so that
+        # a change in place before the release still raises in unpack.
+        self.versions = None
 
 
 class Counters:
@@ -143,6 +147,12 @@ class SavedStore:
                             else None)
         # CUDA: (event, tensor) for device bytes a copy still reads.
         self.in_flight = []
+        # Members that died (SavedTensor.__del__, run by the garbage
+        # collector at any allocation, on the thread that holds the
+        # re-entrant lock) while the store was releasing or restoring:
+        # handled once that work is done, not in the middle of it.
+        self.busy = False
+        self.dying = []
 
     # --- pack and unpack (the hot path)
 
@@ -177,7 +187,11 @@ class SavedStore:
             group.live = 1
             saved = SavedTensor(group, 0, tensor._version)
             if c.resident_bytes > self.budget:
-                self._make_room(self.budget, group)
+                busy, self.busy = self.busy, True
+                try:
+                    self._make_room(self.budget, group)
+                finally:
+                    self._done(busy)
             return saved
         finally:
             lock.release()
@@ -187,10 +201,12 @@ class SavedStore:
         if group.used and group.flat is None:
             tensor = group.tensors[saved.index]
             if tensor is not None:
-                if tensor._version != saved.version and not group.rebuilt:
+                if tensor._version != saved.version and \
+                        _changed(group, saved, tensor):
                     raise _modified(tensor, saved.version)
                 return tensor
         self.lock.acquire()
+        busy, self.busy = self.busy, True
         try:
             if group.state != RESIDENT:
                 start = time.perf_counter_ns()
@@ -206,10 +222,22 @@ class SavedStore:
                 if self.counters.host_bytes:
                     self._prefetch_after(group)
         finally:
-            self.lock.release()
-        if tensor._version != saved.version and not group.rebuilt:
+            try:
+                self._done(busy)
+            finally:
+                self.lock.release()
+        if tensor._version != saved.version and \
+                _changed(group, saved, tensor):
             raise _modified(tensor, saved.version)
         return tensor
+
+    def _done(self, busy):
+        """Ends a stretch of work begun with `busy, self.busy = self.busy,
+        True` (lock held): the members that died during it die now."""
+        self.busy = busy
+        if not busy:
+            while self.dying:
+                self._member_died(*self.dying.pop())
 
     def holding(self):
         """(resident bytes, of them releasable now, resident storages)."""
@@ -272,6 +300,12 @@ class SavedStore:
         lock = self.lock
         lock.acquire()
         try:
+            if self.busy:
+                # Collected inside the store's own work (same thread, the
+                # lock is re-entrant): the group may be half released or
+                # restored, so handling it now would count it twice.
+                self.dying.append((group, index))
+                return
             tensors = group.tensors
             tensor = tensors[index] if index < len(tensors) else None
             if tensor is not None:
@@ -407,6 +441,14 @@ class SavedStore:
         group.metas = [None if t is None else
                        (t.shape, t.stride(), t.storage_offset(), t.dtype)
                        for t in group.tensors]
+        # The restored members have new version counters: keep what each
+        # member's version was (as its SavedTensor counts), so that a
+        # member changed in place before this still raises in unpack.
+        shift = group.versions
+        group.versions = [
+            None if t is None else
+            t._version - (shift[i] if shift and i < len(shift) else 0)
+            for i, t in enumerate(group.tensors)]
         if how == "offload":
             flat = _flat(members[0], group.nbytes)
             if self.cuda:
@@ -512,12 +554,16 @@ class SavedStore:
         if group.event is not None:
             _torch.cuda.current_stream(self.device).wait_event(group.event)
             group.event = None
+        released = group.versions
+        shift = [0] * len(group.metas)
         for i, meta in enumerate(group.metas):
             if meta is None:
                 continue
             shape, stride, offset, dtype = meta
             view = flat if dtype == flat.dtype else flat.view(dtype)
             group.tensors[i] = view.as_strided(shape, stride, offset)
+            shift[i] = group.tensors[i]._version - released[i]
+        group.versions = shift
         if group.live == 0:
             group.retained = flat  # for the dependents' recomputes only
         group.flat = None
@@ -563,6 +609,15 @@ class SavedStore:
             self.closed = True
             if self.in_flight:
                 self._poll_copies()
+            if self.in_flight:
+                # Nothing polls after the block, and the store may die (its
+                # list with it) while these copies still run: the compute
+                # stream, whose pool their memory returns to, waits for the
+                # last of them (copies on one stream finish in order), so
+                # that no later work there can reuse it under a copy.
+                _torch.cuda.current_stream(self.device).wait_event(
+                    self.in_flight[-1][0])
+                self.in_flight = []
             self.budget = 1 << 62
             # Graphs of the block may still be unpacked, restoring what
             # they need, but nothing is released or prefetched any more:
@@ -572,6 +627,16 @@ class SavedStore:
             self.order = []
             self.by_position = []
             self.director = self.on_iteration = None
+
+
+def _changed(group, saved, tensor):
+    """Whether a member whose version differs from its SavedTensor's was
+    changed in place since it was saved: the versions of a rebuilt group's
+    members count anew from its restore (group.versions)."""
+    shift = group.versions
+    if shift is None or saved.index >= len(shift):
+        return True
+    return tensor._version - shift[saved.index] != saved.version
 
 
 def _flat(tensor, nbytes):

@@ -253,13 +253,26 @@ class Manager:
         self.iterations += 1
         budget = self.requested_budget
         if self.client is not None:
-            granted = self.client.stats().budget_bytes  # local, no RPC
+            try:
+                granted = self.client.stats().budget_bytes  # local, no RPC
+            except DeltadError:
+                # Closed: a block with other settings (nested in this one)
+                # or close_sessions() ended the process's one session. The
+                # block goes on with the budget it asked for.
+                granted = 0
             if granted > 0:
                 budget = min(budget, granted)
         if self.cuda:
             # Parameters, gradients, optimizer state, inputs: what the
             # caching allocator holds while no activation is saved.
-            others = _torch.cuda.memory_allocated(self.device)
+            if _allocator.mode() == "global":
+                # PyTorch 2.0-2.7 with deltad's allocator in place of its
+                # own: memory_allocated raises there (a pluggable allocator
+                # keeps no statistics); the library counts what PyTorch
+                # allocated through it.
+                others = _allocator.stats().allocated_bytes
+            else:
+                others = _torch.cuda.memory_allocated(self.device)
             budget = budget - others - self.reserve
         self.store.budget = max(budget, 0)
         if self.policy == "auto" and self.plan.pressure:
