@@ -67,6 +67,16 @@ class RunTest(unittest.TestCase):
         self.assertEqual(r.stdout, self.expected)
         self.assertNotIn("deltad:", r.stderr)
 
+    def test_the_scripts_arguments_are_passed_verbatim(self):
+        script = os.path.join(self.dir.name, "argv.py")
+        with open(script, "w") as f:
+            f.write("import sys; print(sys.argv[1:]); "
+                    "print(sys.path[0] == %r)\n" % self.dir.name)
+        r = run("-m", "deltad.run", "--socket", "", script, "--budget",
+                "--", "x", env={"DELTAD_DISABLE": "1"})
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout, "['--budget', '--', 'x']\nTrue\n")
+
     def test_a_bad_budget_is_refused(self):
         r = run("-m", "deltad.run", "--budget", "lots", self.script, "3")
         self.assertEqual(r.returncode, 2)

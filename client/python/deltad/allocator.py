@@ -236,8 +236,11 @@ def stats():
         budget_bytes=u.budget_bytes, blocks=u.blocks)
 
 
-def installed_client():
-    """The deltad.Client serving the installed allocator, else None: a
-    managed block on its GPU uses that session instead of opening one."""
+def installed_client(device):
+    """The deltad.Client serving the installed allocator on CUDA device
+    index `device`, else None: a managed block on that GPU uses its session
+    instead of opening one."""
     with _lock:
-        return None if _active is None else _active.client
+        if _active is None or _active.device != device:
+            return None
+        return _active.client

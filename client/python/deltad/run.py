@@ -60,9 +60,18 @@ def _arguments(argv):
     p.add_argument("--no_allocator", action="store_true",
                    help="leave PyTorch's CUDA allocator in place")
     p.add_argument("script", help="the training script")
-    p.add_argument("args", nargs=argparse.REMAINDER,
-                   help="the script's arguments")
-    return p.parse_args(argv)
+    p.add_argument("args", nargs="*", help="the script's arguments")
+    # Everything from the script on is the script's, verbatim ("--"
+    # included): only what comes before it is parsed here.
+    valued = {"--budget", "--socket", "--min_bytes"}
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        i += 2 if argv[i] in valued else 1
+    if i < len(argv) and argv[i] == "--":
+        i += 1
+    args = p.parse_args(argv[:i] + argv[i:i + 1])
+    args.args = argv[i + 1:]
+    return args
 
 
 def _gpu_memory():
@@ -80,7 +89,9 @@ def _gpu_memory():
 def main(argv=None):
     args = _arguments(sys.argv[1:] if argv is None else argv)
     sys.argv = [args.script] + args.args
-    sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+    # As `python script.py` has it: the script's folder first, in place of
+    # the current one that `-m` put there.
+    sys.path[0] = os.path.dirname(os.path.abspath(args.script))
     import deltad.torch
     from deltad import allocator
 

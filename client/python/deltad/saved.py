@@ -384,20 +384,22 @@ class SavedStore:
         kept = []
         released = False
         order, self.order = self.order, []
-        for i, group in enumerate(order):
-            if c.resident_bytes <= target:
-                kept.extend(order[i:])
-                break
-            if group.state != RESIDENT:
-                continue
-            if group is protect or not self._releasable(group):
-                kept.append(group)
-                continue
-            if self._release(group):
-                released = True
-            else:
-                kept.append(group)
-        self.order = kept
+        i = 0
+        try:
+            while i < len(order) and c.resident_bytes > target:
+                group = order[i]
+                if group.state == RESIDENT:
+                    if group is not protect and self._releasable(group) \
+                            and self._release(group):
+                        released = True
+                    else:
+                        kept.append(group)
+                i += 1
+        finally:
+            # The groups not looked at stay victims, also when a release
+            # raised (its group among them: it is still resident).
+            kept.extend(order[i:])
+            self.order = kept
         if released:
             self.released_this_iteration = True
         if c.resident_bytes + extra > budget:

@@ -457,7 +457,7 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
         device, fixed = _memory_of(model, plan)
     round_trips = 0
     if client is None and device.type == "cuda":
-        client = _allocator.installed_client()
+        client = _allocator.installed_client(device.index)
     if client is None and socket is not None:
         # The daemon session: its grant bounds the budget. Connecting is
         # the one round trip, at the process's first block; without a
