@@ -98,6 +98,20 @@ def train(case, manage=None):
     return losses, state, counter.peak
 
 
+def mlp_and_its_gradients():
+    """small_mlp, an input and its gradients from one unmanaged step, the
+    gradients zeroed again; the RNG seeded with 1, as a managed step must
+    seed it before its forward (the same dropout masks)."""
+    torch.manual_seed(0)
+    model = small_mlp()
+    x = torch.randn(128, 256)
+    torch.manual_seed(1)
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return model, x, expected
+
+
 class ManagedTrainingTest(unittest.TestCase):
 
     def check_case(self, case, socket, connected=False, **options):
@@ -217,13 +231,7 @@ class ManagedTrainingTest(unittest.TestCase):
         self.assertGreater(recorded[1], 0)
 
     def test_a_graph_unpacked_after_the_block_still_works(self):
-        torch.manual_seed(0)
-        model = small_mlp()
-        x = torch.randn(128, 256)
-        torch.manual_seed(1)  # the same dropout masks in both runs
-        model(x).sum().backward()
-        expected = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad()
+        model, x, expected = mlp_and_its_gradients()
         with deltad.torch.managed(model, socket=None, min_bytes=1,
                                   budget_bytes=1 << 20) as manager:
             torch.manual_seed(1)
@@ -272,13 +280,7 @@ class ErrorsTest(unittest.TestCase):
             del os.environ["DELTAD_DISABLE"]
 
     def test_without_a_model_parameters_stay_and_activations_offload(self):
-        torch.manual_seed(0)
-        model = small_mlp()
-        x = torch.randn(128, 256)
-        torch.manual_seed(1)
-        model(x).sum().backward()
-        expected = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad()
+        model, x, expected = mlp_and_its_gradients()
         with deltad.torch.managed(None, socket=None, min_bytes=1,
                                   budget_bytes=1 << 20) as manager:
             torch.manual_seed(1)

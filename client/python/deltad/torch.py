@@ -43,7 +43,7 @@ import torch as _torch
 
 from deltad import allocator as _allocator
 from deltad.allocator import disabled
-from deltad.client import DEFAULT_SOCKET, Client, DeltadError
+from deltad.client import DEFAULT_SOCKET, Client, ClientStats, DeltadError
 from deltad.recompute import Recorder
 from deltad.saved import SavedStore, SavedTensor, _storage
 from deltad.trace import record_trace  # noqa: F401 (API)
@@ -91,23 +91,11 @@ def _memory_of(model, plan):
 
 
 @dataclasses.dataclass
-class ManagerStats:
-    """What a managed block did. The first fields keep the names of
-    deltad.ClientStats; `device_bytes` and `peak_device_bytes` count the
-    saved activations resident on the device."""
+class ManagerStats(ClientStats):
+    """What a managed block did: deltad.ClientStats's fields, where
+    `device_bytes` and `peak_device_bytes` count the saved activations
+    resident on the device, and the store's own."""
 
-    device_bytes: int
-    peak_device_bytes: int
-    budget_bytes: int
-    host_bytes: int
-    offloaded_bytes: int
-    reloaded_bytes: int
-    evictions: int
-    recomputes: int
-    recompute_ns: int
-    stall_ns: int
-    connected: bool
-    prefetches: int
     offloads: int
     reloads: int
     saved_tensors: int
@@ -210,36 +198,26 @@ class Manager:
                 # A CUDA graph being captured keeps its tensors where
                 # they are: nothing of it is released.
                 return tensor
+            if fixed is None:
+                # No model to list its parameters: leaves that need grad
+                # and their views are taken for them.
+                if tensor.requires_grad and tensor.is_leaf:
+                    return tensor
+                base = tensor._base
+                if base is not None and base.is_leaf and base.requires_grad:
+                    return tensor
             storage = _storage(tensor)
             key = storage.data_ptr()
-            if key in fixed:
+            if fixed is not None and key in fixed:
                 return tensor
             return store_pack(tensor, key, storage)
-
-        def pack_any_model(tensor):
-            # No model to list its parameters: leaves that need grad and
-            # their views are taken for them.
-            if (tensor.is_cuda != cuda or
-                    (cuda and (tensor.get_device() != index or
-                               capturing())) or
-                    tensor.layout != strided or
-                    tensor.numel() * tensor.element_size() < min_bytes):
-                return tensor
-            if tensor.requires_grad and tensor.is_leaf:
-                return tensor
-            base = tensor._base
-            if base is not None and base.is_leaf and base.requires_grad:
-                return tensor
-            storage = _storage(tensor)
-            return store_pack(tensor, storage.data_ptr(), storage)
 
         def unpack(saved):
             if saved.__class__ is SavedTensor:
                 return store_unpack(saved)
             return saved
 
-        self.pack = pack if fixed is not None else pack_any_model
-        self.unpack = unpack
+        self.pack, self.unpack = pack, unpack
 
     # --- budget and decisions
 
