@@ -435,6 +435,46 @@ class CollectedWhileTheStoreWorksTest(unittest.TestCase):
         self.check_empty(manager.store)
 
 
+class RestoredGroupsTest(unittest.TestCase):
+    """A group restored ahead of its use (a recompute's argument, a
+    prefetch) is a victim again while backward has not reached it, so that
+    a restore backward needs now can make room."""
+
+    def test_a_restored_unused_group_makes_way_for_one_needed_now(self):
+        import deltad.saved as saved
+
+        class Plan:
+            pressure, unpack_order, groups = False, [], 0
+
+        class NoRecompute:
+            calls = {}
+
+        store = saved.SavedStore(
+            torch.device("cpu"), 1 << 30, lambda group: "offload",
+            NoRecompute(), host_bytes=1 << 30, prefetch_bytes=0,
+            plan=Plan(), on_iteration=lambda: None)
+
+        def save(tensor):
+            storage = saved._storage(tensor)
+            return store.pack(tensor, storage.data_ptr(), storage)
+
+        kib4 = 4096  # each tensor's bytes
+        sa = save(torch.full((1024,), 1.0))
+        sb = save(torch.full((1024,), 2.0))
+        store.budget = kib4 + kib4 // 2
+        sc = save(torch.full((1024,), 3.0))  # a and b offloaded
+        self.assertEqual(store.counters.offloads, 2)
+        store.budget = 2 * kib4 + kib4 // 2
+        self.assertEqual(store.unpack(sa)[0].item(), 1.0)  # c offloaded
+        store.storage_of(sb.group)  # b restored, not used yet
+        self.assertEqual(store.unpack(sc)[0].item(), 3.0)
+        # a is in use, so b made way for c.
+        self.assertEqual(sb.group.state, saved.OFFLOADED)
+        self.assertEqual(store.counters.overshoots, 0)
+        self.assertLessEqual(store.counters.resident_bytes, store.budget)
+        self.assertEqual(store.unpack(sb)[0].item(), 2.0)
+
+
 class NestedBlocksTest(unittest.TestCase):
     """A block with other settings inside another closes the process's
     daemon session (one per process): the outer block goes on with the

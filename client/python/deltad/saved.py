@@ -542,6 +542,10 @@ class SavedStore:
             del self.groups[group.key]
         group.key = _storage(flat).data_ptr()
         self.groups[group.key] = group
+        if not self.closed:
+            # A victim again (the last in line: it is needed soon), so that
+            # a restore that backward has not reached yet can make way.
+            self.order.append(group)
         c.resident_bytes += group.nbytes
         if c.resident_bytes > c.peak_resident_bytes:
             c.peak_resident_bytes = c.resident_bytes
