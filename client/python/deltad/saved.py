@@ -137,7 +137,11 @@ class SavedStore:
         self.on_iteration = on_iteration  # a forward begins
         self.counters = Counters()
         self.lock = threading.RLock()
-        self.groups = {}  # storage key -> resident or released group
+        # Storage address -> resident group. A released group's address
+        # is freed with its bytes (and soon another tensor's), so it is
+        # keyed again only once restored.
+        self.groups = {}
+        self.alive = 0  # groups not dropped: resident or released
         self.order = []   # groups in pack order (victims from the front)
         self.by_position = []  # this iteration's groups by position
         self.unpacked = []     # positions in unpack order, this iteration
@@ -169,13 +173,14 @@ class SavedStore:
                 group.tensors.append(tensor)
                 group.live += 1
                 return SavedTensor(group, index, tensor._version)
-            if not self.groups:
+            if not self.alive:
                 self._new_iteration()
             nbytes = storage.nbytes()
             calls = self.recompute.calls
             group = _Group(self, key, nbytes, len(self.by_position),
                            calls.get(key) if calls else None)
             self.groups[key] = group
+            self.alive += 1
             self.order.append(group)
             self.by_position.append(group)
             c.saved_groups += 1
@@ -323,6 +328,7 @@ class SavedStore:
                 # The common end of a saved storage: backward used it.
                 if self.groups.get(group.key) is group:
                     del self.groups[group.key]
+                self.alive -= 1
                 self.counters.resident_bytes -= group.nbytes
                 group.state = None
                 group.tensors = []
@@ -333,6 +339,8 @@ class SavedStore:
             lock.release()
 
     def _drop(self, group):
+        if group.state is None:
+            return  # dropped already
         c = self.counters
         if group.event is not None:
             # Prefetched and never read: its block may be reused only once
@@ -341,6 +349,7 @@ class SavedStore:
             group.event = None
         if self.groups.get(group.key) is group:
             del self.groups[group.key]
+        self.alive -= 1
         if group.state == RESIDENT:
             c.resident_bytes -= group.nbytes
         elif group.state == OFFLOADED:
@@ -483,6 +492,8 @@ class SavedStore:
             c.evictions += 1
         group.tensors = [None] * len(group.tensors)
         c.resident_bytes -= group.nbytes
+        if self.groups.get(group.key) is group:
+            del self.groups[group.key]
         return True
 
     # --- restoring
@@ -586,16 +597,17 @@ class SavedStore:
         plan = self.plan
         by_position = self.by_position
         if plan.unpack_order and plan.groups == len(by_position):
+            # The positions the last iteration unpacked after as many as
+            # this one has (none left when this one unpacked more: a graph
+            # that differs, or one unpacked twice).
             order = plan.unpack_order
-            i, step, end = len(self.unpacked), 1, len(order)
+            upcoming = (order[j] for j in range(len(self.unpacked),
+                                                len(order)))
         else:
-            order = None
-            i, step, end = group.position - 1, -1, -1
+            upcoming = range(group.position - 1, -1, -1)
         ahead = 0
-        while i != end and ahead < self.prefetch_bytes:
-            position = order[i] if order is not None else i
-            i += step
-            if position >= len(by_position):
+        for position in upcoming:
+            if ahead >= self.prefetch_bytes or position >= len(by_position):
                 break
             other = by_position[position]
             if other.state is None or other.used:
