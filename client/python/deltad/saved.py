@@ -273,7 +273,9 @@ class SavedStore:
                 self._restore(group, need=True)
             self._settle(group)
             if group.retained is not None:
-                return group.retained
+                # A member kept for this (or the restored storage): the
+                # whole storage either way.
+                return _flat(group.retained, group.nbytes)
             for t in group.tensors:
                 if t is not None:
                     return _flat(t, group.nbytes)
