@@ -754,7 +754,8 @@ def model_section(work, results, common, bench, sample_bytes):
                       f"more per sample.")
     lines += ["",
               f"| mode | largest batch | search stopped | samples/s at it "
-              f"| peak memory (PyTorch + deltad) | samples/s at "
+              f"| peak memory (of it deltad's saved activations) | "
+              f"samples/s at "
               f"{f'batch {common}' if common else 'the common batch'} "
               f"| vs none |",
               "|---|---:|---|---:|---:|---:|---:|"]
@@ -778,8 +779,9 @@ def model_section(work, results, common, bench, sample_bytes):
             if own.torch_peak is not None:
                 parts.append(size(own.torch_peak))
             if own.deltad is not None:
-                parts.append(f"deltad {size(own.deltad.peak_device_bytes)}")
-            peak = " + ".join(parts) or "-"
+                # Held by reference in PyTorch's memory: part of its peak.
+                parts.append(f"({size(own.deltad.peak_device_bytes)})")
+            peak = " ".join(parts) or "-"
         if at is not None and at.ok:
             common_rate = fmt_rate(at.samples_per_s)
             ratio = (f"{at.samples_per_s / base:.2f}" if base else "-")
@@ -802,9 +804,11 @@ def model_section(work, results, common, bench, sample_bytes):
                   f"{size(s.reloaded_bytes)} reloaded, {s.evictions} "
                   f"evictions, {s.recomputes} recomputes "
                   f"({s.recompute_ns / 1e6:.1f} ms), {s.prefetches} "
-                  f"prefetches, {s.stall_ns / 1e6:.1f} ms stalled; peak "
-                  f"{size(s.peak_device_bytes)} of a "
-                  f"{size(s.budget_bytes)} budget."]
+                  f"prefetches, {s.stall_ns / 1e6:.1f} ms stalled, "
+                  f"{s.host_waits} host waits, {s.overshoots} saves over "
+                  f"the budget with nothing to release; saved activations' "
+                  f"peak {size(s.peak_device_bytes)} of a "
+                  f"{size(s.budget_bytes)} budget for them."]
     lines.append("")
     return "\n".join(lines)
 
