@@ -152,9 +152,8 @@ class Manager:
     """The hooks of one `managed` block, its store and its recorder."""
 
     def __init__(self, model, plan, device, fixed, budget_bytes, min_bytes,
-                 policy,
-                 prefetch_bytes, max_depth, host_bytes, reserve_bytes,
-                 client, link_bytes_per_second):
+                 policy, prefetch_bytes, max_depth, host_bytes,
+                 reserve_bytes, client, link_bytes_per_second):
         self.model = model
         self.device = device
         self.cuda = device.type == "cuda"
@@ -183,8 +182,8 @@ class Manager:
 
         # `fixed`: the storages of parameters and buffers, the model's
         # memory, not autograd's: saved as they are (BatchNorm saves its
-        # running statistics, which it then updates in place).
-
+        # running statistics, which it then updates in place). None when
+        # the block has no model.
         capturing = (_torch.cuda.is_current_stream_capturing if cuda
                      else None)
 
@@ -384,9 +383,9 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
     model: the nn.Module trained in the block, all on one device (CPU or
     one CUDA GPU); None for any model on `device` (default: the current
     CUDA device, else the CPU), offloading only, since recompute reruns the
-    model's modules (what `python -m deltad.run` uses). budget_bytes: on the CPU the bytes saved activations may
-    hold; on CUDA all the process may hold (asked of the daemon, whose
-    grant lowers it). socket: the daemon's; None for the in-process policy
+    model's modules (what `python -m deltad.run` uses). budget_bytes: on
+    the CPU the bytes saved activations may hold; on CUDA all the process
+    may hold (asked of the daemon, whose grant lowers it). socket: the daemon's; None for the in-process policy
     only. policy: "auto" (the Director chooses offload or recompute per
     tensor), "offload" (never recompute) or "recompute" (evict whatever can
     be recomputed). prefetch_bytes: how far backward reloads ahead
@@ -447,8 +446,7 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
     if reserve_bytes is None:
         reserve_bytes = budget_bytes // 8 if device.type == "cuda" else 0
     manager = Manager(model, plan, device, fixed, budget_bytes, min_bytes,
-                      policy,
-                      prefetch_bytes, max_depth,
+                      policy, prefetch_bytes, max_depth,
                       host_bytes or _HOST_DEFAULT, reserve_bytes, client,
                       link_bytes_per_second)
     manager.round_trips = round_trips
