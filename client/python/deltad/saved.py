@@ -291,7 +291,8 @@ class SavedStore:
         self.unpacked = []
         self.by_position = []
         self.order = []
-        self.on_iteration()
+        if self.on_iteration is not None:  # None once the block ended
+            self.on_iteration()
 
     def _end_iteration(self):
         """The iteration that ended leaves its unpack order as the next
@@ -431,11 +432,11 @@ class SavedStore:
             if t is not None:
                 held[id(t)] = held.get(id(t), 0) + 1
         for t in group.tensors:
-            # The loop variable and getrefcount's argument are the others.
-            if t is None or sys.getrefcount(t) > held[id(t)] + 2:
-                if t is not None:
-                    return False
+            if t is None:
                 continue
+            # The loop variable and getrefcount's argument are the others.
+            if sys.getrefcount(t) > held[id(t)] + 2:
+                return False
             base = t._base
             if base is not None and \
                     sys.getrefcount(base) > held.get(id(base), 0) + 2:
