@@ -475,6 +475,43 @@ class RestoredGroupsTest(unittest.TestCase):
         self.assertEqual(store.unpack(sb)[0].item(), 2.0)
 
 
+class InplaceReluRecomputeTest(unittest.TestCase):
+    """Conv, BatchNorm, ReLU(inplace=True), the torchvision pattern: the
+    ReLU changes the BatchNorm's output in place, and the storage is
+    rebuilt by rerunning the BatchNorm, then the ReLU on it."""
+
+    @staticmethod
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Sequential(
+            torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(inplace=True)) for _ in range(4)])
+
+    def test_relu_outputs_are_evicted_and_rebuilt_exactly(self):
+        x = torch.randn(4, 8, 16, 16)
+        model = self.model()
+        for _ in range(2):
+            model.zero_grad()
+            model(x).square().mean().backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        expected += [b.clone() for b in model.buffers()]
+        model = self.model()
+        for _ in range(2):
+            model.zero_grad()
+            with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                      budget_bytes=20000,
+                                      policy="recompute") as manager:
+                model(x).square().mean().backward()
+        stats = manager.stats()
+        # Conv outputs and the ReLUs' (the BatchNorms') are evicted; the
+        # input and what no module returned are offloaded.
+        self.assertGreater(stats.evictions, stats.offloads, stats)
+        self.assertEqual(stats.evictions, stats.recomputes)
+        got = [p.grad for p in model.parameters()] + list(model.buffers())
+        for a, b in zip(expected, got):
+            self.assertTrue(torch.equal(a, b))
+
+
 class NestedBlocksTest(unittest.TestCase):
     """A block with other settings inside another closes the process's
     daemon session (one per process): the outer block goes on with the

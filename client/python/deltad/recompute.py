@@ -150,15 +150,35 @@ class Recorder:
             return
         storage = _storage(out)
         key = storage.data_ptr()
-        if key in self.calls:
-            return  # an inner module returned it: cheaper to rerun
+        changed = None  # the argument it changed in place and returned
         for t, version in before:
+            same = _storage(t).data_ptr() == key
             if t._version != version:
-                return  # changed its argument in place: cannot rerun
-            if _storage(t).data_ptr() == key:
+                if not same:
+                    return  # changed another argument in place
+                changed = (t, version)
+            elif same:
                 return  # handed its argument back (identity, dropout off)
+        producer = self.calls.get(key)
+        if changed is None:
+            if producer is not None:
+                return  # an inner module returned it: cheaper to rerun
+            replaces = None
+        else:
+            # ReLU(inplace=True) after a BatchNorm: rerunning the call that
+            # made the argument, then this one on it, rebuilds the bytes.
+            # Only for an argument that is its whole storage, so that the
+            # rebuilt copy has the storage's layout.
+            t, version = changed
+            if (producer is None or producer.out_version != version or
+                    t.storage_offset() != 0 or not t.is_contiguous() or
+                    t.numel() * t.element_size() != storage.nbytes()):
+                return
+            replaces = producer
         try:
-            call.args = tuple(self._source(a) for a in args)
+            call.args = tuple(
+                ("call", producer, _meta(a)) if changed is not None and
+                a is changed[0] else self._source(a) for a in args)
             call.kwargs = {k: self._source(v) for k, v in kwargs.items()}
         except _NotRecomputable:
             return
@@ -183,7 +203,7 @@ class Recorder:
                          self.calls, key, call)
         store = self.store
         if store is not None:
-            store.adopt(key, call)
+            store.adopt(key, call, replaces)
 
     def _source(self, value):
         if not isinstance(value, _torch.Tensor):

@@ -257,12 +257,14 @@ class SavedStore:
         return group if group is not None and group.state == RESIDENT \
             else None
 
-    def adopt(self, key, call):
+    def adopt(self, key, call, replaces=None):
         """A recorded module call returned the storage at `key`: the group
-        saved from it (by an op inside that module) can be rebuilt by it."""
+        saved from it (by an op inside that module) can be rebuilt by it
+        (in place of `replaces`, the call whose output it changed)."""
         with self.lock:
             group = self.group_at(key)
-            if group is not None and group.call is None and group.live:
+            if group is not None and group.live and (
+                    group.call is None or group.call is replaces):
                 group.call = call
 
     def storage_of(self, group):
