@@ -161,9 +161,13 @@ class Recorder:
                 return  # handed its argument back (identity, dropout off)
         producer = self.calls.get(key)
         if changed is None:
-            if producer is not None:
+            if producer is not None and \
+                    producer.out_version == out._version:
                 return  # an inner module returned it: cheaper to rerun
-            replaces = None
+            # None, or an inner call whose output was changed since (a
+            # residual block's `out += identity; relu(out)`): this call
+            # rebuilds the bytes as they are now.
+            replaces = producer
         else:
             # ReLU(inplace=True) after a BatchNorm: rerunning the call that
             # made the argument, then this one on it, rebuilds the bytes.
