@@ -1,0 +1,205 @@
+"""The store of saved activations (deltad.saved), case by case: versions
+kept across a release, members collected while the store works, restored
+groups that make way, copies still running when a block ends."""
+
+import gc
+import unittest
+
+import torch
+
+import deltad.torch
+
+
+class InplaceChangeBeforeReleaseTest(unittest.TestCase):
+    """A saved tensor changed in place and then released (offloaded) must
+    still raise in backward, as PyTorch does without deltad: the restored
+    copy has a fresh version counter."""
+
+    def test_a_tensor_changed_in_place_then_offloaded_still_raises(self):
+        a = torch.randn(256, 256, requires_grad=True)
+        with deltad.torch.managed(None, socket=None, min_bytes=1,
+                                  budget_bytes=1 << 10,
+                                  policy="offload") as manager:
+            h = a * 2
+            y = h.sin()  # saves h at version 0
+            h.add_(1)    # ... which backward would then read changed
+            del h
+            z = (a * 3).sin()  # pushes h's storage out to host memory
+            self.assertGreater(manager.stats().offloads, 0)
+            with self.assertRaisesRegex(RuntimeError, "inplace operation"):
+                (y.sum() + z.sum()).backward()
+
+    def test_an_unchanged_offloaded_tensor_does_not_raise(self):
+        a = torch.randn(256, 256, requires_grad=True)
+        with deltad.torch.managed(None, socket=None, min_bytes=1,
+                                  budget_bytes=1 << 10,
+                                  policy="offload") as manager:
+            h = a * 2
+            y = h.sin()
+            del h
+            z = (a * 3).sin()
+            (y.sum() + z.sum()).backward()
+        self.assertGreater(manager.stats().reloads, 0)
+        expected = (2 * torch.cos(a * 2) + 3 * torch.cos(a * 3)).detach()
+        self.assertTrue(torch.allclose(a.grad, expected))
+
+
+class _CollectingTorch:
+    """torch, whose empty_like first runs the garbage collector: what any
+    allocation in the store may trigger on the thread holding its lock."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def empty_like(self, *args, **kwargs):
+        gc.collect()
+        return self.real.empty_like(*args, **kwargs)
+
+
+class CollectedWhileTheStoreWorksTest(unittest.TestCase):
+    """SavedTensor.__del__ may run inside the store's own work (the garbage
+    collector runs at any allocation, and the lock is re-entrant): a group
+    that dies while it is being released or restored must be accounted
+    once and end dropped, with the store's counters back at zero."""
+
+    def setUp(self):
+        import deltad.saved as saved
+        self.saved = saved
+        self.real = saved._torch
+        saved._torch = _CollectingTorch(self.real)
+        gc.collect()
+        gc.disable()  # only the store's allocations collect
+
+    def tearDown(self):
+        gc.enable()
+        self.saved._torch = self.real
+
+    def check_empty(self, store):
+        gc.collect()
+        c = store.counters
+        self.assertEqual((c.resident_bytes, c.host_bytes), (0, 0))
+        self.assertEqual(store.groups, {})
+
+    def test_a_group_collected_while_it_is_offloaded(self):
+        a = torch.randn(256, 256, requires_grad=True)
+        with deltad.torch.managed(None, socket=None, min_bytes=1 << 10,
+                                  budget_bytes=1 << 10,
+                                  policy="offload") as manager:
+            y = (a * 2).sin()  # saves a * 2
+            cycle = [y]
+            cycle.append(cycle)
+            del y, cycle  # the graph now lives only in a cycle
+            z = (a * 3).sin()  # offloads a * 2: the collector runs there
+            z.sum().backward()
+            del z
+        self.check_empty(manager.store)
+
+    def test_a_group_collected_while_it_is_prefetched(self):
+        a = torch.randn(256, 256, requires_grad=True)
+        # min_bytes: the scalars mul saves stay out of the store.
+        with deltad.torch.managed(None, socket=None, min_bytes=1 << 10,
+                                  budget_bytes=1 << 30,
+                                  policy="offload") as manager:
+            store = manager.store
+            z = (a * 3).sin()
+            y = (a * 2).sin()
+            store.budget = 1 << 10
+            w = (a * 4).sin()  # offloads the older groups
+            store.budget = 1 << 30
+            cycle = [y]
+            cycle.append(cycle)
+            del y, cycle
+            # Backward unpacks w first and prefetches the group saved just
+            # before it, y's: it dies while being reloaded.
+            (z.sum() + w.sum()).backward()
+            self.assertGreater(store.counters.prefetches, 0)
+            del z, w
+        self.check_empty(manager.store)
+
+
+class RestoredGroupsTest(unittest.TestCase):
+    """A group restored ahead of its use (a recompute's argument, a
+    prefetch) is a victim again while backward has not reached it, so that
+    a restore backward needs now can make room."""
+
+    def test_a_restored_unused_group_makes_way_for_one_needed_now(self):
+        import deltad.saved as saved
+
+        class Plan:
+            pressure, unpack_order, groups = False, [], 0
+
+        class NoRecompute:
+            calls = {}
+
+        store = saved.SavedStore(
+            torch.device("cpu"), 1 << 30, lambda group: "offload",
+            NoRecompute(), host_bytes=1 << 30, prefetch_bytes=0,
+            plan=Plan(), on_iteration=lambda: None)
+
+        def save(tensor):
+            storage = saved._storage(tensor)
+            return store.pack(tensor, storage.data_ptr(), storage)
+
+        kib4 = 4096  # each tensor's bytes
+        sa = save(torch.full((1024,), 1.0))
+        sb = save(torch.full((1024,), 2.0))
+        store.budget = kib4 + kib4 // 2
+        sc = save(torch.full((1024,), 3.0))  # a and b offloaded
+        self.assertEqual(store.counters.offloads, 2)
+        store.budget = 2 * kib4 + kib4 // 2
+        self.assertEqual(store.unpack(sa)[0].item(), 1.0)  # c offloaded
+        store.storage_of(sb.group)  # b restored, not used yet
+        self.assertEqual(store.unpack(sc)[0].item(), 3.0)
+        # a is in use, so b made way for c.
+        self.assertEqual(sb.group.state, saved.OFFLOADED)
+        self.assertEqual(store.counters.overshoots, 0)
+        self.assertLessEqual(store.counters.resident_bytes, store.budget)
+        self.assertEqual(store.unpack(sb)[0].item(), 2.0)
+
+
+class PendingCopiesAtCloseTest(unittest.TestCase):
+    """Nothing polls the copies still running when the block ends, and the
+    store may die any time after: their device memory must not go back to
+    the compute stream's pool before the copy (a reload writes into it).
+    The compute stream waits for the last copy instead (no host wait).
+    Checked with test_saved_store_streams' stand-in torch.cuda."""
+
+    def test_close_orders_the_compute_stream_after_pending_copies(self):
+        import deltad.saved as saved
+        from test_saved_store_streams import (FakeCuda, FakeTorch,
+                                              NoRecompute, Plan)
+        cuda = FakeCuda()
+        real = saved._torch
+        saved._torch = FakeTorch(cuda)
+        try:
+            store = saved.SavedStore(
+                torch.device("cpu"), 1 << 30, lambda group: "offload",
+                NoRecompute(), host_bytes=1 << 30, prefetch_bytes=1 << 30,
+                plan=Plan(), on_iteration=lambda: None)
+            store.cuda = True
+            store.copy_stream = cuda.Stream(None)
+
+            def save(tensor):
+                storage = saved._storage(tensor)
+                return store.pack(tensor, storage.data_ptr(), storage)
+
+            sa = save(torch.arange(1024, dtype=torch.float32))
+            store.budget = 1024
+            sb = save(torch.ones(1024))  # offloads a: its copy runs on
+            self.assertEqual(len(store.in_flight), 1)
+            cuda.log.clear()
+            store.close()
+            self.assertEqual(store.in_flight, [],
+                             "device bytes kept past the block, then freed "
+                             "with no order after their copy")
+            self.assertIn(("wait_event", "compute", "copy"), cuda.log)
+            del sa, sb
+        finally:
+            saved._torch = real
+
+
+if __name__ == "__main__":
+    unittest.main()
