@@ -19,7 +19,11 @@ then bisection between the last batch that fit and the first that did not;
 a batch fits when two training steps run without running out of memory),
 then measures samples/s over --steps steps at that batch and at one common
 batch (the smallest of the modes' largest batches: `none`'s largest when
-the others fit more), so that the modes compare side by side. With
+the others fit more), so that the modes compare side by side. Then it
+times deltad (and `none`) at the further batches the PyTorch targets name
+(bench/torch_targets.py: a batch where nothing should be released, 1.5x
+and 2.5x `none`'s largest, checkpoint's and save_on_cpu's largest) and
+prints a table of the targets, met or missed, per model. With
 --policy_bench it also records one iteration of each model at the common
 batch (deltad.torch.record_trace) and replays it in the simulator at the
 budget ratio deltad had, beside the measured deltad slowdown. On CUDA,
@@ -52,6 +56,7 @@ import tempfile
 import time
 
 import benchlib
+import torch_targets
 
 TAG = "torch_bench"
 GIB = 1 << 30
@@ -669,8 +674,9 @@ def run_bench(args):
                 entry["own"] = entry["common"]
             elif entry["largest"]:
                 entry["own"] = bench.timed(work, mode, entry["largest"])
+        targets = target_section(work, results, common, bench, args)
         sections.append(model_section(work, results, common, bench,
-                                      sample_bytes))
+                                      sample_bytes) + targets)
         sim_rows.append(trace_row(work, results, common, bench, args,
                                   trace_reason, workdir, gpu_name))
         work.model.to("cpu")
@@ -809,6 +815,31 @@ def model_section(work, results, common, bench, sample_bytes):
                   f"the budget with nothing to release; saved activations' "
                   f"peak {size(s.peak_device_bytes)} of a "
                   f"{size(s.budget_bytes)} budget for them."]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def target_section(work, results, common, bench, args):
+    """Times the further batches the targets need (torch_targets) and
+    returns the model's target table."""
+    largest = {mode: e["largest"] for mode, e in results.items()}
+    timed = {}
+    for mode, e in results.items():
+        if e["common"] is not None:
+            timed[(mode, common)] = e["common"]
+        if e["own"] is not None:
+            timed[(mode, e["largest"])] = e["own"]
+    quiet = torch_targets.quiet_batch(work.name, args.smoke)
+    for mode, batch in torch_targets.extra_runs(largest, quiet):
+        if (mode, batch) not in timed:
+            r = bench.timed(work, mode, batch)
+            if r is not None:
+                timed[(mode, batch)] = r
+    cap = bench.cuda
+    lines = ["", f"Targets ({'' if cap else 'CPU: '}the batches above and "
+             f"deltad timed at the further batches the targets name; "
+             f"`vs` is the ratio of samples/s):", ""]
+    lines += torch_targets.table(largest, timed, quiet, cap)
     lines.append("")
     return "\n".join(lines)
 

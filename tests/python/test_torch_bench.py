@@ -110,6 +110,18 @@ class TorchBenchSmokeTest(unittest.TestCase):
         self.assertTrue(float(stats.group(1)) > 0 or int(stats.group(2)) > 0,
                         stats.group(0))
 
+    def test_a_target_table_per_model(self):
+        part = model_section(self.text, "gpt2")
+        self.assertIn("| target | measured | result |", part)
+        # Batch 1 is timed in none and deltad for the quiet-run target.
+        row = re.search(r"^\| nothing released \(batch 1\): [^|]* \| "
+                        r"([^|]*) \| ([^|]*) \|$", part, re.M)
+        self.assertIsNotNone(row, part)
+        self.assertRegex(row.group(1).strip(), r"^([\d.]+x|-)$")
+        # No memory limit on the CPU: the batch targets are not judged.
+        self.assertRegex(part, r"\| largest batch >= 2\.5x none's \| 16 vs "
+                         r"16 \| no memory limit here")
+
     def test_traces_replayed_or_the_table_says_why(self):
         sim = self.text[self.text.index("### Simulator"):]
         row = re.search(r"^\| gpt2 \| (.*)\|$", sim, re.M)
