@@ -67,6 +67,7 @@ MODES = ("none", "checkpoint", "save_on_cpu", "deltad")
 # memory are both short).
 RESOURCE_EXHAUSTED = 8
 NO_GPU = 77
+SIM_ERROR = 0.20  # the simulator's step time vs the measured one
 
 
 note = functools.partial(benchlib.note, TAG)
@@ -638,7 +639,7 @@ def run_bench(args):
         if work is None:
             note(f"{name}: skipped: {skipped}")
             sections.append(f"### {name}\n\nskipped: {skipped}\n")
-            sim_rows.append(f"| {name} | skipped: {skipped} |||||||")
+            sim_rows.append(f"| {name} | skipped: {skipped} ||||||||")
             continue
         work.model.to(bench.device).train()
         max_batch = args.max_batch[name]
@@ -851,14 +852,25 @@ def trace_row(work, results, common, bench, args, trace_reason, workdir,
     cells = [work.name, str(common) if common else "-"]
     none_r = results.get("none", {}).get("common")
     deltad_r = results.get("deltad", {}).get("common")
+    slowdown = None
     if (none_r is not None and none_r.ok and deltad_r is not None and
             deltad_r.ok):
-        measured = f"{none_r.samples_per_s / deltad_r.samples_per_s:.2f}"
+        slowdown = none_r.samples_per_s / deltad_r.samples_per_s
+        measured = f"{slowdown:.2f}"
     else:
         measured = "- (needs none and deltad at the common batch)"
 
-    def row(*rest):
-        return "| " + " | ".join(cells + list(rest) + [measured]) + " |"
+    def row(*rest, simulated=None):
+        # The target: the simulator predicts the measured step time within
+        # +-20%.
+        if simulated is None or slowdown is None:
+            error = "-"
+        else:
+            e = simulated / slowdown - 1
+            verdict = "met" if abs(e) <= SIM_ERROR else "missed"
+            error = f"{e:+.0%} ({verdict})"
+        return "| " + " | ".join(cells + list(rest) + [measured, error]) \
+            + " |"
 
     if trace_reason:
         return row("-", "-", "-", trace_reason, "-")
@@ -908,8 +920,11 @@ def trace_row(work, results, common, bench, args, trace_reason, workdir,
             return f"does not fit ({got['failure'] or 'over budget'})"
         return f"{float(got['slowdown']):.3f}"
 
+    got = rows.get(ratio_text)
+    simulated = (float(got["slowdown"]) if got is not None and
+                 got["fits"] == "1" else None)
     return row(str(summary.ops), size(summary.peak_bytes), ratio_text,
-               cell(ratio_text), cell("1.00"))
+               cell(ratio_text), cell("1.00"), simulated=simulated)
 
 
 def sim_section(args, trace_reason, rows, gpu_name, cuda):
@@ -929,12 +944,14 @@ def sim_section(args, trace_reason, rows, gpu_name, cuda):
         f"trace's peak; the simulator's budget holds every tensor, deltad's "
         f"only the saved activations, with PyTorch's share beside it) and "
         f"at 1.0. Slowdown: simulated makespan / ideal compute time; "
-        f"measured: `none`'s samples/s / `deltad`'s at the common batch.")
+        f"measured: `none`'s samples/s / `deltad`'s at the common batch; "
+        f"error: simulated / measured - 1, against the target of "
+        f"{SIM_ERROR:.0%} either way.")
     lines += ["",
               "| model | batch | trace ops | trace peak | budget ratio | "
               "simulated delta slowdown | simulated at 1.0 | measured deltad "
-              "slowdown |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "slowdown | error |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += rows
     lines.append("")
     return "\n".join(lines)

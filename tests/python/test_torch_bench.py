@@ -130,13 +130,16 @@ class TorchBenchSmokeTest(unittest.TestCase):
             self.assertIn("no --policy_bench given", row.group(1))
             return
         cells = [c.strip() for c in row.group(1).split("|")]
-        # batch, ops, peak, ratio, at the ratio, at 1.0, measured.
+        # batch, ops, peak, ratio, at the ratio, at 1.0, measured, error.
         self.assertRegex(cells[0], r"^\d+$")
         self.assertGreater(int(cells[1]), 0)
         self.assertRegex(cells[3], r"^(0\.\d\d|1\.00)$")
         self.assertRegex(cells[4], r"^([\d.]+|does not fit .*)$")
         self.assertRegex(cells[5], r"^1\.\d{3}$")
         self.assertRegex(cells[6], r"^[\d.]+$")
+        self.assertRegex(cells[7], r"^([+-]\d+% \((met|missed)\)|-)$")
+        if not cells[4].startswith("does not fit"):
+            self.assertNotEqual(cells[7], "-")
 
 
 class TorchBenchArgumentsTest(unittest.TestCase):
