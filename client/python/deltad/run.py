@@ -122,12 +122,19 @@ def main(argv=None):
             runpy.run_path(args.script, run_name="__main__")
         finally:
             s = m.stats()
+            served = "PyTorch's allocator"
+            if allocator.mode() is not None:
+                a = allocator.stats()
+                served = (f"deltad's allocator ({allocator.mode()}): peak "
+                          f"{a.peak_device_bytes} bytes of a "
+                          f"{a.budget_bytes}-byte budget")
             print(f"deltad: {s.iterations} iterations, {s.saved_tensors} "
                   f"saved tensors, peak {s.peak_device_bytes} bytes "
                   f"resident of a {s.budget_bytes}-byte budget, "
                   f"{s.offloads} offloads ({s.offloaded_bytes} bytes), "
                   f"{s.prefetches} prefetches, "
-                  f"{'daemon' if s.connected else 'in-process'}",
+                  f"{'daemon' if s.connected else 'in-process'}"
+                  + (f"; memory from {served}" if cuda else ""),
                   file=sys.stderr)
     return 0
 
