@@ -33,21 +33,29 @@ def run(*args, env=None):
                           env={**os.environ, **(env or {})})
 
 
-class RunTest(unittest.TestCase):
+class ScriptCase(unittest.TestCase):
+    """Writes SOURCE to train.py in a temporary folder and keeps what it
+    prints run plainly (3 steps) as `expected`."""
+
+    SOURCE = SCRIPT
+    env = {}
 
     @classmethod
     def setUpClass(cls):
         cls.dir = tempfile.TemporaryDirectory()
         cls.script = os.path.join(cls.dir.name, "train.py")
         with open(cls.script, "w") as f:
-            f.write(SCRIPT)
-        plain = run(cls.script, "3")
+            f.write(cls.SOURCE)
+        plain = run(cls.script, "3", env=cls.env)
         assert plain.returncode == 0, plain.stderr
         cls.expected = plain.stdout
 
     @classmethod
     def tearDownClass(cls):
         cls.dir.cleanup()
+
+
+class RunTest(ScriptCase):
 
     def test_a_script_trains_as_without_deltad_within_the_budget(self):
         r = run("-m", "deltad.run", "--budget", "1MiB", "--socket", "",
@@ -105,25 +113,13 @@ print("final", repr(loss.item()),
 
 @unittest.skipUnless(torch.cuda.is_available(),
                      "no GPU: the CUDA allocator path needs one")
-class CudaRunTest(unittest.TestCase):
+class CudaRunTest(ScriptCase):
     """On a GPU: deltad's allocator serves the script's memory, the budget
     forces offloads, and training is bit-identical to the script run
     without deltad."""
 
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = tempfile.TemporaryDirectory()
-        cls.script = os.path.join(cls.dir.name, "train_cuda.py")
-        with open(cls.script, "w") as f:
-            f.write(CUDA_SCRIPT)
-        cls.env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-        plain = run(cls.script, "3", env=cls.env)
-        assert plain.returncode == 0, plain.stderr
-        cls.expected = plain.stdout
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.dir.cleanup()
+    SOURCE = CUDA_SCRIPT
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
     def test_the_allocator_serves_a_script_that_trains_as_without(self):
         # Parameters 8 MiB (gradients as much, from backward on), the
