@@ -66,7 +66,7 @@ ABSL_FLAG(std::string, max_batch, "",
 ABSL_FLAG(std::string, max_batch_device, "a100-80gb",
           "device profile for --max_batch");
 ABSL_FLAG(std::string, allocator, "exact",
-          "allocator model: exact, best-fit or vm-chunks");
+          "allocator model: exact, best-fit, vm-chunks or pytorch-caching");
 ABSL_FLAG(int, host_gib, 128,
           "pinned host pool per GPU in GiB (a DGX A100: 1 TiB for 8 GPUs)");
 

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "policies/sim/caching_allocator_model.h"
 
 namespace deltad::sim {
 
@@ -13,8 +14,11 @@ absl::StatusOr<AllocatorKind> ParseAllocatorKind(absl::string_view name) {
   if (name == "exact") return AllocatorKind::kExact;
   if (name == "best-fit") return AllocatorKind::kBestFit;
   if (name == "vm-chunks") return AllocatorKind::kVmChunks;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown allocator '", name, "'; expected exact, best-fit or vm-chunks"));
+  if (name == "pytorch-caching") return AllocatorKind::kPyTorchCaching;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown allocator '", name,
+                   "'; expected exact, best-fit, vm-chunks or "
+                   "pytorch-caching"));
 }
 
 absl::string_view AllocatorKindName(AllocatorKind kind) {
@@ -25,6 +29,8 @@ absl::string_view AllocatorKindName(AllocatorKind kind) {
       return "best-fit";
     case AllocatorKind::kVmChunks:
       return "vm-chunks";
+    case AllocatorKind::kPyTorchCaching:
+      return "pytorch-caching";
   }
   return "unknown";
 }
@@ -158,6 +164,8 @@ std::unique_ptr<AllocatorModel> MakeAllocatorModel(AllocatorKind kind,
     case AllocatorKind::kVmChunks:
       return std::make_unique<RoundingAllocator>(
           capacity, chunk_bytes > 0 ? chunk_bytes : int64_t{2} << 20);
+    case AllocatorKind::kPyTorchCaching:
+      return MakeCachingAllocatorModel(capacity);
   }
   return nullptr;
 }

@@ -17,6 +17,8 @@ enum class AllocatorKind {
   kVmChunks,  // fixed-size physical chunks mapped into a virtual range
               // (out-of-core paper §4): rounding, but no external
               // fragmentation
+  kPyTorchCaching,  // PyTorch's CUDA caching allocator: segments, pools,
+                    // splitting and its rounding (caching_allocator_model.h)
 };
 
 absl::StatusOr<AllocatorKind> ParseAllocatorKind(absl::string_view name);

@@ -18,7 +18,17 @@ inline int64_t DTypeBytes(DType t) { return t == DType::kFp32 ? 4 : 2; }
 struct DeviceProfile {
   std::string name;   // e.g. "a100-80gb"
   std::string title;  // e.g. "NVIDIA A100 80GB SXM4"
+  // What CUDA reports as the card's global memory (totalGlobalMem), less
+  // than the marketed capacity.
   int64_t memory_bytes = 0;
+  // What a PyTorch process holds before its first tensor: the CUDA context
+  // with the kernels of PyTorch's CUDA libraries loaded, for the CUDA
+  // generation of the profile's era (eager module loading before CUDA
+  // 12.2, lazy since).
+  int64_t context_bytes = 0;
+  // cuBLAS and cuBLASLt workspaces, which PyTorch allocates through its
+  // caching allocator at the first matmul and keeps.
+  int64_t blas_workspace_bytes = 0;
   // Effective host-link bandwidth with pinned memory, each way.
   double h2d_bytes_per_s = 0;
   double d2h_bytes_per_s = 0;
@@ -30,6 +40,11 @@ struct DeviceProfile {
   double fp16_flops_per_s = 0;
   double memory_bytes_per_s = 0;
   std::string source;
+
+  // What a training run can allocate for its tensors.
+  int64_t usable_bytes() const {
+    return memory_bytes - context_bytes - blas_workspace_bytes;
+  }
 };
 
 // Titan V 12 GB, V100 16 GB, A100 80 GB, H100 80 GB.

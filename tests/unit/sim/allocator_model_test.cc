@@ -13,8 +13,9 @@ using ::testing::HasSubstr;
 constexpr int64_t kMiB = int64_t{1} << 20;
 
 TEST(AllocatorKind, NamesParseBackToTheirKind) {
-  for (AllocatorKind kind : {AllocatorKind::kExact, AllocatorKind::kBestFit,
-                             AllocatorKind::kVmChunks}) {
+  for (AllocatorKind kind :
+       {AllocatorKind::kExact, AllocatorKind::kBestFit,
+        AllocatorKind::kVmChunks, AllocatorKind::kPyTorchCaching}) {
     auto parsed = ParseAllocatorKind(AllocatorKindName(kind));
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     EXPECT_EQ(*parsed, kind);
@@ -22,6 +23,8 @@ TEST(AllocatorKind, NamesParseBackToTheirKind) {
   EXPECT_EQ(AllocatorKindName(AllocatorKind::kExact), "exact");
   EXPECT_EQ(AllocatorKindName(AllocatorKind::kBestFit), "best-fit");
   EXPECT_EQ(AllocatorKindName(AllocatorKind::kVmChunks), "vm-chunks");
+  EXPECT_EQ(AllocatorKindName(AllocatorKind::kPyTorchCaching),
+            "pytorch-caching");
 }
 
 TEST(AllocatorKind, UnknownNameErrorListsTheKnownNames) {
@@ -32,6 +35,7 @@ TEST(AllocatorKind, UnknownNameErrorListsTheKnownNames) {
   EXPECT_THAT(parsed.status().message(), HasSubstr("exact"));
   EXPECT_THAT(parsed.status().message(), HasSubstr("best-fit"));
   EXPECT_THAT(parsed.status().message(), HasSubstr("vm-chunks"));
+  EXPECT_THAT(parsed.status().message(), HasSubstr("pytorch-caching"));
 }
 
 TEST(ExactAllocator, StopsAtCapacityWithoutRounding) {

@@ -14,8 +14,6 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-constexpr int64_t kGiB = int64_t{1} << 30;
-
 DeviceProfile Get(const std::string& name) {
   absl::StatusOr<DeviceProfile> profile = FindDeviceProfile(name);
   EXPECT_TRUE(profile.ok()) << profile.status();
@@ -72,11 +70,31 @@ TEST(DeviceProfile, EveryProfileIsCompleteAndCitesItsSources) {
   }
 }
 
-TEST(DeviceProfile, MemoryIsTheMarketedCapacity) {
-  EXPECT_EQ(Get("titan-v").memory_bytes, 12 * kGiB);
-  EXPECT_EQ(Get("v100-16gb").memory_bytes, 16 * kGiB);
-  EXPECT_EQ(Get("a100-80gb").memory_bytes, 80 * kGiB);
-  EXPECT_EQ(Get("h100-80gb").memory_bytes, 80 * kGiB);
+TEST(DeviceProfile, MemoryIsWhatCudaReportsBelowTheMarketedCapacity) {
+  EXPECT_EQ(Get("titan-v").memory_bytes, 12'618'104'832);
+  EXPECT_EQ(Get("v100-16gb").memory_bytes, 16'911'433'728);
+  EXPECT_EQ(Get("a100-80gb").memory_bytes, 84'987'740'160);
+  EXPECT_EQ(Get("h100-80gb").memory_bytes, 85'017'755'648);
+  for (const DeviceProfile& p : DeviceProfiles()) {
+    SCOPED_TRACE(p.name);
+    EXPECT_THAT(p.source, HasSubstr("deviceQuery"));
+  }
+}
+
+TEST(DeviceProfile, UsableMemoryLeavesTheContextAndBlasWorkspaces) {
+  // Eager module loading for the CUDA of the older cards' era, lazy for
+  // the H100's (pytorch/pytorch#86509's measurements).
+  EXPECT_EQ(Get("a100-80gb").context_bytes, 666'632'192);
+  EXPECT_EQ(Get("h100-80gb").context_bytes, 287'047'680);
+  // PyTorch's cuBLAS workspace defaults, and 1 MiB for cuBLASLt.
+  EXPECT_EQ(Get("a100-80gb").blas_workspace_bytes, 8'519'680 + (1 << 20));
+  EXPECT_EQ(Get("h100-80gb").blas_workspace_bytes, 33'554'432 + (1 << 20));
+  for (const DeviceProfile& p : DeviceProfiles()) {
+    SCOPED_TRACE(p.name);
+    EXPECT_EQ(p.usable_bytes(),
+              p.memory_bytes - p.context_bytes - p.blas_workspace_bytes);
+    EXPECT_THAT(p.source, HasSubstr("pytorch/pytorch#86509"));
+  }
 }
 
 TEST(DeviceProfile, HostLinksAreEffectivePcieRatesPerGeneration) {
