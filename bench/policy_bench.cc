@@ -32,6 +32,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/max_batch.h"
+#include "bench/own_peak_check.h"
 #include "bench/report.h"
 #include "policies/sim/device_profile.h"
 #include "policies/sim/dtr_log.h"
@@ -65,8 +67,14 @@ ABSL_FLAG(std::string, max_batch, "",
           "find the largest batch each policy fits for these models");
 ABSL_FLAG(std::string, max_batch_device, "a100-80gb",
           "device profile for --max_batch");
-ABSL_FLAG(std::string, allocator, "exact",
-          "allocator model: exact, best-fit, vm-chunks or pytorch-caching");
+ABSL_FLAG(std::string, allocator, "",
+          "allocator model: exact, best-fit, vm-chunks or pytorch-caching "
+          "(default: exact for the table, pytorch-caching for --max_batch)");
+ABSL_FLAG(std::string, optimizer, "adam",
+          "optimizer of the model traces: sgd, momentum or adam");
+ABSL_FLAG(int, random_graphs, 0,
+          "check every planner at its own peak on this many random layer "
+          "graphs under every allocator model (a section of its own)");
 ABSL_FLAG(int, host_gib, 128,
           "pinned host pool per GPU in GiB (a DGX A100: 1 TiB for 8 GPUs)");
 
@@ -102,6 +110,17 @@ std::vector<std::string> List(const std::string& csv) {
 
 std::vector<std::string> AllPolicies() { return PolicyNames(); }
 
+// --allocator for the table: exact unless named. Checked once in main();
+// an unknown name cannot reach here.
+AllocatorKind TableAllocator() {
+  const std::string name = absl::GetFlag(FLAGS_allocator);
+  return name.empty() ? AllocatorKind::kExact : *ParseAllocatorKind(name);
+}
+
+Optimizer ModelOptimizer() {
+  return *ParseOptimizer(absl::GetFlag(FLAGS_optimizer));
+}
+
 absl::StatusOr<SimResult> RunOne(const Program& program,
                                  const DeviceProfile& device,
                                  const std::string& policy, int64_t budget) {
@@ -111,7 +130,7 @@ absl::StatusOr<SimResult> RunOne(const Program& program,
   o.budget_bytes = budget;
   o.host_bytes = int64_t{absl::GetFlag(FLAGS_host_gib)} << 30;
   // Checked once in main(); an unknown name cannot reach here.
-  o.allocator = *ParseAllocatorKind(absl::GetFlag(FLAGS_allocator));
+  o.allocator = TableAllocator();
   o.iterations = IterationsFor(policy);
   auto r = Simulate(program, device, **made, o);
   if (r.ok()) return r;
@@ -210,6 +229,7 @@ std::vector<BenchTrace> LoadBuiltInTraces() {
   for (const std::string& m : List(absl::GetFlag(FLAGS_models))) {
     ModelOptions opt;
     opt.batch = absl::GetFlag(FLAGS_model_batch);
+    opt.optimizer = ModelOptimizer();
     if (m == "gpt") opt.batch = std::max(1, opt.batch / 4);
     auto trace = BuildModelTrace(m, opt, *device);
     if (!trace.ok()) {
@@ -361,100 +381,6 @@ std::string Command(int argc, char** argv) {
   std::vector<std::string> parts{"build/bench/policy_bench"};
   for (int i = 1; i < argc; ++i) parts.emplace_back(argv[i]);
   return absl::StrJoin(parts, " ");
-}
-
-// Largest batch that fits the device's memory, by doubling then bisection,
-// and the slowdown at that batch.
-struct MaxBatchResult {
-  int batch = 0;
-  double slowdown = 0;
-};
-
-MaxBatchResult MaxBatch(const std::string& model, const std::string& policy,
-                        const DeviceProfile& device) {
-  double slowdown = 0;
-  auto fits = [&](int batch) {
-    ModelOptions opt;
-    opt.batch = batch;
-    auto trace = BuildModelTrace(model, opt, device);
-    if (!trace.ok()) return false;
-    auto program = Compile(*trace);
-    if (!program.ok()) return false;
-    auto r = RunOne(*program, device, policy, device.memory_bytes);
-    if (!r.ok() || !r->fits) return false;
-    slowdown = r->slowdown();
-    return true;
-  };
-  if (!fits(1)) return {};
-  int lo = 1;
-  int hi = 2;
-  while (hi <= (1 << 16) && fits(hi)) {
-    lo = hi;
-    hi *= 2;
-  }
-  while (hi - lo > 1) {
-    const int mid = lo + (hi - lo) / 2;
-    (fits(mid) ? lo : hi) = mid;
-  }
-  fits(lo);  // the slowdown at the answer, not at the last probe
-  return {lo, slowdown};
-}
-
-int RunMaxBatch(const std::string& command) {
-  auto device = FindDeviceProfile(absl::GetFlag(FLAGS_max_batch_device));
-  if (!device.ok()) {
-    std::fprintf(stderr, "policy_bench: %s\n",
-                 std::string(device.status().message()).c_str());
-    return 2;
-  }
-  std::vector<std::string> policies = List(absl::GetFlag(FLAGS_policies));
-  if (policies.empty()) policies = AllPolicies();
-  std::ostringstream md;
-  md << "## policy_bench --max_batch: largest batch that fits\n\n"
-     << "Command: `" << command << "`  \nMachine: " << bench::CpuModel()
-     << "  \nDate: " << bench::Today() << "\n\n"
-     << "Device profile " << device->title << " ("
-     << device->memory_bytes / (int64_t{1} << 30) << " GiB), pinned host "
-     << "pool " << absl::GetFlag(FLAGS_host_gib)
-     << " GiB, fp32, one training iteration; a batch fits when the "
-        "simulated iteration completes within the device memory. Each cell: "
-        "the largest batch, and in brackets the slowdown at that batch.\n\n"
-     << "| model | " << absl::StrJoin(policies, " | ") << " |\n|---|";
-  for (size_t i = 0; i < policies.size(); ++i) md << "---:|";
-  md << "\n";
-  int exit_code = 0;
-  for (const std::string& model : List(absl::GetFlag(FLAGS_max_batch))) {
-    std::map<std::string, int> best;
-    md << "| " << model;
-    for (const std::string& policy : policies) {
-      const auto start = Clock::now();
-      const MaxBatchResult r = MaxBatch(model, policy, *device);
-      best[policy] = r.batch;
-      std::fprintf(stderr, "policy_bench: %s %s: max batch %d (%.1f s)\n",
-                   model.c_str(), policy.c_str(), r.batch,
-                   Seconds(Clock::now() - start));
-      md << " | " << r.batch << absl::StrFormat(" (%.2f)", r.slowdown);
-    }
-    md << " |\n";
-    if (model == "resnet50" && best.count("delta") && best.count("none")) {
-      const bool met = best["delta"] >= 2 * best["none"];
-      md << "\nTarget (ResNet-50): `delta` fits at least 2x the batch of "
-            "`none`: "
-         << best["delta"] << " vs " << best["none"] << " ("
-         << absl::StrFormat("%.2fx", best["none"] > 0
-                                         ? double(best["delta"]) / best["none"]
-                                         : 0.0)
-         << "): **" << (met ? "met" : "MISSED") << "**\n\n";
-    }
-  }
-  std::printf("%s", md.str().c_str());
-  const std::string doc = absl::GetFlag(FLAGS_update_doc);
-  if (!doc.empty() &&
-      !bench::UpdateDocSection(doc, "policy_bench_max_batch", md.str())) {
-    std::fprintf(stderr, "policy_bench: could not write %s\n", doc.c_str());
-    exit_code = 1;
-  }
-  return exit_code;
 }
 
 }  // namespace
@@ -625,9 +551,17 @@ int RunTable(const std::string& command) {
     auto device = FindDeviceProfile(trace.device);
     if (!device.ok()) continue;
     const auto start = Clock::now();
+    // Ratios of the peak under the allocator model, so that at 1.0
+    // nothing has to be released.
+    auto peak = UnlimitedPeak(trace.program, *device, TableAllocator());
+    if (!peak.ok()) {
+      std::fprintf(stderr, "policy_bench: %s: %s\n", trace.name.c_str(),
+                   std::string(peak.status().message()).c_str());
+      return 1;
+    }
     for (double ratio : ratios) {
-      const auto budget = static_cast<int64_t>(
-          ratio * static_cast<double>(trace.program.peak_bytes));
+      const auto budget =
+          static_cast<int64_t>(ratio * static_cast<double>(*peak));
       for (const std::string& policy : policies) {
         const auto run_start = Clock::now();
         auto r = RunOne(trace.program, *device, policy, budget);
@@ -662,10 +596,13 @@ int RunTable(const std::string& command) {
      << "  \nDate: " << bench::Today() << "\n\n"
      << "Each cell is the slowdown (simulated makespan / ideal compute time) "
         "of one training iteration at a budget that is a fraction of the "
-        "trace's unlimited peak; `-` means it does not fit. Measured DTR "
+        "trace's unlimited peak under the allocator model `"
+     << AllocatorKindName(TableAllocator())
+     << "`; `-` means it does not fit. Measured DTR "
         "logs run on the Titan V profile, model traces on "
      << absl::GetFlag(FLAGS_model_device) << " at batch "
-     << absl::GetFlag(FLAGS_model_batch) << " (GPT at a quarter of it)"
+     << absl::GetFlag(FLAGS_model_batch) << " (GPT at a quarter of it) with "
+     << absl::GetFlag(FLAGS_optimizer)
      << (absl::GetFlag(FLAGS_trace_files).empty()
              ? ""
              : absl::StrCat(", recorded traces (`--trace_files`) on ",
@@ -712,6 +649,22 @@ int RunTable(const std::string& command) {
   CheckTargets(traces, rows, ratios, targets);
   bool fidelity_met = false;
   const std::string fidelity = FidelitySection(traces, &fidelity_met);
+  std::string own_peak;
+  if (const int graphs = absl::GetFlag(FLAGS_random_graphs); graphs > 0) {
+    auto model_device = FindDeviceProfile(absl::GetFlag(FLAGS_model_device));
+    if (!model_device.ok()) {
+      std::fprintf(stderr, "policy_bench: %s\n",
+                   std::string(model_device.status().message()).c_str());
+      return 2;
+    }
+    auto section = OwnPeakSection(graphs, policies, *model_device);
+    if (!section.ok()) {
+      std::fprintf(stderr, "policy_bench: %s\n",
+                   section.status().ToString().c_str());
+      return 1;
+    }
+    own_peak = *std::move(section);
+  }
   const double total = Seconds(Clock::now() - bench_start);
   targets.md << "| simulated `dtr` within ±15% of DTR's measured slowdown on "
                 "most pairs | see the fidelity table | **"
@@ -724,7 +677,7 @@ int RunTable(const std::string& command) {
              << absl::StrFormat("%.2f s", slowest_run) << " (" << slowest_what
              << ") | **" << (slowest_run < 1.0 ? "met" : "MISSED") << "** |\n";
 
-  md << targets.md.str() << "\n" << fidelity;
+  md << targets.md.str() << "\n" << fidelity << own_peak;
 
   const std::string csv = absl::GetFlag(FLAGS_csv);
   if (!csv.empty()) WriteCsv(csv, rows);
@@ -758,13 +711,39 @@ int main(int argc, char** argv) {
   const std::string command = deltad::sim::Command(argc, argv);
   absl::ParseCommandLine(argc, argv);
   if (auto a = deltad::sim::ParseAllocatorKind(absl::GetFlag(FLAGS_allocator));
-      !a.ok()) {
+      !absl::GetFlag(FLAGS_allocator).empty() && !a.ok()) {
     std::fprintf(stderr, "policy_bench: %s\n",
                  std::string(a.status().message()).c_str());
     return 2;
   }
+  if (auto o = deltad::sim::ParseOptimizer(absl::GetFlag(FLAGS_optimizer));
+      !o.ok()) {
+    std::fprintf(stderr, "policy_bench: %s\n",
+                 std::string(o.status().message()).c_str());
+    return 2;
+  }
   if (!absl::GetFlag(FLAGS_max_batch).empty()) {
-    return deltad::sim::RunMaxBatch(command);
+    auto device =
+        deltad::sim::FindDeviceProfile(absl::GetFlag(FLAGS_max_batch_device));
+    if (!device.ok()) {
+      std::fprintf(stderr, "policy_bench: %s\n",
+                   std::string(device.status().message()).c_str());
+      return 2;
+    }
+    deltad::sim::MaxBatchOptions o;
+    o.models = deltad::sim::List(absl::GetFlag(FLAGS_max_batch));
+    o.policies = deltad::sim::List(absl::GetFlag(FLAGS_policies));
+    if (o.policies.empty()) o.policies = deltad::sim::AllPolicies();
+    o.device = *device;
+    o.optimizer = deltad::sim::ModelOptimizer();
+    const std::string allocator = absl::GetFlag(FLAGS_allocator);
+    o.allocator = allocator.empty()
+                      ? deltad::sim::AllocatorKind::kPyTorchCaching
+                      : *deltad::sim::ParseAllocatorKind(allocator);
+    o.host_bytes = int64_t{absl::GetFlag(FLAGS_host_gib)} << 30;
+    o.command = command;
+    o.update_doc = absl::GetFlag(FLAGS_update_doc);
+    return deltad::sim::RunMaxBatch(o);
   }
   return deltad::sim::RunTable(command);
 }

@@ -68,14 +68,16 @@ class RoundingAllocator : public AllocatorModel {
   absl::flat_hash_map<int64_t, int64_t> blocks_;
 };
 
-// One contiguous arena; the smallest free range that fits is used, and
-// neighbouring free ranges merge on free. Sizes round to 512 bytes, as the
-// PyTorch caching allocator does.
+// One contiguous arena grown from its bottom: the smallest free hole that
+// fits is used, else the block goes on top (taking in a free range that
+// ends at the top), as dlmalloc keeps its top chunk for last. Neighbouring
+// free ranges merge on free, and a free range at the top lowers it. Where
+// a block lands thus never depends on the capacity, which only bounds the
+// top: a run that fits once fits again under a capacity of its footprint.
+// Sizes round to 512 bytes, as the PyTorch caching allocator does.
 class BestFitAllocator : public AllocatorModel {
  public:
-  explicit BestFitAllocator(int64_t capacity) : AllocatorModel(capacity) {
-    if (capacity > 0) AddFree(0, capacity);
-  }
+  explicit BestFitAllocator(int64_t capacity) : AllocatorModel(capacity) {}
   bool Allocate(int64_t id, int64_t bytes) override {
     const int64_t size = (bytes + 511) / 512 * 512;
     if (size == 0) {
@@ -84,11 +86,25 @@ class BestFitAllocator : public AllocatorModel {
       blocks_[id] = {-1, 0};
       return true;
     }
+    int64_t start;
     auto it = by_size_.lower_bound({size, 0});
-    if (it == by_size_.end()) return false;
-    const auto [range, start] = *it;
-    RemoveFree(start);
-    if (range > size) AddFree(start + size, range - size);
+    if (it != by_size_.end()) {
+      const auto [range, hole] = *it;
+      start = hole;
+      RemoveFree(hole);
+      if (range > size) AddFree(start + size, range - size);
+    } else {
+      // On top, from the free range that ends there if there is one.
+      start = top_;
+      auto last =
+          by_start_.empty() ? by_start_.end() : std::prev(by_start_.end());
+      if (last != by_start_.end() && last->first + last->second == top_) {
+        start = last->first;
+      }
+      if (start + size > capacity_) return false;
+      if (start != top_) RemoveFree(start);
+      top_ = start + size;
+    }
     blocks_[id] = {start, size};
     used_ += size;
     return true;
@@ -116,9 +132,14 @@ class BestFitAllocator : public AllocatorModel {
         RemoveFree(prev->first);
       }
     }
-    AddFree(start, size);
+    if (start + size == top_) {
+      top_ = start;
+    } else {
+      AddFree(start, size);
+    }
   }
   int64_t used() const override { return used_; }
+  int64_t footprint() const override { return top_; }
   int64_t AdjacentFree(int64_t id) const override {
     auto it = blocks_.find(id);
     if (it == blocks_.end() || it->second.second == 0) return 0;
@@ -126,6 +147,8 @@ class BestFitAllocator : public AllocatorModel {
     int64_t sum = 0;
     auto next = by_start_.find(start + size);
     if (next != by_start_.end()) sum += next->second;
+    // The arena's untouched end is as free as a hole.
+    if (start + size == top_) sum += capacity_ - top_;
     auto prev = by_start_.lower_bound(start);
     if (prev != by_start_.begin()) {
       --prev;
@@ -146,6 +169,7 @@ class BestFitAllocator : public AllocatorModel {
   }
 
   int64_t used_ = 0;
+  int64_t top_ = 0;                                // end of the highest block
   std::map<int64_t, int64_t> by_start_;            // free: start -> size
   std::set<std::pair<int64_t, int64_t>> by_size_;  // free: (size, start)
   absl::flat_hash_map<int64_t, std::pair<int64_t, int64_t>> blocks_;

@@ -14,6 +14,7 @@ namespace deltad::sim {
 enum class AllocatorKind {
   kExact,     // bytes as asked: no fragmentation at all
   kBestFit,   // one arena, best-fit placement: external fragmentation shows
+              // (holes below the top count in its footprint)
   kVmChunks,  // fixed-size physical chunks mapped into a virtual range
               // (out-of-core paper §4): rounding, but no external
               // fragmentation
@@ -34,6 +35,10 @@ class AllocatorModel {
   virtual void Free(int64_t id) = 0;
   // Device bytes in use, rounding included.
   virtual int64_t used() const = 0;
+  // What the device must have for the blocks where they lie: used() plus
+  // the holes a contiguous arena cannot give back. A run's peak footprint
+  // is the capacity at which it fits again.
+  virtual int64_t footprint() const { return used(); }
   // Free bytes adjacent to the block (MegEngine's fragmentation term);
   // 0 where the model has no addresses.
   virtual int64_t AdjacentFree(int64_t id) const = 0;

@@ -69,6 +69,7 @@ class CachingAllocator : public AllocatorModel {
       pool.insert({rest, start + size});
     }
     blocks_[start].free = false;
+    allocated_ += blocks_[start].size;
     ids_[id] = start;
     return true;
   }
@@ -80,6 +81,7 @@ class CachingAllocator : public AllocatorModel {
     ids_.erase(found);
     auto it = blocks_.find(start);
     it->second.free = true;
+    allocated_ -= it->second.size;
     std::set<Key>& pool = it->second.small ? small_ : large_;
     auto next = std::next(it);
     if (Mergeable(it, next)) {
@@ -99,7 +101,8 @@ class CachingAllocator : public AllocatorModel {
     pool.insert({it->second.size, it->first});
   }
 
-  int64_t used() const override { return reserved_; }
+  int64_t used() const override { return allocated_; }
+  int64_t footprint() const override { return reserved_; }
 
   int64_t AdjacentFree(int64_t id) const override {
     auto found = ids_.find(id);
@@ -153,7 +156,8 @@ class CachingAllocator : public AllocatorModel {
     }
   }
 
-  int64_t reserved_ = 0;
+  int64_t reserved_ = 0;   // segments
+  int64_t allocated_ = 0;  // blocks in use
   int64_t next_address_ = 0;
   Blocks blocks_;  // every block by start address, free or not
   std::set<Key> small_;

@@ -21,7 +21,8 @@ namespace deltad::sim {
 // memory. Source: c10/cuda/CUDACachingAllocator.cpp (kMinBlockSize,
 // kSmallSize, kSmallBuffer, kLargeBuffer, kMinLargeAlloc, kRoundLarge,
 // round_size, get_allocation_size, should_split, release_cached_blocks).
-// used() is the reserved bytes: what the device gives up.
+// used() is the bytes of the blocks in use; footprint() the reserved
+// segments, what the device gives up.
 std::unique_ptr<AllocatorModel> MakeCachingAllocatorModel(int64_t capacity);
 
 }  // namespace deltad::sim

@@ -66,7 +66,7 @@ class DynamicPolicy final : public SimPolicy {
 
   // The first time the policy's table refused a change the simulator made:
   // the mirror and the simulation disagree, a bug. OK when they never did.
-  const absl::Status& mirror_status() const { return mirror_status_; }
+  absl::Status Consistency() const override { return mirror_status_; }
 
  private:
   policy::TensorId IdOf(int32_t s) const;

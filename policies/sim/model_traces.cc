@@ -42,9 +42,10 @@ constexpr int kMaxGptLayers = 1000;
 class Net {
  public:
   Net(std::string trace_name, std::string what, DType dtype,
-      const DeviceProfile& device)
+      Optimizer optimizer, const DeviceProfile& device)
       : b_(std::move(trace_name)),
         what_(std::move(what)),
+        optimizer_(optimizer),
         elem_(DTypeBytes(dtype)),
         flops_(dtype == DType::kFp32 ? device.fp32_flops_per_s
                                      : device.fp16_flops_per_s),
@@ -427,14 +428,7 @@ class Net {
   // and checks the result.
   absl::StatusOr<Trace> Finish() {
     for (auto it = backward_.rbegin(); it != backward_.rend(); ++it) (*it)();
-    // Plain SGD: reads each weight and its gradient, writes the weight.
-    double bytes = 0;
-    for (const ParamIds& p : params_) bytes += 3.0 * p.bytes;
-    b_.Op("optimizer_step", Phase::kBackward, MemNs(bytes));
-    for (const ParamIds& p : params_) b_.Input(p.weight).Input(p.grad);
-    for (ParamIds& p : params_) {
-      p.weight = NewVersion(p.weight, info_[p.weight].name, false);
-    }
+    OptimizerStep();
     if (!status_.ok()) return status_;
     Trace trace = std::move(b_).Build();
     PlaceReleases(trace);
@@ -446,6 +440,42 @@ class Net {
   }
 
  private:
+  // torch.optim's step over every weight: plain SGD reads the weight and its
+  // gradient and writes the weight; momentum also reads and writes a
+  // momentum buffer per weight, Adam two moment estimates (exp_avg,
+  // exp_avg_sq), in the weight's dtype. Adam's default multi-tensor path
+  // (torch/optim/adam.py, _multi_tensor_adam) also makes the square roots
+  // of exp_avg_sq as new tensors, one weight's worth in all, for the step.
+  void OptimizerStep() {
+    std::vector<const char*> suffixes;
+    if (optimizer_ == Optimizer::kSgdMomentum) suffixes = {".momentum_buffer"};
+    if (optimizer_ == Optimizer::kAdam) suffixes = {".exp_avg", ".exp_avg_sq"};
+    std::vector<std::vector<int32_t>> state(params_.size());
+    double bytes = 0;
+    int64_t weights = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const ParamIds& p = params_[i];
+      for (const char* suffix : suffixes) {
+        state[i].push_back(
+            Data(info_[p.weight].name + suffix, shape(p.weight), elem_));
+      }
+      // Read the gradient; read and write the weight and each state.
+      bytes += (3.0 + 2.0 * suffixes.size()) * p.bytes;
+      weights += p.bytes;
+    }
+    const int64_t workspace = optimizer_ == Optimizer::kAdam ? weights : 0;
+    b_.Op("optimizer_step", Phase::kBackward, MemNs(bytes), workspace);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      b_.Input(params_[i].weight).Input(params_[i].grad);
+      for (int32_t v : state[i]) b_.Input(v);
+    }
+    for (size_t i = 0; i < params_.size(); ++i) {
+      ParamIds& p = params_[i];
+      p.weight = NewVersion(p.weight, info_[p.weight].name, false);
+      for (int32_t v : state[i]) NewVersion(v, info_[v].name, false);
+    }
+  }
+
   struct Info {
     std::string name;  // logical: a version is named after its op
     Shape shape;
@@ -707,6 +737,7 @@ class Net {
 
   TraceBuilder b_;
   std::string what_;  // model and input, for messages
+  Optimizer optimizer_;
   int64_t elem_;
   double flops_;
   double bandwidth_;
@@ -979,6 +1010,27 @@ absl::Status CheckGpt(const ModelOptions& o) {
 
 }  // namespace
 
+absl::string_view OptimizerName(Optimizer optimizer) {
+  switch (optimizer) {
+    case Optimizer::kSgd:
+      return "sgd";
+    case Optimizer::kSgdMomentum:
+      return "momentum";
+    case Optimizer::kAdam:
+      return "adam";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<Optimizer> ParseOptimizer(absl::string_view name) {
+  for (Optimizer o :
+       {Optimizer::kSgd, Optimizer::kSgdMomentum, Optimizer::kAdam}) {
+    if (name == OptimizerName(o)) return o;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown optimizer '", name, "'; expected sgd, momentum or adam"));
+}
+
 std::vector<std::string> ModelNames() {
   return {"resnet50", "resnet101", "resnet152", "densenet121",
           "vgg16",    "unet",      "gpt"};
@@ -1002,13 +1054,16 @@ absl::StatusOr<Trace> BuildModelTrace(absl::string_view model,
       !s.ok()) {
     return s;
   }
-  const std::string trace_name =
+  std::string trace_name =
       absl::StrCat(model, "-b", options.batch, "-",
                    options.dtype == DType::kFp32 ? "fp32" : "fp16");
+  if (options.optimizer != Optimizer::kSgd) {
+    absl::StrAppend(&trace_name, "-", OptimizerName(options.optimizer));
+  }
   const std::string what =
       gpt ? std::string(model)
           : absl::StrCat(model, " input ", options.height, "x", options.width);
-  Net net(trace_name, what, options.dtype, device);
+  Net net(trace_name, what, options.dtype, options.optimizer, device);
   const int64_t b = options.batch;
   const int64_t h = options.height;
   const int64_t w = options.width;

@@ -1,6 +1,7 @@
 #ifndef DELTAD_POLICIES_SIM_MODEL_TRACES_H_
 #define DELTAD_POLICIES_SIM_MODEL_TRACES_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -10,6 +11,13 @@
 #include "policies/sim/trace.h"
 
 namespace deltad::sim {
+
+// torch.optim's optimizer whose step ends the iteration: plain SGD, SGD
+// with momentum (one buffer per weight) or Adam (two).
+enum class Optimizer : uint8_t { kSgd, kSgdMomentum, kAdam };
+// "sgd", "momentum", "adam".
+absl::string_view OptimizerName(Optimizer optimizer);
+absl::StatusOr<Optimizer> ParseOptimizer(absl::string_view name);
 
 // Shapes of the generated networks. Image models read batch, dtype, height
 // and width; "gpt" reads batch, dtype and the gpt_* fields.
@@ -23,21 +31,25 @@ struct ModelOptions {
   int gpt_seq = 1024;  // also the number of learned positions
   int gpt_heads = 12;
   int gpt_vocab = 50257;
+  Optimizer optimizer = Optimizer::kSgd;
 };
 
 // "resnet50", "resnet101", "resnet152", "densenet121", "vgg16", "unet",
 // "gpt".
 std::vector<std::string> ModelNames();
 
-// One training iteration of `model` (forward, backward, one plain SGD step)
-// as a trace named "<model>-b<batch>-<fp32|fp16>", timed with `device`'s
+// One training iteration of `model` (forward, backward, one optimizer
+// step) as a trace named "<model>-b<batch>-<fp32|fp16>", with
+// "-<momentum|adam>" after it for those optimizers, timed with `device`'s
 // sustained rates. Activation sizes are exact for the layer shapes; what
 // each op keeps for backward follows PyTorch autograd, and in-place ReLU
 // and residual adds follow torchvision. Naming, which tests and tools may
 // rely on:
 //   - constants: "input" / "tokens", "labels", parameters "<module>.weight"
 //     and "<module>.bias", their gradient buffers "<parameter>.grad", batch
-//     norm buffers "<module>.running_mean" / "<module>.running_var";
+//     norm buffers "<module>.running_mean" / "<module>.running_var",
+//     optimizer state "<parameter>.momentum_buffer" or "<parameter>.exp_avg"
+//     and "<parameter>.exp_avg_sq";
 //   - activations are named after the module that makes them (torchvision
 //     style, e.g. "layer1.0.conv1"); an in-place op's result keeps the name
 //     of the value it updates; saved side tensors end in ".indices",

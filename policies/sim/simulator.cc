@@ -160,7 +160,7 @@ bool Engine::Prefetch(int32_t s) {
   if (state_[s] != StorageState::kOffloaded) return false;
   const int64_t bytes = program_.storages[s].bytes;
   if (!allocator_->Allocate(s, bytes)) return false;
-  result_.peak_bytes = std::max(result_.peak_bytes, allocator_->used());
+  result_.peak_bytes = std::max(result_.peak_bytes, allocator_->footprint());
   const int64_t start = std::max(now_, h2d_->free_at);
   h2d_->free_at = start + CopyNs(bytes, device_.h2d_bytes_per_s);
   h2d_->queue.push_back({s, h2d_->free_at, ++generation_[s]});
@@ -213,7 +213,8 @@ bool Engine::Allocate(int64_t id, int64_t bytes) {
   for (;;) {
     Advance(now_);
     if (allocator_->Allocate(id, bytes)) {
-      result_.peak_bytes = std::max(result_.peak_bytes, allocator_->used());
+      result_.peak_bytes =
+          std::max(result_.peak_bytes, allocator_->footprint());
       return true;
     }
     // What offloads in flight will not cover is what the policy must free.
@@ -234,10 +235,15 @@ bool Engine::Allocate(int64_t id, int64_t bytes) {
       StallUntil(d2h_.queue.front().end_ns);
       continue;
     }
-    Fail(absl::StrCat("out of memory at step ", step_, ": needs ", bytes,
-                      " bytes, ", allocator_->used(), " of ",
-                      allocator_->capacity(),
-                      " in use and the policy can release no more"));
+    const bool fragmented =
+        allocator_->capacity() - allocator_->used() >= bytes;
+    Fail(absl::StrCat(
+        "out of memory at step ", step_, ": needs ", bytes, " bytes, ",
+        allocator_->used(), " of ", allocator_->capacity(),
+        " in use and the policy can release no more",
+        fragmented ? " (fragmentation: enough bytes are free, but not in "
+                     "one piece the allocator can use)"
+                   : ""));
     return false;
   }
 }
@@ -459,7 +465,7 @@ SimResult Engine::Run() {
       result_.budget_bytes = keep.budget_bytes;
       result_.min_budget_bytes = keep.min_budget_bytes;
       result_.compute_ns = keep.compute_ns;
-      result_.peak_bytes = allocator_->used();
+      result_.peak_bytes = allocator_->footprint();
     }
     const int64_t start = now_;
     if (!RunIteration()) {
@@ -497,7 +503,35 @@ absl::StatusOr<SimResult> Simulate(const Program& program,
                      " alone), budget is ", options.budget_bytes));
   }
   Engine engine(program, device, policy, options);
-  return engine.Run();
+  absl::StatusOr<SimResult> result = engine.Run();
+  if (!result.ok()) return result;
+  if (absl::Status s = policy.Consistency(); !s.ok()) {
+    return absl::InternalError(
+        absl::StrCat("policy '", policy.name(),
+                     "' reported an inconsistent state: ", s.message()));
+  }
+  return result;
+}
+
+absl::StatusOr<int64_t> UnlimitedPeak(const Program& program,
+                                      const DeviceProfile& device,
+                                      AllocatorKind allocator) {
+  // Releases nothing: the budget only has to hold everything.
+  class KeepAll final : public SimPolicy {
+   public:
+    std::string name() const override { return "none"; }
+    bool MakeRoom(SimContext&, int64_t) override { return false; }
+  } keep_all;
+  SimOptions o;
+  o.budget_bytes = int64_t{1} << 50;
+  o.allocator = allocator;
+  absl::StatusOr<SimResult> r = Simulate(program, device, keep_all, o);
+  if (!r.ok()) return r.status();
+  if (!r->fits) {
+    return absl::InternalError(
+        absl::StrCat(program.name, " does not fit in 1 PiB: ", r->failure));
+  }
+  return r->peak_bytes;
 }
 
 }  // namespace deltad::sim

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "policies/sim/allocator_model.h"
@@ -43,7 +44,7 @@ struct SimResult {
   std::string failure;  // why it did not fit
   int64_t budget_bytes = 0;
   int64_t min_budget_bytes = 0;  // the largest single step
-  int64_t peak_bytes = 0;        // device bytes in use at most
+  int64_t peak_bytes = 0;        // the allocator's largest footprint
   int64_t makespan_ns = 0;       // of the measured iteration
   int64_t compute_ns = 0;        // ideal: the sum of op times
   int64_t recompute_ns = 0;
@@ -113,15 +114,28 @@ class SimPolicy {
   virtual Restore ChooseRestore(SimContext& /*ctx*/, int32_t /*s*/) {
     return Restore::kReload;
   }
+  // Whether the policy's own bookkeeping stayed in step with the simulation:
+  // the first disagreement it saw, a bug; OK when none. Simulate fails a run
+  // whose policy reports one.
+  virtual absl::Status Consistency() const { return absl::OkStatus(); }
 };
 
 // Runs `program` on `device` under `options.budget_bytes` with `policy`.
-// Errors only for bad options; a run that does not fit is a result with
-// fits = false and the reason.
+// Errors for bad options and for a policy that reports an inconsistent
+// state (Internal); a run that does not fit is a result with fits = false
+// and the reason.
 absl::StatusOr<SimResult> Simulate(const Program& program,
                                    const DeviceProfile& device,
                                    SimPolicy& policy,
                                    const SimOptions& options);
+
+// The trace's peak under `allocator`: the largest footprint of a run that
+// releases nothing with memory to spare (program.peak_bytes for kExact;
+// more where the allocator rounds or leaves holes). Every policy is given
+// budgets as fractions of it.
+absl::StatusOr<int64_t> UnlimitedPeak(const Program& program,
+                                      const DeviceProfile& device,
+                                      AllocatorKind allocator);
 
 }  // namespace deltad::sim
 

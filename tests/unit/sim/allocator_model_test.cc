@@ -1,5 +1,6 @@
 #include "policies/sim/allocator_model.h"
 
+#include <algorithm>
 #include <memory>
 
 #include "gmock/gmock.h"
@@ -175,6 +176,51 @@ TEST(BestFitAllocator, AdjacentFreeCountsBothSides) {
   // Block 3 now has 1024 free before it and 1024 after it.
   EXPECT_EQ(a->AdjacentFree(3), 2048);
   EXPECT_EQ(a->AdjacentFree(99), 0);  // unknown block
+}
+
+TEST(BestFitAllocator, FootprintCountsTheHolesBelowTheTop) {
+  auto a = MakeAllocatorModel(AllocatorKind::kBestFit, 8192, 0);
+  for (int64_t id = 0; id < 4; ++id) ASSERT_TRUE(a->Allocate(id, 1024));
+  a->Free(1);
+  EXPECT_EQ(a->used(), 3072);
+  EXPECT_EQ(a->footprint(), 4096);  // the hole at 1024 is still spanned
+  a->Free(3);
+  EXPECT_EQ(a->footprint(), 3072);  // the top block went: the top comes down
+  a->Free(2);
+  EXPECT_EQ(a->footprint(), 1024);  // with the hole it now reaches
+}
+
+TEST(BestFitAllocator, ARunFitsAgainUnderACapacityOfItsPeakFootprint) {
+  // Placement does not depend on the capacity: the same requests land in
+  // the same places in a roomy arena and in one just as large as the
+  // roomy run's peak footprint.
+  auto run = [](AllocatorModel& a, int64_t* peak) {
+    bool ok = true;
+    auto alloc = [&](int64_t id, int64_t bytes) {
+      ok = ok && a.Allocate(id, bytes);
+      *peak = std::max(*peak, a.footprint());
+    };
+    alloc(1, 2048);
+    alloc(2, 512);
+    alloc(3, 2048);
+    a.Free(1);
+    alloc(4, 1024);  // into the hole, not on top
+    alloc(5, 1536);  // the rest of the hole is too small: on top
+    a.Free(3);
+    alloc(6, 2560);  // the hole 3 left, merged with nothing
+    a.Free(5);
+    alloc(7, 4096);
+    return ok;
+  };
+  auto roomy = MakeAllocatorModel(AllocatorKind::kBestFit, 1 << 20, 0);
+  int64_t peak = 0;
+  ASSERT_TRUE(run(*roomy, &peak));
+  auto tight = MakeAllocatorModel(AllocatorKind::kBestFit, peak, 0);
+  int64_t tight_peak = 0;
+  EXPECT_TRUE(run(*tight, &tight_peak));
+  EXPECT_EQ(tight_peak, peak);
+  EXPECT_EQ(tight->footprint(), roomy->footprint());
+  EXPECT_GT(peak, roomy->used());  // the holes count
 }
 
 TEST(VmChunksAllocator, RoundsLargeBlocksToWholeChunks) {

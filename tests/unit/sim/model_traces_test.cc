@@ -465,6 +465,70 @@ TEST(ModelTraces, WeightsAndGradientsAreUpdatedInPlace) {
   }
 }
 
+TEST(ModelTraces, OptimizerNamesParseBackAndUnknownOnesAreRefused) {
+  for (Optimizer o :
+       {Optimizer::kSgd, Optimizer::kSgdMomentum, Optimizer::kAdam}) {
+    absl::StatusOr<Optimizer> parsed = ParseOptimizer(OptimizerName(o));
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(*parsed, o);
+  }
+  absl::StatusOr<Optimizer> bad = ParseOptimizer("lamb");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("'lamb'"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("adam"));
+}
+
+TEST(ModelTraces, OptimizerStateIsOneOrTwoCopiesOfEachWeightUpdatedByTheStep) {
+  struct Case {
+    Optimizer optimizer;
+    std::vector<std::string> suffixes;
+    const char* name;
+  };
+  for (const Case& c : {Case{Optimizer::kSgd, {}, "resnet50-b2-fp32"},
+                        Case{Optimizer::kSgdMomentum,
+                             {".momentum_buffer"},
+                             "resnet50-b2-fp32-momentum"},
+                        Case{Optimizer::kAdam,
+                             {".exp_avg", ".exp_avg_sq"},
+                             "resnet50-b2-fp32-adam"}}) {
+    SCOPED_TRACE(c.name);
+    ModelOptions o;
+    o.batch = 2;
+    o.optimizer = c.optimizer;
+    const Trace t = Build("resnet50", o);
+    EXPECT_EQ(t.name, c.name);
+    const TraceOp& step = t.ops.back();
+    ASSERT_EQ(step.name, "optimizer_step");
+    std::set<int32_t> inputs(step.inputs.begin(), step.inputs.end());
+    int64_t weights = 0;
+    int states = 0;
+    for (int32_t v = 0; v < static_cast<int32_t>(t.values.size()); ++v) {
+      const TraceValue& value = t.values[v];
+      if (IsParameter(value)) weights += value.bytes;
+      if (value.kind != Kind::kConstant) continue;
+      for (const std::string& suffix : c.suffixes) {
+        if (!absl::EndsWith(value.name, suffix)) continue;
+        ++states;
+        const std::string weight =
+            value.name.substr(0, value.name.size() - suffix.size());
+        EXPECT_EQ(value.bytes, BytesOf(t, weight)) << value.name;
+        EXPECT_TRUE(inputs.count(v)) << value.name << " not read by the step";
+      }
+    }
+    int params = 0;
+    for (const TraceValue& v : t.values) params += IsParameter(v) ? 1 : 0;
+    EXPECT_EQ(states, params * static_cast<int>(c.suffixes.size()));
+    // Traffic: the gradient, and the weight and each state both ways.
+    const double bytes = (3.0 + 2.0 * c.suffixes.size()) * weights;
+    EXPECT_NEAR(step.time_ns, bytes / A100().memory_bytes_per_s * 1e9,
+                step.time_ns * 0.01 + 1000);
+    // Adam's multi-tensor step makes the square roots of exp_avg_sq anew.
+    EXPECT_EQ(step.workspace_bytes,
+              c.optimizer == Optimizer::kAdam ? weights : 0);
+  }
+}
+
 TEST(ModelTraces, ValuesAreReleasedRightAfterTheirLastUse) {
   for (const std::string& model : ModelNames()) {
     SCOPED_TRACE(model);

@@ -126,6 +126,43 @@ TEST(Simulator, RejectsBadOptions) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// Releases nothing, like `none`, but says its bookkeeping went wrong.
+class InconsistentPolicy : public SimPolicy {
+ public:
+  std::string name() const override { return "inconsistent"; }
+  bool MakeRoom(SimContext&, int64_t) override { return false; }
+  absl::Status Consistency() const override {
+    return absl::InternalError("tensor 7 is resident in the table only");
+  }
+};
+
+TEST(Simulator, FailsARunWhosePolicyReportsAnInconsistentState) {
+  const Program p = Compiled(ChainTrace(2, 1000, 1000));
+  InconsistentPolicy policy;
+  SimOptions o;
+  o.budget_bytes = p.peak_bytes;
+  auto r = Simulate(p, TestDevice(), policy, o);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(r.status().message(), HasSubstr("inconsistent state"));
+  EXPECT_THAT(r.status().message(),
+              HasSubstr("tensor 7 is resident in the table only"));
+}
+
+TEST(Simulator, UnlimitedPeakIsTheProgramsPeakOrMoreWhereTheAllocatorRounds) {
+  const Program p = Compiled(ChainTrace(8, 1000, 1000));
+  auto exact = UnlimitedPeak(p, TestDevice(), AllocatorKind::kExact);
+  ASSERT_TRUE(exact.ok()) << exact.status();
+  EXPECT_EQ(*exact, p.peak_bytes);
+  // Eight 1000-byte activations and the rest, each rounded to 2 MiB.
+  auto chunks = UnlimitedPeak(p, TestDevice(), AllocatorKind::kVmChunks);
+  ASSERT_TRUE(chunks.ok()) << chunks.status();
+  EXPECT_GT(*chunks, p.peak_bytes);
+  // At that budget `none` fits, at one byte less it does not.
+  EXPECT_TRUE(RunPolicy(p, "none", *chunks, AllocatorKind::kVmChunks).fits);
+  EXPECT_FALSE(
+      RunPolicy(p, "none", *chunks - 1, AllocatorKind::kVmChunks).fits);
+}
+
 class EveryReleasingPolicy : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(EveryReleasingPolicy, FitsHalfThePeakWithinBudgetAndAccountsTime) {
@@ -262,9 +299,9 @@ TEST(Simulator, DynamicPoliciesMirrorEveryChangeWithoutARefusal) {
         o.iterations = IterationsFor(preset);
         auto r = Simulate(program, TestDevice(), policy, o);
         ASSERT_TRUE(r.ok()) << r.status();
-        EXPECT_TRUE(policy.mirror_status().ok())
+        EXPECT_TRUE(policy.Consistency().ok())
             << name << " " << preset << " at " << ratio << ": "
-            << policy.mirror_status();
+            << policy.Consistency();
         if (r->fits) {
           EXPECT_LE(r->peak_bytes, o.budget_bytes);
         }
