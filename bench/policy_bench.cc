@@ -35,6 +35,7 @@
 #include "bench/max_batch.h"
 #include "bench/own_peak_check.h"
 #include "bench/report.h"
+#include "bench/steady_state_section.h"
 #include "policies/sim/device_profile.h"
 #include "policies/sim/dtr_log.h"
 #include "policies/sim/dtr_measured.h"
@@ -72,6 +73,13 @@ ABSL_FLAG(std::string, allocator, "",
           "(default: exact for the table, pytorch-caching for --max_batch)");
 ABSL_FLAG(std::string, optimizer, "adam",
           "optimizer of the model traces: sgd, momentum or adam");
+ABSL_FLAG(int, steady_iterations, 5,
+          "iterations of the steady-state section (0: no section)");
+ABSL_FLAG(std::string, steady_ratios, "0.5",
+          "budget ratios of the steady-state section");
+ABSL_FLAG(std::string, steady_policies,
+          "dtr,delta-paper,delta,delta-steady,offload-greedy,window",
+          "policies of the steady-state section");
 ABSL_FLAG(int, random_graphs, 0,
           "check every planner at its own peak on this many random layer "
           "graphs under every allocator model (a section of its own)");
@@ -649,6 +657,32 @@ int RunTable(const std::string& command) {
   CheckTargets(traces, rows, ratios, targets);
   bool fidelity_met = false;
   const std::string fidelity = FidelitySection(traces, &fidelity_met);
+  std::string steady;
+  if (const int n = absl::GetFlag(FLAGS_steady_iterations); n > 0) {
+    std::vector<SteadyStateTrace> steady_traces;
+    for (const BenchTrace& trace : traces) {
+      auto device = FindDeviceProfile(trace.device);
+      if (device.ok()) {
+        steady_traces.push_back({trace.name, &trace.program, *device});
+      }
+    }
+    std::vector<double> steady_ratios;
+    for (const std::string& r : List(absl::GetFlag(FLAGS_steady_ratios))) {
+      steady_ratios.push_back(std::strtod(r.c_str(), nullptr));
+    }
+    auto section = SteadyStateSection(
+        steady_traces, List(absl::GetFlag(FLAGS_steady_policies)),
+        steady_ratios, n, TableAllocator(),
+        int64_t{absl::GetFlag(FLAGS_host_gib)} << 30);
+    if (!section.ok()) {
+      std::fprintf(stderr, "policy_bench: %s\n",
+                   section.status().ToString().c_str());
+      return 1;
+    }
+    steady = *std::move(section);
+    std::fprintf(stderr, "policy_bench: steady state: %.1f s\n",
+                 Seconds(Clock::now() - bench_start));
+  }
   std::string own_peak;
   if (const int graphs = absl::GetFlag(FLAGS_random_graphs); graphs > 0) {
     auto model_device = FindDeviceProfile(absl::GetFlag(FLAGS_model_device));
@@ -677,7 +711,7 @@ int RunTable(const std::string& command) {
              << absl::StrFormat("%.2f s", slowest_run) << " (" << slowest_what
              << ") | **" << (slowest_run < 1.0 ? "met" : "MISSED") << "** |\n";
 
-  md << targets.md.str() << "\n" << fidelity << own_peak;
+  md << targets.md.str() << "\n" << fidelity << steady << own_peak;
 
   const std::string csv = absl::GetFlag(FLAGS_csv);
   if (!csv.empty()) WriteCsv(csv, rows);

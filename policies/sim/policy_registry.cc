@@ -4,23 +4,25 @@
 #include "absl/strings/str_join.h"
 #include "policies/sim/dynamic_policy.h"
 #include "policies/sim/static_policies.h"
+#include "policies/sim/steady_state_policy.h"
 
 namespace deltad::sim {
 
 std::vector<std::string> PolicyNames() {
-  std::vector<std::string> names = {"none",        "dtr",         "dtr-sampled",
-                                    "swap-lru",    "delta-paper", "delta",
-                                    "delta-replay"};
+  std::vector<std::string> names = {
+      "none",        "dtr",   "dtr-sampled",  "swap-lru",
+      "delta-paper", "delta", "delta-replay", "delta-steady"};
   for (const std::string& s : StaticPolicyNames()) names.push_back(s);
   return names;
 }
 
 int IterationsFor(absl::string_view name) {
-  return name == "delta-replay" ? 2 : 1;
+  return name == "delta-replay" || name == "delta-steady" ? 2 : 1;
 }
 
 absl::StatusOr<std::unique_ptr<SimPolicy>> MakePolicy(absl::string_view name) {
   if (name == "none") return std::make_unique<NoReleasePolicy>();
+  if (name == "delta-steady") return std::make_unique<SteadyStatePolicy>();
   if (auto preset = DynamicPolicyPreset(std::string(name))) {
     return std::make_unique<DynamicPolicy>(std::move(*preset));
   }

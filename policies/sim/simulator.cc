@@ -54,6 +54,7 @@ class Engine final : public SimContext {
     return locked_list_;
   }
   int64_t budget() const override { return options_.budget_bytes; }
+  const SimOptions& options() const override { return options_; }
   int64_t device_used() const override { return allocator_->used(); }
   int64_t releasing_bytes() const override { return releasing_; }
   int64_t host_free() const override {
@@ -471,11 +472,15 @@ SimResult Engine::Run() {
     if (!RunIteration()) {
       result_.fits = false;
       result_.failure = failure_;
+      result_.planning_ns = policy_.planning_ns();
       return result_;
     }
     result_.makespan_ns = now_ - start;
   }
   result_.fits = true;
+  result_.total_makespan_ns = now_;  // the clock starts at 0
+  result_.iterations = options_.iterations;
+  result_.planning_ns = policy_.planning_ns();
   return result_;
 }
 

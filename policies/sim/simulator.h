@@ -46,7 +46,14 @@ struct SimResult {
   int64_t min_budget_bytes = 0;  // the largest single step
   int64_t peak_bytes = 0;        // the allocator's largest footprint
   int64_t makespan_ns = 0;       // of the measured iteration
-  int64_t compute_ns = 0;        // ideal: the sum of op times
+  // Every iteration's, the first included: what a run of `iterations`
+  // training steps takes (steady-state plans pay for their first).
+  int64_t total_makespan_ns = 0;
+  int iterations = 0;  // run to the end
+  // The policy's own planning, wall time on the simulating machine (it
+  // would run beside training, off its critical path).
+  int64_t planning_ns = 0;
+  int64_t compute_ns = 0;  // ideal: the sum of op times
   int64_t recompute_ns = 0;
   int64_t stall_ns = 0;  // compute waiting for copies or memory
   int64_t d2h_bytes = 0;
@@ -60,6 +67,13 @@ struct SimResult {
     return compute_ns > 0 ? static_cast<double>(makespan_ns) /
                                 static_cast<double>(compute_ns)
                           : 0.0;
+  }
+  // Over all iterations run, against as many ideal ones.
+  double total_slowdown() const {
+    return compute_ns > 0 && iterations > 0
+               ? static_cast<double>(total_makespan_ns) /
+                     (static_cast<double>(compute_ns) * iterations)
+               : 0.0;
   }
 };
 
@@ -80,6 +94,7 @@ class SimContext {
   // Every storage locked now (the current op's and a recompute's inputs).
   virtual const std::vector<int32_t>& locked_storages() const = 0;
   virtual int64_t budget() const = 0;
+  virtual const SimOptions& options() const = 0;
   virtual int64_t device_used() const = 0;
   virtual int64_t releasing_bytes() const = 0;  // offloads in flight
   virtual int64_t host_free() const = 0;
@@ -118,6 +133,8 @@ class SimPolicy {
   // the first disagreement it saw, a bug; OK when none. Simulate fails a run
   // whose policy reports one.
   virtual absl::Status Consistency() const { return absl::OkStatus(); }
+  // Wall time the policy spent planning (SimResult::planning_ns).
+  virtual int64_t planning_ns() const { return 0; }
 };
 
 // Runs `program` on `device` under `options.budget_bytes` with `policy`.

@@ -1,0 +1,133 @@
+#include "policies/sim/steady_state_policy.h"
+
+#include <chrono>
+#include <string>
+#include <utility>
+
+#include "policies/sim/dynamic_policy.h"
+#include "policies/sim/policy_registry.h"
+
+namespace deltad::sim {
+namespace {
+
+// The plans tried on the recorded iteration, besides `delta` itself: DELTA
+// as published (its early releases pay off where the link is fast), DTR's
+// recompute-only choices, and the static planners.
+constexpr const char* kCandidates[] = {"delta-paper", "dtr", "offload-greedy",
+                                       "window",      "lms", "chen-greedy"};
+
+std::unique_ptr<SimPolicy> MakeDelta() {
+  return std::make_unique<DynamicPolicy>(*DynamicPolicyPreset("delta"));
+}
+
+// The makespan of one iteration of `ctx`'s program under `policy`, with the
+// run's own options; -1 when it does not fit.
+int64_t Replay(SimContext& ctx, SimPolicy& policy) {
+  SimOptions o = ctx.options();
+  o.iterations = 1;
+  absl::StatusOr<SimResult> r =
+      Simulate(ctx.program(), ctx.device(), policy, o);
+  return r.ok() && r->fits ? r->makespan_ns : -1;
+}
+
+}  // namespace
+
+SteadyStatePolicy::SteadyStatePolicy() : delta_(MakeDelta()) {}
+SteadyStatePolicy::~SteadyStatePolicy() = default;
+
+void SteadyStatePolicy::BeginIteration(SimContext& ctx) {
+  ++iteration_;
+  position_ = 0;
+  if (iteration_ == 2 && !decided_) Plan(ctx);
+  delta_->BeginIteration(ctx);
+  if (planned()) plan_->BeginIteration(ctx);
+}
+
+void SteadyStatePolicy::Plan(SimContext& ctx) {
+  decided_ = true;
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_ptr<SimPolicy> delta = MakeDelta();
+  int64_t best = Replay(ctx, *delta);
+  std::string best_name = "delta";
+  for (const char* name : kCandidates) {
+    absl::StatusOr<std::unique_ptr<SimPolicy>> candidate = MakePolicy(name);
+    if (!candidate.ok()) continue;
+    const int64_t makespan = Replay(ctx, **candidate);
+    if (makespan >= 0 && (best < 0 || makespan < best)) {
+      best = makespan;
+      best_name = name;
+    }
+  }
+  if (best_name != "delta") {
+    plan_ = *MakePolicy(best_name);
+    following_ = best_name;
+  }
+  planning_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - start)
+                      .count();
+}
+
+void SteadyStatePolicy::Abandon() {
+  if (!planned()) return;
+  plan_.reset();
+  following_ = "delta";
+  ++abandoned_;
+}
+
+void SteadyStatePolicy::BeforeStep(SimContext& ctx, int32_t step) {
+  if (planned()) {
+    plan_->BeforeStep(ctx, step);
+  } else {
+    delta_->BeforeStep(ctx, step);
+  }
+}
+
+void SteadyStatePolicy::AfterStep(SimContext& ctx, int32_t step) {
+  if (planned()) {
+    plan_->AfterStep(ctx, step);
+  } else {
+    delta_->AfterStep(ctx, step);
+  }
+}
+
+void SteadyStatePolicy::OnCreate(SimContext& ctx, int32_t s) {
+  delta_->OnCreate(ctx, s);
+  if (planned()) plan_->OnCreate(ctx, s);
+}
+
+void SteadyStatePolicy::OnAccess(SimContext& ctx, int32_t s) {
+  if (iteration_ == 1) {
+    recorded_.push_back(s);
+  } else if (planned()) {
+    // Another access than last time's: the plan no longer describes this
+    // iteration.
+    if (position_ >= recorded_.size() || recorded_[position_] != s) Abandon();
+  }
+  ++position_;
+  delta_->OnAccess(ctx, s);
+  if (planned()) plan_->OnAccess(ctx, s);
+}
+
+void SteadyStatePolicy::OnStateChange(SimContext& ctx, int32_t s,
+                                      StorageState from, StorageState to) {
+  delta_->OnStateChange(ctx, s, from, to);
+  if (planned()) plan_->OnStateChange(ctx, s, from, to);
+}
+
+bool SteadyStatePolicy::MakeRoom(SimContext& ctx, int64_t bytes) {
+  // A plan that cannot make room has met something it did not foresee:
+  // `delta` can release anything.
+  if (planned() && plan_->MakeRoom(ctx, bytes)) return true;
+  return delta_->MakeRoom(ctx, bytes);
+}
+
+Restore SteadyStatePolicy::ChooseRestore(SimContext& ctx, int32_t s) {
+  return planned() ? plan_->ChooseRestore(ctx, s)
+                   : delta_->ChooseRestore(ctx, s);
+}
+
+absl::Status SteadyStatePolicy::Consistency() const {
+  return delta_->Consistency();
+}
+
+}  // namespace deltad::sim

@@ -1,0 +1,72 @@
+#ifndef DELTAD_POLICIES_SIM_STEADY_STATE_POLICY_H_
+#define DELTAD_POLICIES_SIM_STEADY_STATE_POLICY_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "policies/sim/simulator.h"
+
+namespace deltad::sim {
+
+// Training repeats itself: after one iteration the whole access sequence is
+// known. `delta-steady` runs the dynamic `delta` policy for the first
+// iteration while it records the storages accessed, in order. From the
+// second on it plans: it replays the recorded iteration in the simulator
+// under each candidate (`delta` itself, DELTA as published, DTR, and the
+// static planners offload-greedy, window, lms and chen-greedy) with the run's
+// budget, host memory and allocator model, and follows the one that
+// finishes first.
+// Planning happens once, at the start of the second iteration, and reports
+// its wall time (planning_ns); in a real process it would run beside
+// training, off its critical path.
+//
+// While a plan runs, every access is checked against the recording; the
+// first one that differs (another shape, data-dependent control flow)
+// abandons the plan at once and `delta` decides from there on, as it does
+// whenever the plan cannot make room. `delta` sees every event throughout,
+// so its table is always current.
+class SteadyStatePolicy final : public SimPolicy {
+ public:
+  SteadyStatePolicy();
+  ~SteadyStatePolicy() override;
+
+  std::string name() const override { return "delta-steady"; }
+  void BeginIteration(SimContext& ctx) override;
+  void BeforeStep(SimContext& ctx, int32_t step) override;
+  void AfterStep(SimContext& ctx, int32_t step) override;
+  void OnCreate(SimContext& ctx, int32_t s) override;
+  void OnAccess(SimContext& ctx, int32_t s) override;
+  void OnStateChange(SimContext& ctx, int32_t s, StorageState from,
+                     StorageState to) override;
+  bool MakeRoom(SimContext& ctx, int64_t bytes) override;
+  Restore ChooseRestore(SimContext& ctx, int32_t s) override;
+  absl::Status Consistency() const override;
+  int64_t planning_ns() const override { return planning_ns_; }
+
+  // The plan followed now ("delta" before one is chosen or once abandoned).
+  const std::string& following() const { return following_; }
+  int abandoned() const { return abandoned_; }
+
+ private:
+  void Plan(SimContext& ctx);
+  void Abandon();
+  bool planned() const { return plan_ != nullptr; }
+
+  std::unique_ptr<SimPolicy> delta_;  // the fallback, fed every event
+  std::unique_ptr<SimPolicy> plan_;   // the chosen planner, if not delta
+  std::string following_ = "delta";
+  int iteration_ = 0;
+  bool decided_ = false;
+  // The accesses of the first iteration, then the position in them.
+  std::vector<int32_t> recorded_;
+  size_t position_ = 0;
+  int64_t planning_ns_ = 0;
+  int abandoned_ = 0;
+};
+
+}  // namespace deltad::sim
+
+#endif  // DELTAD_POLICIES_SIM_STEADY_STATE_POLICY_H_

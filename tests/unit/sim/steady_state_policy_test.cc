@@ -1,0 +1,129 @@
+#include "policies/sim/steady_state_policy.h"
+
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "policies/sim/device_profile.h"
+#include "policies/sim/model_traces.h"
+#include "policies/sim/policy_registry.h"
+#include "policies/sim/program.h"
+#include "policies/sim/simulator.h"
+
+namespace deltad::sim {
+namespace {
+
+// U-Net at batch 2 on the A100 profile: at 0.6 of its peak the static
+// offload plan hides every copy (1.000) where delta, deciding online,
+// stalls.
+struct UNet {
+  DeviceProfile device = *FindDeviceProfile("a100-80gb");
+  Program program;
+  SimOptions options;
+  UNet() {
+    ModelOptions o;
+    o.batch = 2;
+    program = *Compile(*BuildModelTrace("unet", o, device));
+    options.budget_bytes = program.peak_bytes * 6 / 10;
+  }
+  SimResult Run(SimPolicy& policy, int iterations) const {
+    SimOptions o = options;
+    o.iterations = iterations;
+    absl::StatusOr<SimResult> r = Simulate(program, device, policy, o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : SimResult{};
+  }
+};
+
+TEST(SteadyStatePolicy, FollowsDeltaInTheFirstIterationAndPlansNothingYet) {
+  UNet net;
+  SteadyStatePolicy steady;
+  const SimResult r = net.Run(steady, 1);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_EQ(steady.following(), "delta");
+  EXPECT_EQ(r.planning_ns, 0);
+  auto delta = MakePolicy("delta");
+  const SimResult d = net.Run(**delta, 1);
+  EXPECT_EQ(r.makespan_ns, d.makespan_ns);
+}
+
+TEST(SteadyStatePolicy, FromTheSecondIterationFollowsTheFastestReplay) {
+  UNet net;
+  SteadyStatePolicy steady;
+  const SimResult r = net.Run(steady, 3);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_GT(r.planning_ns, 0);
+  // The candidate each alone would be fastest on one iteration.
+  std::string fastest = "delta";
+  int64_t best = net.Run(**MakePolicy("delta"), 1).makespan_ns;
+  for (const char* name : {"delta-paper", "dtr", "offload-greedy", "window",
+                           "lms", "chen-greedy"}) {
+    const SimResult c = net.Run(**MakePolicy(name), 1);
+    if (c.fits && c.makespan_ns < best) {
+      best = c.makespan_ns;
+      fastest = name;
+    }
+  }
+  EXPECT_NE(fastest, "delta");
+  EXPECT_EQ(steady.following(), fastest);
+  EXPECT_EQ(steady.abandoned(), 0);
+  // The third iteration runs the plan as fast as the plan runs its own
+  // third (later iterations start from what earlier ones left offloaded),
+  // within 1%.
+  const SimResult alone = net.Run(**MakePolicy(fastest), 3);
+  EXPECT_LE(r.makespan_ns, alone.makespan_ns * 101 / 100);
+  // And over the three iterations, faster than delta.
+  const SimResult d = net.Run(**MakePolicy("delta"), 3);
+  EXPECT_LT(r.total_makespan_ns, d.total_makespan_ns);
+  EXPECT_EQ(r.iterations, 3);
+}
+
+// Stands in for the simulator where only the accesses matter: a plan is
+// made on the recorded program, then the accesses go another way.
+class AccessesOnly final : public SimContext {
+ public:
+  explicit AccessesOnly(const UNet& net) : net_(net) {}
+  const Program& program() const override { return net_.program; }
+  const DeviceProfile& device() const override { return net_.device; }
+  int64_t now_ns() const override { return 0; }
+  int32_t step() const override { return 0; }
+  int iteration() const override { return 0; }
+  StorageState state(int32_t) const override { return StorageState::kAbsent; }
+  bool locked(int32_t) const override { return false; }
+  const std::vector<int32_t>& locked_storages() const override { return none_; }
+  int64_t budget() const override { return net_.options.budget_bytes; }
+  const SimOptions& options() const override { return net_.options; }
+  int64_t device_used() const override { return 0; }
+  int64_t releasing_bytes() const override { return 0; }
+  int64_t host_free() const override { return net_.options.host_bytes; }
+  int reloads_in_flight() const override { return 0; }
+  bool CanEvict(int32_t) const override { return false; }
+  bool Offload(int32_t) override { return false; }
+  bool Evict(int32_t) override { return false; }
+  bool Prefetch(int32_t) override { return false; }
+
+ private:
+  const UNet& net_;
+  std::vector<int32_t> none_;
+};
+
+TEST(SteadyStatePolicy, AnAccessOffTheRecordingAbandonsThePlanAtOnce) {
+  UNet net;
+  AccessesOnly ctx(net);
+  SteadyStatePolicy steady;
+  steady.BeginIteration(ctx);
+  for (int32_t s : {3, 4, 5, 6}) steady.OnAccess(ctx, s);
+  steady.BeginIteration(ctx);  // plans on the program
+  ASSERT_NE(steady.following(), "delta");
+  steady.OnAccess(ctx, 3);
+  steady.OnAccess(ctx, 4);
+  EXPECT_NE(steady.following(), "delta");
+  steady.OnAccess(ctx, 7);  // not 5: the iteration went another way
+  EXPECT_EQ(steady.following(), "delta");
+  EXPECT_EQ(steady.abandoned(), 1);
+  steady.OnAccess(ctx, 6);  // delta decides from here on
+  EXPECT_EQ(steady.abandoned(), 1);
+}
+
+}  // namespace
+}  // namespace deltad::sim
