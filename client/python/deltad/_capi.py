@@ -1,8 +1,10 @@
-"""ctypes declarations of client/deltad_client.h; nothing else."""
+"""ctypes declarations of client/deltad_client.h, and where the library is
+found."""
 
 import ctypes
 import ctypes.util
 import os
+import sys
 
 _LIBRARY_NAME = "libdeltad_client.so"
 
@@ -72,25 +74,44 @@ RecomputeFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64,
                                ctypes.c_void_p)
 
 
-def _find_library():
-    candidates = []
+# Where `cmake --install` puts the library under the usual prefixes
+# (GNUInstallDirs: lib, or the multiarch lib/<triplet> on Debian).
+_INSTALL_DIRS = ("/usr/local/lib", "/usr/lib")
+
+
+def _candidates():
+    """Where the library may be, in the order tried."""
+    out = []
     if os.environ.get("DELTAD_CLIENT_LIBRARY"):
-        candidates.append(os.environ["DELTAD_CLIENT_LIBRARY"])
-    candidates.append(os.path.join(os.path.dirname(__file__), _LIBRARY_NAME))
+        out.append(os.environ["DELTAD_CLIENT_LIBRARY"])
+    out.append(os.path.join(os.path.dirname(__file__), _LIBRARY_NAME))
     found = ctypes.util.find_library("deltad_client")
     if found:
-        candidates.append(found)
-    candidates.append(_LIBRARY_NAME)
+        out.append(found)
+    out.append(_LIBRARY_NAME)  # the loader's own path
+    multiarch = getattr(sys.implementation, "_multiarch", None)
+    for d in _INSTALL_DIRS:
+        if multiarch:
+            out.append(os.path.join(d, multiarch, _LIBRARY_NAME))
+        out.append(os.path.join(d, _LIBRARY_NAME))
+    return out
+
+
+def _find_library():
     errors = []
-    for path in candidates:
+    for path in _candidates():
+        if os.path.isabs(path) and not os.path.exists(path):
+            errors.append(f"{path}: no such file")
+            continue
         try:
             return ctypes.CDLL(path)
         except OSError as e:
             errors.append(f"{path}: {e}")
     raise OSError(
-        "cannot load the deltad client library (build it with cmake, target "
-        "deltad_client_shared, and set DELTAD_CLIENT_LIBRARY to "
-        "build/client/libdeltad_client.so): " + "; ".join(errors))
+        "cannot load the deltad client library libdeltad_client.so. Install "
+        "it with `cmake --install` (it goes to the prefix's library folder), "
+        "or point DELTAD_CLIENT_LIBRARY at it (a build tree has it at "
+        "build/client/libdeltad_client.so). Tried: " + "; ".join(errors))
 
 
 def load():
