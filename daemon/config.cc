@@ -2,12 +2,14 @@
 
 #include <fstream>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "daemon/request_limits.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 #include "policies/heuristic.h"
@@ -119,6 +121,10 @@ v1::DaemonConfig WithDefaults(const v1::DaemonConfig& in) {
   if (!limits->has_max_host_quota_bytes()) {
     limits->set_max_host_quota_bytes(64 * kGiB);
   }
+  const RequestLimits d;
+  if (!limits->has_max_label_bytes()) {
+    limits->set_max_label_bytes(d.max_label_bytes);
+  }
   return c;
 }
 
@@ -197,10 +203,18 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
     return Invalid("high_watermark/low_watermark", w.status().message());
   }
   const v1::LimitsConfig& l = c.limits();
-  if (l.max_message_bytes() <= 0 || l.max_batch_events() <= 0 ||
-      l.max_tensors_per_session() <= 0 || l.max_sessions_per_gpu() <= 0 ||
-      l.max_host_quota_bytes() <= 0) {
-    return Invalid("limits", "must all be positive");
+  const std::pair<const char*, int64_t> positive[] = {
+      {"limits.max_message_bytes", l.max_message_bytes()},
+      {"limits.max_batch_events", l.max_batch_events()},
+      {"limits.max_tensors_per_session", l.max_tensors_per_session()},
+      {"limits.max_sessions_per_gpu", l.max_sessions_per_gpu()},
+      {"limits.max_host_quota_bytes", l.max_host_quota_bytes()},
+      {"limits.max_label_bytes", l.max_label_bytes()},
+  };
+  for (const auto& [field, value] : positive) {
+    if (value <= 0) {
+      return Invalid(field, absl::StrCat("must be positive, got ", value));
+    }
   }
   // Otherwise every session that takes the default would be refused.
   if (c.default_host_quota_bytes() > l.max_host_quota_bytes()) {
@@ -210,6 +224,13 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
                                 c.default_host_quota_bytes()));
   }
   return absl::OkStatus();
+}
+
+RequestLimits RequestLimitsFrom(const v1::DaemonConfig& config) {
+  const v1::LimitsConfig& l = config.limits();
+  RequestLimits r;
+  r.max_label_bytes = l.max_label_bytes();
+  return r;
 }
 
 }  // namespace deltad::daemon

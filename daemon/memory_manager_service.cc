@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/request_parser.h"
 
 namespace deltad::daemon {
 
@@ -15,6 +16,43 @@ namespace {
 // How long a stream's writer may take to deliver what is queued once the
 // stream has ended, before the call is cancelled to unblock it.
 constexpr std::chrono::seconds kWriterGrace{2};
+
+// Parses a request off the wire (see ParseRequest).
+absl::Status ParseBuffer(const grpc::ByteBuffer& buffer,
+                         google::protobuf::Message& message) {
+  std::vector<grpc::Slice> slices;  // a small slice holds its bytes inline
+  if (!buffer.Dump(&slices).ok()) {
+    return absl::InvalidArgumentError("the request could not be read");
+  }
+  if (slices.size() == 1) {
+    return ParseRequest(
+        absl::string_view(reinterpret_cast<const char*>(slices[0].begin()),
+                          slices[0].size()),
+        message);
+  }
+  std::string joined;
+  joined.reserve(buffer.Length());
+  for (const grpc::Slice& s : slices) {
+    joined.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return ParseRequest(joined, message);
+}
+
+// A refused batch, as the stream tells it; the stream carries on.
+v1::Orders Refusal(const absl::Status& status) {
+  v1::Orders refused;
+  refused.set_rejected_batch(std::string(status.message()));
+  refused.set_rejected_code(static_cast<int32_t>(status.code()));
+  return refused;
+}
+
+// Parses and validates one request off the wire.
+template <typename Request>
+absl::Status Decode(const grpc::ByteBuffer& buffer, const RequestLimits& limits,
+                    Request* request) {
+  if (absl::Status s = ParseBuffer(buffer, *request); !s.ok()) return s;
+  return Validate(*request, limits);
+}
 }  // namespace
 
 bool Mailboxes::Open(SessionId session) {
@@ -104,6 +142,61 @@ grpc::Status ToGrpc(const absl::Status& status) {
                       std::string(status.message()));
 }
 
+template <typename Request, typename Response>
+void MemoryManagerService::AddUnary(
+    const char* name,
+    grpc::Status (MemoryManagerService::*handler)(grpc::ServerContext*,
+                                                  const Request*, Response*)) {
+  AddMethod(new grpc::internal::RpcServiceMethod(
+      name, grpc::internal::RpcMethod::NORMAL_RPC,
+      new grpc::internal::RpcMethodHandler<MemoryManagerService,
+                                           grpc::ByteBuffer, Response>(
+          [handler](MemoryManagerService* service, grpc::ServerContext* context,
+                    const grpc::ByteBuffer* raw, Response* response) {
+            Request request;
+            if (absl::Status s = Decode(*raw, service->limits_, &request);
+                !s.ok()) {
+              return ToGrpc(s);
+            }
+            return (service->*handler)(context, &request, response);
+          },
+          this)));
+}
+
+MemoryManagerService::MemoryManagerService(Node& node, RequestLimits limits)
+    : node_(node), limits_(limits) {
+  // The names of proto/deltad/v1/memory_manager.proto's service, which the
+  // generated stubs call.
+  AddUnary("/deltad.v1.MemoryManager/OpenSession",
+           &MemoryManagerService::OpenSession);
+  AddUnary("/deltad.v1.MemoryManager/CloseSession",
+           &MemoryManagerService::CloseSession);
+  AddMethod(new grpc::internal::RpcServiceMethod(
+      "/deltad.v1.MemoryManager/Session",
+      grpc::internal::RpcMethod::BIDI_STREAMING,
+      new grpc::internal::BidiStreamingHandler<MemoryManagerService,
+                                               grpc::ByteBuffer, v1::Orders>(
+          [](MemoryManagerService* service, grpc::ServerContext* context,
+             grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream) {
+            return service->Session(context, stream);
+          },
+          this)));
+  AddUnary("/deltad.v1.MemoryManager/Release", &MemoryManagerService::Release);
+  AddUnary("/deltad.v1.MemoryManager/NodeStatus",
+           &MemoryManagerService::NodeStatus);
+  AddUnary("/deltad.v1.MemoryManager/ListTensors",
+           &MemoryManagerService::ListTensors);
+}
+
+bool MemoryManagerService::ReadMessage(
+    grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream,
+    v1::SessionMessage* message, absl::Status* unparsed) {
+  grpc::ByteBuffer raw;
+  if (!stream->Read(&raw)) return false;
+  *unparsed = ParseBuffer(raw, *message);
+  return unparsed->ok();
+}
+
 void MemoryManagerService::Deliver(const OrdersBySession& orders) {
   for (const auto& [session, o] : orders) {
     if (!mailboxes_.Post(session, o)) node_.Undeliverable(session, o);
@@ -137,9 +230,10 @@ grpc::Status MemoryManagerService::CloseSession(
 
 grpc::Status MemoryManagerService::Session(
     grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::Orders, v1::SessionMessage>* stream) {
+    grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream) {
   v1::SessionMessage message;
-  if (!stream->Read(&message)) return grpc::Status::OK;
+  absl::Status unparsed;
+  if (!ReadMessage(stream, &message, &unparsed)) return ToGrpc(unparsed);
   const std::string token = message.session_token();
   auto session = node_.registry().Authorize(token);
   if (!session.ok()) return ToGrpc(session.status());
@@ -163,11 +257,8 @@ grpc::Status MemoryManagerService::Session(
   absl::Status end;  // what the stream ends with
   do {
     if (!message.session_token().empty() && message.session_token() != token) {
-      v1::Orders refused;
-      refused.set_rejected_batch("a stream carries one session's batches");
-      refused.set_rejected_code(
-          static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
-      mailboxes_.Post(id, std::move(refused));
+      mailboxes_.Post(id, Refusal(absl::InvalidArgumentError(
+                              "a stream carries one session's batches")));
       continue;
     }
     if (!message.has_batch()) continue;
@@ -178,14 +269,14 @@ grpc::Status MemoryManagerService::Session(
         end = orders.status();  // closed meanwhile: the stream ends
         break;
       }
-      v1::Orders refused;
-      refused.set_rejected_batch(std::string(orders.status().message()));
-      refused.set_rejected_code(static_cast<int32_t>(orders.status().code()));
-      mailboxes_.Post(id, std::move(refused));
+      mailboxes_.Post(id, Refusal(orders.status()));
       continue;
     }
     Deliver(*orders);
-  } while (stream->Read(&message));
+  } while (ReadMessage(stream, &message, &unparsed));
+  // A message that does not parse ends the stream: what else the client
+  // meant cannot be known.
+  if (end.ok()) end = unparsed;
   // The stream ended: the process closed it or went away. Reclaim now. The
   // writer gets a moment to deliver what is queued; a client that stopped
   // reading would leave it blocked in Write for ever, and cancelling the

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "daemon/node.h"
+#include "daemon/request_limits.h"
 #include "deltad/v1/memory_manager.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
@@ -70,28 +71,35 @@ grpc::Status ToGrpc(const absl::Status& status);
 // The MemoryManager service: translates between the wire and the Node and
 // holds no policy of its own. A session's Session stream is its lifeline:
 // when it ends, the session is reclaimed. Thread safe.
-class MemoryManagerService final : public v1::MemoryManager::Service {
+//
+// Requests arrive as bytes and are parsed and checked here (ParseRequest,
+// Validate), not by gRPC: a request that does not parse, or whose fields
+// pass the limits, gets INVALID_ARGUMENT naming the field, and nothing
+// else happens. The methods below take them parsed and checked.
+class MemoryManagerService final : public grpc::Service {
  public:
-  explicit MemoryManagerService(Node& node) : node_(node) {}
+  explicit MemoryManagerService(Node& node, RequestLimits limits = {});
 
   grpc::Status OpenSession(grpc::ServerContext* context,
                            const v1::OpenSessionRequest* request,
-                           v1::OpenSessionResponse* response) override;
+                           v1::OpenSessionResponse* response);
   grpc::Status CloseSession(grpc::ServerContext* context,
                             const v1::CloseSessionRequest* request,
-                            v1::CloseSessionResponse* response) override;
-  grpc::Status Session(grpc::ServerContext* context,
-                       grpc::ServerReaderWriter<v1::Orders, v1::SessionMessage>*
-                           stream) override;
+                            v1::CloseSessionResponse* response);
+  // The stream's messages are parsed one by one as they come; one that
+  // does not parse ends the stream with INVALID_ARGUMENT.
+  grpc::Status Session(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream);
   grpc::Status Release(grpc::ServerContext* context,
                        const v1::ReleaseRequest* request,
-                       v1::ReleaseResponse* response) override;
+                       v1::ReleaseResponse* response);
   grpc::Status NodeStatus(grpc::ServerContext* context,
                           const v1::NodeStatusRequest* request,
-                          v1::NodeStatusResponse* response) override;
+                          v1::NodeStatusResponse* response);
   grpc::Status ListTensors(grpc::ServerContext* context,
                            const v1::ListTensorsRequest* request,
-                           v1::ListTensorsResponse* response) override;
+                           v1::ListTensorsResponse* response);
 
   // Tells every open stream the daemon is going away, and refuses new
   // sessions (UNAVAILABLE) from now on; clients carry on with their
@@ -104,7 +112,20 @@ class MemoryManagerService final : public v1::MemoryManager::Service {
   void Deliver(const OrdersBySession& orders);
 
  private:
+  // Registers a unary method whose request is parsed and validated before
+  // `handler` sees it.
+  template <typename Request, typename Response>
+  void AddUnary(const char* name,
+                grpc::Status (MemoryManagerService::*handler)(
+                    grpc::ServerContext*, const Request*, Response*));
+  // The stream's next message, parsed: false at the end of the stream,
+  // and with `*unparsed` set when the bytes were not a SessionMessage.
+  static bool ReadMessage(
+      grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream,
+      v1::SessionMessage* message, absl::Status* unparsed);
+
   Node& node_;
+  const RequestLimits limits_;
   Mailboxes mailboxes_;
   BatchCounter batches_;
   std::atomic<bool> draining_{false};

@@ -12,6 +12,7 @@
 #include "common/side_protocol.h"
 #include "common/unix_socket.h"
 #include "daemon/backend/sim_backend.h"
+#include "daemon/config.h"
 #ifdef DELTAD_HAVE_CUDA
 #include "daemon/backend/cuda_backend.h"
 #endif
@@ -154,7 +155,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
       Node::Create(*s->backend_, *s->pool_, s->metrics_.get(), *options);
   if (!node.ok()) return node.status();
   s->node_ = std::move(*node);
-  s->service_ = std::make_unique<MemoryManagerService>(*s->node_);
+  s->service_ = std::make_unique<MemoryManagerService>(
+      *s->node_, RequestLimitsFrom(config));
 
   if (absl::Status claim = ClaimSocketPath(s->socket_path_); !claim.ok()) {
     return claim;
