@@ -125,6 +125,9 @@ v1::DaemonConfig WithDefaults(const v1::DaemonConfig& in) {
   if (!limits->has_max_label_bytes()) {
     limits->set_max_label_bytes(d.max_label_bytes);
   }
+  if (!limits->has_max_status_sessions()) {
+    limits->set_max_status_sessions(d.max_status_sessions);
+  }
   return c;
 }
 
@@ -210,6 +213,7 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
       {"limits.max_sessions_per_gpu", l.max_sessions_per_gpu()},
       {"limits.max_host_quota_bytes", l.max_host_quota_bytes()},
       {"limits.max_label_bytes", l.max_label_bytes()},
+      {"limits.max_status_sessions", l.max_status_sessions()},
   };
   for (const auto& [field, value] : positive) {
     if (value <= 0) {
@@ -230,6 +234,7 @@ RequestLimits RequestLimitsFrom(const v1::DaemonConfig& config) {
   const v1::LimitsConfig& l = config.limits();
   RequestLimits r;
   r.max_label_bytes = l.max_label_bytes();
+  r.max_status_sessions = l.max_status_sessions();
   return r;
 }
 

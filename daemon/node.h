@@ -29,6 +29,10 @@ struct NodeOptions {
   int64_t default_host_quota_bytes = int64_t{8} << 30;
   int max_sessions_per_gpu = 64;
   int64_t max_host_quota_bytes = int64_t{64} << 30;  // per session
+  // NodeStatus lists at most this many sessions, in at most this many
+  // bytes, and counts the others (NodeStatusResponse.sessions_omitted).
+  int max_status_sessions = 1024;
+  int64_t max_status_bytes = int64_t{2} << 20;
   GpuPolicyOptions policy;       // its link bandwidth is taken from the backend
   std::string side_socket_path;  // told to clients in OpenSession
   std::string version = "0.1.0";
@@ -101,6 +105,7 @@ class Node {
                             absl::string_view peer_token,
                             absl::Span<const uint64_t> chunk_ids);
 
+  // Every GPU, and the sessions within NodeOptions' bounds.
   v1::NodeStatusResponse Status() const;
 
   // The daemon is going away: sessions reclaimed from now on keep their

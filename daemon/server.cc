@@ -92,6 +92,9 @@ absl::StatusOr<NodeOptions> NodeOptionsFrom(const v1::DaemonConfig& config) {
   o.default_host_quota_bytes = config.default_host_quota_bytes();
   o.max_sessions_per_gpu = config.limits().max_sessions_per_gpu();
   o.max_host_quota_bytes = config.limits().max_host_quota_bytes();
+  o.max_status_sessions = config.limits().max_status_sessions();
+  // Half the message limit: the GPUs and the rest of the reply fit beside.
+  o.max_status_bytes = config.limits().max_message_bytes() / 2;
   auto heuristic = policy::ParseHeuristic(config.heuristic());
   if (!heuristic.ok()) return heuristic.status();
   o.policy.filter.heuristic = *heuristic;

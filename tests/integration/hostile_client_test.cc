@@ -4,7 +4,9 @@
 // tries to wear the daemon down. Each case checks that the refusal is a
 // clear status naming the field or limit, that nothing else changed, and
 // that an honest session on the same GPU can still Release.
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -23,6 +25,7 @@ using ::testing::HasSubstr;
 
 constexpr int kMaxLabelBytes = 64;
 constexpr int kMaxBatchEvents = 16;
+constexpr int kMaxStatusSessions = 3;
 
 // A string field `number` holding `bytes` on the wire, which protobuf's
 // own serializer would refuse to write when they are not UTF-8.
@@ -41,8 +44,9 @@ grpc::ByteBuffer Bytes(const std::string& bytes) {
 class HostileClientTest : public DaemonTest {
  protected:
   void SetUp() override {
-    StartDaemonWithLimits(absl::StrCat("max_label_bytes: ", kMaxLabelBytes,
-                                       " max_batch_events: ", kMaxBatchEvents));
+    StartDaemonWithLimits(absl::StrCat(
+        "max_label_bytes: ", kMaxLabelBytes, " max_batch_events: ",
+        kMaxBatchEvents, " max_status_sessions: ", kMaxStatusSessions));
     // The honest session: a tensor on GPU 0, on a stream that reads.
     honest_ = MustOpen(peer_->token(), 0);
     honest_stream_ =
@@ -193,6 +197,31 @@ TEST_F(HostileClientTest, TooManyRepeatedFieldsAreRefusedAndNothingApplied) {
   // The stream and its session carry on.
   ASSERT_TRUE(stream.Send(Created({7})));
   EXPECT_TRUE(WaitForTensors(mine.session_id(), 1));
+}
+
+TEST_F(HostileClientTest, ManySessionsWithLongLabelsLeaveNodeStatusBounded) {
+  // Three more processes, each with a session on both GPUs: seven in all.
+  std::vector<std::unique_ptr<PeerProcess>> others;
+  for (int p = 0; p < 3; ++p) {
+    auto other = PeerProcess::Start(daemon_->side_socket_path());
+    ASSERT_TRUE(other.ok()) << other.status();
+    for (int gpu = 0; gpu < 2; ++gpu) {
+      v1::OpenSessionRequest request;
+      request.set_gpu(gpu);
+      request.set_peer_token((*other)->token());
+      request.set_label(std::string(kMaxLabelBytes, 'L'));
+      ASSERT_TRUE(Open(request).ok());
+    }
+    others.push_back(std::move(*other));
+  }
+  // As deltactl status and sessions ask.
+  const v1::NodeStatusResponse status = Status();
+  EXPECT_EQ(status.sessions_size(), kMaxStatusSessions);
+  EXPECT_EQ(status.sessions_omitted(), 7u - kMaxStatusSessions);
+  uint32_t on_gpus = 0;
+  for (const v1::GpuStatus& g : status.gpus()) on_gpus += g.sessions();
+  EXPECT_EQ(on_gpus, 7u) << "the GPUs count every session";
+  EXPECT_LT(status.ByteSizeLong(), size_t{4} << 20);
 }
 
 }  // namespace

@@ -83,6 +83,7 @@ TEST(Config, EachBadValueIsRefusedNamingTheField) {
       {"limits { max_batch_events: 0 }", "limits"},
       {"limits { max_host_quota_bytes: 0 }", "limits"},
       {"limits { max_label_bytes: 0 }", "limits.max_label_bytes"},
+      {"limits { max_status_sessions: 0 }", "limits.max_status_sessions"},
       {"default_host_quota_bytes: 2048 limits { max_host_quota_bytes: 1024 }",
        "default_host_quota_bytes"},
   };
