@@ -128,6 +128,9 @@ v1::DaemonConfig WithDefaults(const v1::DaemonConfig& in) {
   if (!limits->has_max_status_sessions()) {
     limits->set_max_status_sessions(d.max_status_sessions);
   }
+  if (!limits->has_max_queued_order_bytes()) {
+    limits->set_max_queued_order_bytes(d.max_queued_order_bytes);
+  }
   return c;
 }
 
@@ -214,6 +217,7 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
       {"limits.max_host_quota_bytes", l.max_host_quota_bytes()},
       {"limits.max_label_bytes", l.max_label_bytes()},
       {"limits.max_status_sessions", l.max_status_sessions()},
+      {"limits.max_queued_order_bytes", l.max_queued_order_bytes()},
   };
   for (const auto& [field, value] : positive) {
     if (value <= 0) {
@@ -235,6 +239,7 @@ RequestLimits RequestLimitsFrom(const v1::DaemonConfig& config) {
   RequestLimits r;
   r.max_label_bytes = l.max_label_bytes();
   r.max_status_sessions = l.max_status_sessions();
+  r.max_queued_order_bytes = l.max_queued_order_bytes();
   return r;
 }
 

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/request_parser.h"
+#include "grpc/grpc.h"
 
 namespace deltad::daemon {
 
@@ -39,7 +40,7 @@ absl::Status ParseBuffer(const grpc::ByteBuffer& buffer,
 }
 
 // A refused batch, as the stream tells it; the stream carries on.
-v1::Orders Refusal(const absl::Status& status) {
+v1::Orders Rejected(const absl::Status& status) {
   v1::Orders refused;
   refused.set_rejected_batch(std::string(status.message()));
   refused.set_rejected_code(static_cast<int32_t>(status.code()));
@@ -55,9 +56,11 @@ absl::Status Decode(const grpc::ByteBuffer& buffer, const RequestLimits& limits,
 }
 }  // namespace
 
-bool Mailboxes::Open(SessionId session) {
+bool Mailboxes::Open(SessionId session, std::function<void()> on_overflow) {
   std::lock_guard<std::mutex> lock(mu_);
-  return boxes_.emplace(session, Box{}).second;
+  Box box;
+  box.on_overflow = std::move(on_overflow);
+  return boxes_.emplace(session, std::move(box)).second;
 }
 
 void Mailboxes::Close(SessionId session) {
@@ -74,7 +77,18 @@ bool Mailboxes::Post(SessionId session, v1::Orders orders) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = boxes_.find(session);
     if (it == boxes_.end() || it->second.closed) return false;
-    it->second.queue.push_back(std::move(orders));
+    Box& box = it->second;
+    const auto bytes = static_cast<int64_t>(orders.ByteSizeLong());
+    if (box.bytes + bytes > max_queued_bytes_) {
+      box.closed = true;
+      box.queue.clear();
+      box.bytes = 0;
+      if (box.on_overflow) std::exchange(box.on_overflow, nullptr)();
+      cv_.notify_all();
+      return false;
+    }
+    box.bytes += bytes;
+    box.queue.push_back({std::move(orders), bytes});
   }
   cv_.notify_all();
   return true;
@@ -83,8 +97,12 @@ bool Mailboxes::Post(SessionId session, v1::Orders orders) {
 void Mailboxes::Broadcast(const v1::Orders& orders) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // Unbounded, once: a few bytes per box.
+    const auto bytes = static_cast<int64_t>(orders.ByteSizeLong());
     for (auto& [session, box] : boxes_) {
-      if (!box.closed) box.queue.push_back(orders);
+      if (box.closed) continue;
+      box.queue.push_back({orders, bytes});
+      box.bytes += bytes;
     }
   }
   cv_.notify_all();
@@ -97,7 +115,8 @@ bool Mailboxes::Take(SessionId session, v1::Orders* out) {
     if (it == boxes_.end()) return false;
     Box& box = it->second;
     if (!box.queue.empty()) {
-      *out = std::move(box.queue.front());
+      *out = std::move(box.queue.front().orders);
+      box.bytes -= box.queue.front().bytes;
       box.queue.pop_front();
       return true;
     }
@@ -156,6 +175,7 @@ void MemoryManagerService::AddUnary(
             Request request;
             if (absl::Status s = Decode(*raw, service->limits_, &request);
                 !s.ok()) {
+              service->CountInvalid();
               return ToGrpc(s);
             }
             return (service->*handler)(context, &request, response);
@@ -163,8 +183,12 @@ void MemoryManagerService::AddUnary(
           this)));
 }
 
-MemoryManagerService::MemoryManagerService(Node& node, RequestLimits limits)
-    : node_(node), limits_(limits) {
+MemoryManagerService::MemoryManagerService(Node& node, RequestLimits limits,
+                                           Metrics* metrics)
+    : node_(node),
+      limits_(limits),
+      metrics_(metrics),
+      mailboxes_(limits.max_queued_order_bytes) {
   // The names of proto/deltad/v1/memory_manager.proto's service, which the
   // generated stubs call.
   AddUnary("/deltad.v1.MemoryManager/OpenSession",
@@ -195,6 +219,25 @@ bool MemoryManagerService::ReadMessage(
   if (!stream->Read(&raw)) return false;
   *unparsed = ParseBuffer(raw, *message);
   return unparsed->ok();
+}
+
+void MemoryManagerService::CountInvalid() {
+  if (metrics_ != nullptr) metrics_->AddRefusal(Refusal::kInvalidRequest);
+}
+
+void MemoryManagerService::EndUnread(grpc::ServerContext* context,
+                                     SessionId session) {
+  if (metrics_ != nullptr) metrics_->AddRefusal(Refusal::kQueuedOrderBytes);
+  const std::string why = absl::StrCat(
+      "session ", session,
+      " did not read its stream: the orders waiting for it passed ",
+      limits_.max_queued_order_bytes,
+      " bytes (limits.max_queued_order_bytes); the session is closed");
+  // TryCancel would end the call as CANCELLED, with no reason. The status
+  // goes out as HTTP/2 trailers, which flow control does not hold back
+  // behind the data the process never read.
+  grpc_call_cancel_with_status(
+      context->c_call(), GRPC_STATUS_RESOURCE_EXHAUSTED, why.c_str(), nullptr);
 }
 
 void MemoryManagerService::Deliver(const OrdersBySession& orders) {
@@ -233,12 +276,15 @@ grpc::Status MemoryManagerService::Session(
     grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream) {
   v1::SessionMessage message;
   absl::Status unparsed;
-  if (!ReadMessage(stream, &message, &unparsed)) return ToGrpc(unparsed);
+  if (!ReadMessage(stream, &message, &unparsed)) {
+    if (!unparsed.ok()) CountInvalid();
+    return ToGrpc(unparsed);
+  }
   const std::string token = message.session_token();
   auto session = node_.registry().Authorize(token);
   if (!session.ok()) return ToGrpc(session.status());
   const SessionId id = session->id;
-  if (!mailboxes_.Open(id)) {
+  if (!mailboxes_.Open(id, [this, context, id] { EndUnread(context, id); })) {
     return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
                         "this session already has a stream");
   }
@@ -257,7 +303,7 @@ grpc::Status MemoryManagerService::Session(
   absl::Status end;  // what the stream ends with
   do {
     if (!message.session_token().empty() && message.session_token() != token) {
-      mailboxes_.Post(id, Refusal(absl::InvalidArgumentError(
+      mailboxes_.Post(id, Rejected(absl::InvalidArgumentError(
                               "a stream carries one session's batches")));
       continue;
     }
@@ -269,14 +315,17 @@ grpc::Status MemoryManagerService::Session(
         end = orders.status();  // closed meanwhile: the stream ends
         break;
       }
-      mailboxes_.Post(id, Refusal(orders.status()));
+      mailboxes_.Post(id, Rejected(orders.status()));
       continue;
     }
     Deliver(*orders);
   } while (ReadMessage(stream, &message, &unparsed));
   // A message that does not parse ends the stream: what else the client
   // meant cannot be known.
-  if (end.ok()) end = unparsed;
+  if (end.ok() && !unparsed.ok()) {
+    CountInvalid();
+    end = unparsed;
+  }
   // The stream ended: the process closed it or went away. Reclaim now. The
   // writer gets a moment to deliver what is queued; a client that stopped
   // reading would leave it blocked in Write for ever, and cancelling the

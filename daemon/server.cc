@@ -159,7 +159,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   if (!node.ok()) return node.status();
   s->node_ = std::move(*node);
   s->service_ = std::make_unique<MemoryManagerService>(
-      *s->node_, RequestLimitsFrom(config));
+      *s->node_, RequestLimitsFrom(config), s->metrics_.get());
 
   if (absl::Status claim = ClaimSocketPath(s->socket_path_); !claim.ok()) {
     return claim;

@@ -4,6 +4,8 @@
 // tries to wear the daemon down. Each case checks that the refusal is a
 // clear status naming the field or limit, that nothing else changed, and
 // that an honest session on the same GPU can still Release.
+#include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,6 +28,10 @@ using ::testing::HasSubstr;
 constexpr int kMaxLabelBytes = 64;
 constexpr int kMaxBatchEvents = 16;
 constexpr int kMaxStatusSessions = 3;
+constexpr int kMaxQueuedOrderBytes = 64 * 1024;
+// What a flood may add to the daemon's resident memory (the issue's target
+// for every flood).
+constexpr int64_t kFloodRssBound = 64 * kMiB;
 
 // A string field `number` holding `bytes` on the wire, which protobuf's
 // own serializer would refuse to write when they are not UTF-8.
@@ -34,6 +40,17 @@ std::string RawStringField(int number, const std::string& bytes) {
   wire.push_back(static_cast<char>((number << 3) | 2));
   wire.push_back(static_cast<char>(bytes.size()));  // under 128 here
   return wire + bytes;
+}
+
+// The resident memory of process `pid` (VmRSS), in bytes; -1 if unknown.
+int64_t RssBytes(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0)
+      return std::atoll(line.c_str() + 6) * 1024;
+  }
+  return -1;
 }
 
 grpc::ByteBuffer Bytes(const std::string& bytes) {
@@ -46,7 +63,8 @@ class HostileClientTest : public DaemonTest {
   void SetUp() override {
     StartDaemonWithLimits(absl::StrCat(
         "max_label_bytes: ", kMaxLabelBytes, " max_batch_events: ",
-        kMaxBatchEvents, " max_status_sessions: ", kMaxStatusSessions));
+        kMaxBatchEvents, " max_status_sessions: ", kMaxStatusSessions,
+        " max_queued_order_bytes: ", kMaxQueuedOrderBytes));
     // The honest session: a tensor on GPU 0, on a stream that reads.
     honest_ = MustOpen(peer_->token(), 0);
     honest_stream_ =
@@ -222,6 +240,44 @@ TEST_F(HostileClientTest, ManySessionsWithLongLabelsLeaveNodeStatusBounded) {
   for (const v1::GpuStatus& g : status.gpus()) on_gpus += g.sessions();
   EXPECT_EQ(on_gpus, 7u) << "the GPUs count every session";
   EXPECT_LT(status.ByteSizeLong(), size_t{4} << 20);
+}
+
+TEST_F(HostileClientTest, AStreamNeverReadIsEndedWithResourceExhausted) {
+  auto other = PeerProcess::Start(daemon_->side_socket_path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  const v1::OpenSessionResponse mine = MustOpen((*other)->token(), 0);
+  const int64_t rss_before = RssBytes(daemon_->pid());
+  auto stub = v1::MemoryManager::NewStub(daemon_->NewChannel());
+  grpc::ClientContext context;
+  context.set_deadline(Deadline());
+  auto stream = stub->Session(&context);
+  v1::SessionMessage hello;
+  hello.set_session_token(mine.session_token());
+  ASSERT_TRUE(stream->Write(hello));
+  // Each batch is refused (no tensor 999), and each refusal is an order
+  // that waits for the process to read it, which it never does.
+  v1::SessionMessage refused;
+  *refused.mutable_batch() = Event(v1::TensorEvent::ACCESSED, 999);
+  constexpr int kMostBatches = 300000;
+  int sent = 0;
+  while (sent < kMostBatches && stream->Write(refused)) ++sent;
+  // gRPC hands a client the status only once it has read what came before.
+  v1::Orders unread;
+  while (stream->Read(&unread)) {
+  }
+  const grpc::Status s = stream->Finish();
+  EXPECT_LT(sent, kMostBatches) << "the daemon never ended the stream";
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << Describe(s);
+  EXPECT_THAT(s.error_message(), HasSubstr("limits.max_queued_order_bytes"));
+  EXPECT_TRUE(WaitForStatus([&](const v1::NodeStatusResponse& r) {
+    return r.sessions_size() == 1;  // the honest one
+  })) << "the unread session was not closed";
+  EXPECT_LT(RssBytes(daemon_->pid()) - rss_before, kFloodRssBound);
+  const std::string metrics =
+      Http(MetricsPort(daemon_->Output()), "GET", "/metrics").second;
+  EXPECT_THAT(metrics, HasSubstr("deltad_refused_total{limit=\"max_queued_"
+                                 "order_bytes\"} 1"));
 }
 
 }  // namespace

@@ -84,6 +84,8 @@ TEST(Config, EachBadValueIsRefusedNamingTheField) {
       {"limits { max_host_quota_bytes: 0 }", "limits"},
       {"limits { max_label_bytes: 0 }", "limits.max_label_bytes"},
       {"limits { max_status_sessions: 0 }", "limits.max_status_sessions"},
+      {"limits { max_queued_order_bytes: -1 }",
+       "limits.max_queued_order_bytes"},
       {"default_host_quota_bytes: 2048 limits { max_host_quota_bytes: 1024 }",
        "default_host_quota_bytes"},
   };
