@@ -53,6 +53,24 @@ absl::Status Invalid(absl::string_view field, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat("config: ", field, " ", why));
 }
 
+// The limits whose defaults request_limits.h holds.
+v1::LimitsConfig DefaultRequestLimits() {
+  const RequestLimits d;
+  v1::LimitsConfig l;
+  l.set_max_label_bytes(d.max_label_bytes);
+  l.set_max_status_sessions(d.max_status_sessions);
+  l.set_max_queued_order_bytes(d.max_queued_order_bytes);
+  l.set_max_sessions_per_uid(d.max_sessions_per_uid);
+  l.set_grpc_memory_bytes(d.grpc_memory_bytes);
+  l.set_grpc_max_threads(d.grpc_max_threads);
+  l.set_max_concurrent_streams(d.max_concurrent_streams);
+  l.set_min_ping_interval_ms(d.min_ping_interval_ms);
+  l.set_max_ping_strikes(d.max_ping_strikes);
+  l.set_keepalive_time_ms(d.keepalive_time_ms);
+  l.set_keepalive_timeout_ms(d.keepalive_timeout_ms);
+  return l;
+}
+
 }  // namespace
 
 absl::StatusOr<v1::DaemonConfig> ParseConfig(absl::string_view text,
@@ -121,16 +139,10 @@ v1::DaemonConfig WithDefaults(const v1::DaemonConfig& in) {
   if (!limits->has_max_host_quota_bytes()) {
     limits->set_max_host_quota_bytes(64 * kGiB);
   }
-  const RequestLimits d;
-  if (!limits->has_max_label_bytes()) {
-    limits->set_max_label_bytes(d.max_label_bytes);
-  }
-  if (!limits->has_max_status_sessions()) {
-    limits->set_max_status_sessions(d.max_status_sessions);
-  }
-  if (!limits->has_max_queued_order_bytes()) {
-    limits->set_max_queued_order_bytes(d.max_queued_order_bytes);
-  }
+  // The file's fields over request_limits.h's defaults.
+  v1::LimitsConfig merged = DefaultRequestLimits();
+  merged.MergeFrom(*limits);
+  *limits = std::move(merged);
   return c;
 }
 
@@ -218,6 +230,14 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
       {"limits.max_label_bytes", l.max_label_bytes()},
       {"limits.max_status_sessions", l.max_status_sessions()},
       {"limits.max_queued_order_bytes", l.max_queued_order_bytes()},
+      {"limits.max_sessions_per_uid", l.max_sessions_per_uid()},
+      {"limits.grpc_memory_bytes", l.grpc_memory_bytes()},
+      {"limits.grpc_max_threads", l.grpc_max_threads()},
+      {"limits.max_concurrent_streams", l.max_concurrent_streams()},
+      {"limits.min_ping_interval_ms", l.min_ping_interval_ms()},
+      {"limits.max_ping_strikes", l.max_ping_strikes()},
+      {"limits.keepalive_time_ms", l.keepalive_time_ms()},
+      {"limits.keepalive_timeout_ms", l.keepalive_timeout_ms()},
   };
   for (const auto& [field, value] : positive) {
     if (value <= 0) {

@@ -28,6 +28,7 @@ struct NodeOptions {
   int64_t min_session_bytes = int64_t{1} << 30;
   int64_t default_host_quota_bytes = int64_t{8} << 30;
   int max_sessions_per_gpu = 64;
+  int max_sessions_per_uid = 256;                    // on all GPUs
   int64_t max_host_quota_bytes = int64_t{64} << 30;  // per session
   // NodeStatus lists at most this many sessions, in at most this many
   // bytes, and counts the others (NodeStatusResponse.sessions_omitted).
@@ -142,7 +143,7 @@ class Node {
         pool_(pool),
         metrics_(metrics),
         options_(std::move(options)),
-        registry_(options_.max_sessions_per_gpu),
+        registry_(options_.max_sessions_per_gpu, options_.max_sessions_per_uid),
         chunks_(backend) {}
   // Removes a session from its GPU and the pool; the lock of its GPU must
   // not be held.

@@ -26,10 +26,6 @@ struct RequestLimits {
   int64_t max_queued_order_bytes = int64_t{1} << 20;
   // Sessions of one user (uid), on all GPUs together.
   int32_t max_sessions_per_uid = 256;
-  // Side-socket connections (one per training process), in all and of one
-  // user; each holds a thread.
-  int32_t max_side_connections = 4096;
-  int32_t max_side_connections_per_uid = 512;
 
   // --- Replies.
   // Sessions listed in one NodeStatus reply; the rest are counted in
@@ -53,11 +49,6 @@ struct RequestLimits {
   // not hold a stream and its thread for ever.
   int32_t keepalive_time_ms = 60000;
   int32_t keepalive_timeout_ms = 20000;
-
-  // --- Logs.
-  // Lines that client input causes (refusals, protocol errors) per minute;
-  // beyond, they are counted and summarised in one line.
-  int32_t log_lines_per_minute = 60;
 };
 
 // Whether a request's fields are within the limits. INVALID_ARGUMENT with a

@@ -86,6 +86,9 @@ TEST(Config, EachBadValueIsRefusedNamingTheField) {
       {"limits { max_status_sessions: 0 }", "limits.max_status_sessions"},
       {"limits { max_queued_order_bytes: -1 }",
        "limits.max_queued_order_bytes"},
+      {"limits { max_sessions_per_uid: 0 }", "limits.max_sessions_per_uid"},
+      {"limits { grpc_max_threads: 0 }", "limits.grpc_max_threads"},
+      {"limits { max_ping_strikes: 0 }", "limits.max_ping_strikes"},
       {"default_host_quota_bytes: 2048 limits { max_host_quota_bytes: 1024 }",
        "default_host_quota_bytes"},
   };
