@@ -2,12 +2,14 @@
 
 #include <fstream>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "daemon/request_limits.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 #include "policies/heuristic.h"
@@ -49,6 +51,24 @@ bool IsHostPort(absl::string_view address) {
 
 absl::Status Invalid(absl::string_view field, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat("config: ", field, " ", why));
+}
+
+// The limits whose defaults request_limits.h holds.
+v1::LimitsConfig DefaultRequestLimits() {
+  const RequestLimits d;
+  v1::LimitsConfig l;
+  l.set_max_label_bytes(d.max_label_bytes);
+  l.set_max_status_sessions(d.max_status_sessions);
+  l.set_max_queued_order_bytes(d.max_queued_order_bytes);
+  l.set_max_sessions_per_uid(d.max_sessions_per_uid);
+  l.set_grpc_memory_bytes(d.grpc_memory_bytes);
+  l.set_grpc_max_threads(d.grpc_max_threads);
+  l.set_max_concurrent_streams(d.max_concurrent_streams);
+  l.set_min_ping_interval_ms(d.min_ping_interval_ms);
+  l.set_max_ping_strikes(d.max_ping_strikes);
+  l.set_keepalive_time_ms(d.keepalive_time_ms);
+  l.set_keepalive_timeout_ms(d.keepalive_timeout_ms);
+  return l;
 }
 
 }  // namespace
@@ -119,6 +139,10 @@ v1::DaemonConfig WithDefaults(const v1::DaemonConfig& in) {
   if (!limits->has_max_host_quota_bytes()) {
     limits->set_max_host_quota_bytes(64 * kGiB);
   }
+  // The file's fields over request_limits.h's defaults.
+  v1::LimitsConfig merged = DefaultRequestLimits();
+  merged.MergeFrom(*limits);
+  *limits = std::move(merged);
   return c;
 }
 
@@ -197,10 +221,28 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
     return Invalid("high_watermark/low_watermark", w.status().message());
   }
   const v1::LimitsConfig& l = c.limits();
-  if (l.max_message_bytes() <= 0 || l.max_batch_events() <= 0 ||
-      l.max_tensors_per_session() <= 0 || l.max_sessions_per_gpu() <= 0 ||
-      l.max_host_quota_bytes() <= 0) {
-    return Invalid("limits", "must all be positive");
+  const std::pair<const char*, int64_t> positive[] = {
+      {"limits.max_message_bytes", l.max_message_bytes()},
+      {"limits.max_batch_events", l.max_batch_events()},
+      {"limits.max_tensors_per_session", l.max_tensors_per_session()},
+      {"limits.max_sessions_per_gpu", l.max_sessions_per_gpu()},
+      {"limits.max_host_quota_bytes", l.max_host_quota_bytes()},
+      {"limits.max_label_bytes", l.max_label_bytes()},
+      {"limits.max_status_sessions", l.max_status_sessions()},
+      {"limits.max_queued_order_bytes", l.max_queued_order_bytes()},
+      {"limits.max_sessions_per_uid", l.max_sessions_per_uid()},
+      {"limits.grpc_memory_bytes", l.grpc_memory_bytes()},
+      {"limits.grpc_max_threads", l.grpc_max_threads()},
+      {"limits.max_concurrent_streams", l.max_concurrent_streams()},
+      {"limits.min_ping_interval_ms", l.min_ping_interval_ms()},
+      {"limits.max_ping_strikes", l.max_ping_strikes()},
+      {"limits.keepalive_time_ms", l.keepalive_time_ms()},
+      {"limits.keepalive_timeout_ms", l.keepalive_timeout_ms()},
+  };
+  for (const auto& [field, value] : positive) {
+    if (value <= 0) {
+      return Invalid(field, absl::StrCat("must be positive, got ", value));
+    }
   }
   // Otherwise every session that takes the default would be refused.
   if (c.default_host_quota_bytes() > l.max_host_quota_bytes()) {
@@ -210,6 +252,15 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
                                 c.default_host_quota_bytes()));
   }
   return absl::OkStatus();
+}
+
+RequestLimits RequestLimitsFrom(const v1::DaemonConfig& config) {
+  const v1::LimitsConfig& l = config.limits();
+  RequestLimits r;
+  r.max_label_bytes = l.max_label_bytes();
+  r.max_status_sessions = l.max_status_sessions();
+  r.max_queued_order_bytes = l.max_queued_order_bytes();
+  return r;
 }
 
 }  // namespace deltad::daemon

@@ -5,6 +5,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "daemon/request_limits.h"
 #include "deltad/v1/daemon_config.pb.h"
 
 namespace deltad::daemon {
@@ -21,6 +22,9 @@ v1::DaemonConfig WithDefaults(const v1::DaemonConfig& config);
 // Checks a configuration with defaults applied; the message names the field
 // and what is wrong with its value.
 absl::Status ValidateConfig(const v1::DaemonConfig& config);
+
+// The limits a configuration (with defaults filled in) sets.
+RequestLimits RequestLimitsFrom(const v1::DaemonConfig& config);
 
 }  // namespace deltad::daemon
 

@@ -169,10 +169,11 @@ absl::Status GpuPolicy::Apply(SessionId session, const v1::EventBatch& batch,
   const int64_t entries =
       int64_t{batch.created_size()} + int64_t{batch.events_size()};
   if (entries > options_.max_batch_events) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("batch has ", batch.created_size(), " creations and ",
-                     batch.events_size(), " events; the limit is ",
-                     options_.max_batch_events, " in all"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "batch has ", batch.created_size(),
+        " creations (EventBatch.created) and ", batch.events_size(),
+        " events (EventBatch.events); the limit is ", options_.max_batch_events,
+        " in all (limits.max_batch_events)"));
   }
   Session& s = it->second;
   BatchPlan plan;
@@ -193,7 +194,7 @@ absl::Status GpuPolicy::PlanCreations(SessionId session, const Session& s,
         "session ", session, " would hold ", records,
         " tensor records (freed ones still needed for recompute included); "
         "the limit is ",
-        options_.max_tensors_per_session));
+        options_.max_tensors_per_session, " (limits.max_tensors_per_session)"));
   }
   plan.specs.reserve(n);
   plan.spec_locals.reserve(n);
@@ -222,9 +223,9 @@ absl::Status GpuPolicy::PlanCreations(SessionId session, const Session& s,
     // linking and unlinking parents costs time under the GPU's lock, which
     // every session on the GPU waits for.
     if (c.parent_ids_size() > kMaxParents) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", own, ": ", c.parent_ids_size(),
-                       " parents, the most is ", kMaxParents));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", own, ": ", c.parent_ids_size(),
+          " parents (TensorCreated.parent_ids), the most is ", kMaxParents));
     }
     if (!plan.created.emplace(own, plan.specs.size()).second) {
       return absl::AlreadyExistsError(

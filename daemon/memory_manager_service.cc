@@ -8,6 +8,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/request_parser.h"
+#include "grpc/grpc.h"
 
 namespace deltad::daemon {
 
@@ -15,11 +17,50 @@ namespace {
 // How long a stream's writer may take to deliver what is queued once the
 // stream has ended, before the call is cancelled to unblock it.
 constexpr std::chrono::seconds kWriterGrace{2};
+
+// Parses a request off the wire (see ParseRequest).
+absl::Status ParseBuffer(const grpc::ByteBuffer& buffer,
+                         google::protobuf::Message& message) {
+  std::vector<grpc::Slice> slices;  // a small slice holds its bytes inline
+  if (!buffer.Dump(&slices).ok()) {
+    return absl::InvalidArgumentError("the request could not be read");
+  }
+  if (slices.size() == 1) {
+    return ParseRequest(
+        absl::string_view(reinterpret_cast<const char*>(slices[0].begin()),
+                          slices[0].size()),
+        message);
+  }
+  std::string joined;
+  joined.reserve(buffer.Length());
+  for (const grpc::Slice& s : slices) {
+    joined.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return ParseRequest(joined, message);
+}
+
+// A refused batch, as the stream tells it; the stream carries on.
+v1::Orders Rejected(const absl::Status& status) {
+  v1::Orders refused;
+  refused.set_rejected_batch(std::string(status.message()));
+  refused.set_rejected_code(static_cast<int32_t>(status.code()));
+  return refused;
+}
+
+// Parses and validates one request off the wire.
+template <typename Request>
+absl::Status Decode(const grpc::ByteBuffer& buffer, const RequestLimits& limits,
+                    Request* request) {
+  if (absl::Status s = ParseBuffer(buffer, *request); !s.ok()) return s;
+  return Validate(*request, limits);
+}
 }  // namespace
 
-bool Mailboxes::Open(SessionId session) {
+bool Mailboxes::Open(SessionId session, std::function<void()> on_overflow) {
   std::lock_guard<std::mutex> lock(mu_);
-  return boxes_.emplace(session, Box{}).second;
+  Box box;
+  box.on_overflow = std::move(on_overflow);
+  return boxes_.emplace(session, std::move(box)).second;
 }
 
 void Mailboxes::Close(SessionId session) {
@@ -36,7 +77,18 @@ bool Mailboxes::Post(SessionId session, v1::Orders orders) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = boxes_.find(session);
     if (it == boxes_.end() || it->second.closed) return false;
-    it->second.queue.push_back(std::move(orders));
+    Box& box = it->second;
+    const auto bytes = static_cast<int64_t>(orders.ByteSizeLong());
+    if (box.bytes + bytes > max_queued_bytes_) {
+      box.closed = true;
+      box.queue.clear();
+      box.bytes = 0;
+      if (box.on_overflow) std::exchange(box.on_overflow, nullptr)();
+      cv_.notify_all();
+      return false;
+    }
+    box.bytes += bytes;
+    box.queue.push_back({std::move(orders), bytes});
   }
   cv_.notify_all();
   return true;
@@ -45,8 +97,12 @@ bool Mailboxes::Post(SessionId session, v1::Orders orders) {
 void Mailboxes::Broadcast(const v1::Orders& orders) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // Unbounded, once: a few bytes per box.
+    const auto bytes = static_cast<int64_t>(orders.ByteSizeLong());
     for (auto& [session, box] : boxes_) {
-      if (!box.closed) box.queue.push_back(orders);
+      if (box.closed) continue;
+      box.queue.push_back({orders, bytes});
+      box.bytes += bytes;
     }
   }
   cv_.notify_all();
@@ -59,7 +115,8 @@ bool Mailboxes::Take(SessionId session, v1::Orders* out) {
     if (it == boxes_.end()) return false;
     Box& box = it->second;
     if (!box.queue.empty()) {
-      *out = std::move(box.queue.front());
+      *out = std::move(box.queue.front().orders);
+      box.bytes -= box.queue.front().bytes;
       box.queue.pop_front();
       return true;
     }
@@ -104,6 +161,85 @@ grpc::Status ToGrpc(const absl::Status& status) {
                       std::string(status.message()));
 }
 
+template <typename Request, typename Response>
+void MemoryManagerService::AddUnary(
+    const char* name,
+    grpc::Status (MemoryManagerService::*handler)(grpc::ServerContext*,
+                                                  const Request*, Response*)) {
+  AddMethod(new grpc::internal::RpcServiceMethod(
+      name, grpc::internal::RpcMethod::NORMAL_RPC,
+      new grpc::internal::RpcMethodHandler<MemoryManagerService,
+                                           grpc::ByteBuffer, Response>(
+          [handler](MemoryManagerService* service, grpc::ServerContext* context,
+                    const grpc::ByteBuffer* raw, Response* response) {
+            Request request;
+            if (absl::Status s = Decode(*raw, service->limits_, &request);
+                !s.ok()) {
+              service->CountInvalid();
+              return ToGrpc(s);
+            }
+            return (service->*handler)(context, &request, response);
+          },
+          this)));
+}
+
+MemoryManagerService::MemoryManagerService(Node& node, RequestLimits limits,
+                                           Metrics* metrics)
+    : node_(node),
+      limits_(limits),
+      metrics_(metrics),
+      mailboxes_(limits.max_queued_order_bytes) {
+  // The names of proto/deltad/v1/memory_manager.proto's service, which the
+  // generated stubs call.
+  AddUnary("/deltad.v1.MemoryManager/OpenSession",
+           &MemoryManagerService::OpenSession);
+  AddUnary("/deltad.v1.MemoryManager/CloseSession",
+           &MemoryManagerService::CloseSession);
+  AddMethod(new grpc::internal::RpcServiceMethod(
+      "/deltad.v1.MemoryManager/Session",
+      grpc::internal::RpcMethod::BIDI_STREAMING,
+      new grpc::internal::BidiStreamingHandler<MemoryManagerService,
+                                               grpc::ByteBuffer, v1::Orders>(
+          [](MemoryManagerService* service, grpc::ServerContext* context,
+             grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream) {
+            return service->Session(context, stream);
+          },
+          this)));
+  AddUnary("/deltad.v1.MemoryManager/Release", &MemoryManagerService::Release);
+  AddUnary("/deltad.v1.MemoryManager/NodeStatus",
+           &MemoryManagerService::NodeStatus);
+  AddUnary("/deltad.v1.MemoryManager/ListTensors",
+           &MemoryManagerService::ListTensors);
+}
+
+bool MemoryManagerService::ReadMessage(
+    grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream,
+    v1::SessionMessage* message, absl::Status* unparsed) {
+  grpc::ByteBuffer raw;
+  if (!stream->Read(&raw)) return false;
+  *unparsed = ParseBuffer(raw, *message);
+  return unparsed->ok();
+}
+
+void MemoryManagerService::CountInvalid() {
+  if (metrics_ != nullptr) metrics_->AddRefusal(Refusal::kInvalidRequest);
+}
+
+void MemoryManagerService::EndUnread(grpc::ServerContext* context,
+                                     SessionId session) {
+  if (metrics_ != nullptr) metrics_->AddRefusal(Refusal::kQueuedOrderBytes);
+  const std::string why = absl::StrCat(
+      "session ", session,
+      " did not read its stream: the orders waiting for it passed ",
+      limits_.max_queued_order_bytes,
+      " bytes (limits.max_queued_order_bytes); the session is closed");
+  // TryCancel would end the call as CANCELLED, with no reason. The status
+  // goes out as HTTP/2 trailers, which flow control does not hold back
+  // behind the data the process never read.
+  grpc_call_cancel_with_status(
+      context->c_call(), GRPC_STATUS_RESOURCE_EXHAUSTED, why.c_str(), nullptr);
+}
+
 void MemoryManagerService::Deliver(const OrdersBySession& orders) {
   for (const auto& [session, o] : orders) {
     if (!mailboxes_.Post(session, o)) node_.Undeliverable(session, o);
@@ -137,14 +273,18 @@ grpc::Status MemoryManagerService::CloseSession(
 
 grpc::Status MemoryManagerService::Session(
     grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::Orders, v1::SessionMessage>* stream) {
+    grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream) {
   v1::SessionMessage message;
-  if (!stream->Read(&message)) return grpc::Status::OK;
+  absl::Status unparsed;
+  if (!ReadMessage(stream, &message, &unparsed)) {
+    if (!unparsed.ok()) CountInvalid();
+    return ToGrpc(unparsed);
+  }
   const std::string token = message.session_token();
   auto session = node_.registry().Authorize(token);
   if (!session.ok()) return ToGrpc(session.status());
   const SessionId id = session->id;
-  if (!mailboxes_.Open(id)) {
+  if (!mailboxes_.Open(id, [this, context, id] { EndUnread(context, id); })) {
     return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
                         "this session already has a stream");
   }
@@ -163,11 +303,8 @@ grpc::Status MemoryManagerService::Session(
   absl::Status end;  // what the stream ends with
   do {
     if (!message.session_token().empty() && message.session_token() != token) {
-      v1::Orders refused;
-      refused.set_rejected_batch("a stream carries one session's batches");
-      refused.set_rejected_code(
-          static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
-      mailboxes_.Post(id, std::move(refused));
+      mailboxes_.Post(id, Rejected(absl::InvalidArgumentError(
+                              "a stream carries one session's batches")));
       continue;
     }
     if (!message.has_batch()) continue;
@@ -178,14 +315,17 @@ grpc::Status MemoryManagerService::Session(
         end = orders.status();  // closed meanwhile: the stream ends
         break;
       }
-      v1::Orders refused;
-      refused.set_rejected_batch(std::string(orders.status().message()));
-      refused.set_rejected_code(static_cast<int32_t>(orders.status().code()));
-      mailboxes_.Post(id, std::move(refused));
+      mailboxes_.Post(id, Rejected(orders.status()));
       continue;
     }
     Deliver(*orders);
-  } while (stream->Read(&message));
+  } while (ReadMessage(stream, &message, &unparsed));
+  // A message that does not parse ends the stream: what else the client
+  // meant cannot be known.
+  if (end.ok() && !unparsed.ok()) {
+    CountInvalid();
+    end = unparsed;
+  }
   // The stream ended: the process closed it or went away. Reclaim now. The
   // writer gets a moment to deliver what is queued; a client that stopped
   // reading would leave it blocked in Write for ever, and cancelling the

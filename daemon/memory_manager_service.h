@@ -5,12 +5,14 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 
 #include "absl/status/status.h"
 #include "daemon/node.h"
+#include "daemon/request_limits.h"
 #include "deltad/v1/memory_manager.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
@@ -19,14 +21,23 @@ namespace deltad::daemon {
 // Orders waiting to go out on each session's stream. A session's orders may
 // come from any thread (another session's release, a rebalance); one writer
 // per stream takes them out, since gRPC allows a single writer at a time.
-// Thread safe.
+//
+// A box holds at most `max_queued_bytes` of orders: a process that does not
+// read its stream would otherwise grow the daemon without bound. A post
+// that would pass it closes and empties the box, and its `on_overflow` is
+// called, once, under the boxes' lock (so that its stream still exists):
+// it must not call back into the Mailboxes. Thread safe.
 class Mailboxes {
  public:
+  explicit Mailboxes(int64_t max_queued_bytes = int64_t{1} << 20)
+      : max_queued_bytes_(max_queued_bytes) {}
+
   // False when the session already has an open box (a second stream).
-  bool Open(SessionId session);
+  bool Open(SessionId session, std::function<void()> on_overflow = nullptr);
   // Wakes the writer, which then finds the box closed.
   void Close(SessionId session);
-  // False, and dropped, when the session has no open box (no stream).
+  // False, and dropped, when the session has no open box (no stream), or
+  // when the box overflows.
   bool Post(SessionId session, v1::Orders orders);
   // Every open box gets the same orders (draining).
   void Broadcast(const v1::Orders& orders);
@@ -36,10 +47,17 @@ class Mailboxes {
   void Remove(SessionId session);
 
  private:
-  struct Box {
-    std::deque<v1::Orders> queue;
-    bool closed = false;
+  struct Queued {
+    v1::Orders orders;
+    int64_t bytes = 0;
   };
+  struct Box {
+    std::deque<Queued> queue;
+    int64_t bytes = 0;  // of the orders queued
+    bool closed = false;
+    std::function<void()> on_overflow;
+  };
+  const int64_t max_queued_bytes_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<SessionId, Box> boxes_;
@@ -70,28 +88,37 @@ grpc::Status ToGrpc(const absl::Status& status);
 // The MemoryManager service: translates between the wire and the Node and
 // holds no policy of its own. A session's Session stream is its lifeline:
 // when it ends, the session is reclaimed. Thread safe.
-class MemoryManagerService final : public v1::MemoryManager::Service {
+//
+// Requests arrive as bytes and are parsed and checked here (ParseRequest,
+// Validate), not by gRPC: a request that does not parse, or whose fields
+// pass the limits, gets INVALID_ARGUMENT naming the field, and nothing
+// else happens. The methods below take them parsed and checked.
+class MemoryManagerService final : public grpc::Service {
  public:
-  explicit MemoryManagerService(Node& node) : node_(node) {}
+  // `metrics` may be null; it must outlive the service.
+  explicit MemoryManagerService(Node& node, RequestLimits limits = {},
+                                Metrics* metrics = nullptr);
 
   grpc::Status OpenSession(grpc::ServerContext* context,
                            const v1::OpenSessionRequest* request,
-                           v1::OpenSessionResponse* response) override;
+                           v1::OpenSessionResponse* response);
   grpc::Status CloseSession(grpc::ServerContext* context,
                             const v1::CloseSessionRequest* request,
-                            v1::CloseSessionResponse* response) override;
-  grpc::Status Session(grpc::ServerContext* context,
-                       grpc::ServerReaderWriter<v1::Orders, v1::SessionMessage>*
-                           stream) override;
+                            v1::CloseSessionResponse* response);
+  // The stream's messages are parsed one by one as they come; one that
+  // does not parse ends the stream with INVALID_ARGUMENT.
+  grpc::Status Session(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream);
   grpc::Status Release(grpc::ServerContext* context,
                        const v1::ReleaseRequest* request,
-                       v1::ReleaseResponse* response) override;
+                       v1::ReleaseResponse* response);
   grpc::Status NodeStatus(grpc::ServerContext* context,
                           const v1::NodeStatusRequest* request,
-                          v1::NodeStatusResponse* response) override;
+                          v1::NodeStatusResponse* response);
   grpc::Status ListTensors(grpc::ServerContext* context,
                            const v1::ListTensorsRequest* request,
-                           v1::ListTensorsResponse* response) override;
+                           v1::ListTensorsResponse* response);
 
   // Tells every open stream the daemon is going away, and refuses new
   // sessions (UNAVAILABLE) from now on; clients carry on with their
@@ -104,7 +131,25 @@ class MemoryManagerService final : public v1::MemoryManager::Service {
   void Deliver(const OrdersBySession& orders);
 
  private:
+  // Registers a unary method whose request is parsed and validated before
+  // `handler` sees it.
+  template <typename Request, typename Response>
+  void AddUnary(const char* name,
+                grpc::Status (MemoryManagerService::*handler)(
+                    grpc::ServerContext*, const Request*, Response*));
+  // The stream's next message, parsed: false at the end of the stream,
+  // and with `*unparsed` set when the bytes were not a SessionMessage.
+  // The session's stream was not read while its orders piled up past
+  // limits.max_queued_order_bytes: ends the call with RESOURCE_EXHAUSTED.
+  void EndUnread(grpc::ServerContext* context, SessionId session);
+  void CountInvalid();
+  static bool ReadMessage(
+      grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream,
+      v1::SessionMessage* message, absl::Status* unparsed);
+
   Node& node_;
+  const RequestLimits limits_;
+  Metrics* const metrics_;
   Mailboxes mailboxes_;
   BatchCounter batches_;
   std::atomic<bool> draining_{false};

@@ -68,6 +68,19 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
     m->host_free_ = &host.Add({{"state", "free"}});
     m->host_granted_ = &host.Add({{"state", "granted"}});
 
+    auto& refused = prometheus::BuildCounter()
+                        .Name("deltad_refused_total")
+                        .Help(
+                            "Client requests and streams refused at a limit, "
+                            "by the limit: invalid_request (did not parse, or "
+                            "a field past its limit), max_queued_order_bytes "
+                            "(a stream left unread, ended).")
+                        .Register(r);
+    m->refusals_[static_cast<size_t>(Refusal::kInvalidRequest)] =
+        &refused.Add({{"limit", "invalid_request"}});
+    m->refusals_[static_cast<size_t>(Refusal::kQueuedOrderBytes)] =
+        &refused.Add({{"limit", "max_queued_order_bytes"}});
+
     auto& memory = prometheus::BuildGauge()
                        .Name("deltad_gpu_memory_bytes")
                        .Help("Total memory of the GPU.")
@@ -206,6 +219,11 @@ void Metrics::AddOrders(int gpu, OrderKind kind, int64_t n) {
   const auto k = static_cast<size_t>(kind);
   if (g == nullptr || n < 0 || k >= g->orders.size()) return;
   g->orders[k]->Increment(static_cast<double>(n));
+}
+
+void Metrics::AddRefusal(Refusal refusal) {
+  const auto k = static_cast<size_t>(refusal);
+  if (k < refusals_.size()) refusals_[k]->Increment();
 }
 
 void Metrics::ObserveDecision(int gpu, double seconds) {

@@ -41,6 +41,13 @@ enum class OrderKind {
   kBudget,    // kind="budget"
 };
 
+// A limit a client was refused at (label `limit`).
+enum class Refusal {
+  kInvalidRequest,    // "invalid_request": did not parse, or a field past
+                      // its limit (INVALID_ARGUMENT)
+  kQueuedOrderBytes,  // "max_queued_order_bytes": a stream left unread
+};
+
 // The daemon's Prometheus metrics. Call sites use the typed methods and never
 // build metric names or labels, which keeps names, units and label sets in
 // one place (and keeps tensor ids, whose number is unbounded, out of labels).
@@ -78,6 +85,8 @@ class Metrics {
   // One recompute of an evicted tensor, which took `seconds`.
   void AddRecompute(int gpu, double seconds);
   void AddOrders(int gpu, OrderKind kind, int64_t n);
+  // deltad_refused_total{limit}: one client request or stream refused.
+  void AddRefusal(Refusal refusal);
 
   // Latency of one release decision (choosing what to offload or evict).
   void ObserveDecision(int gpu, double seconds);
@@ -113,6 +122,7 @@ class Metrics {
   absl::flat_hash_map<int, GpuMetrics> gpus_;  // immutable after Create
   prometheus::Gauge* host_free_ = nullptr;
   prometheus::Gauge* host_granted_ = nullptr;
+  std::array<prometheus::Counter*, 2> refusals_{};  // indexed by Refusal
 };
 
 // Serves a registry's text exposition over HTTP at /metrics (GET only; any

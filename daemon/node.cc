@@ -444,6 +444,10 @@ v1::NodeStatusResponse Node::Status() const {
   r.set_version(options_.version);
   r.set_backend(std::string(backend_.name()));
   const std::vector<SessionInfo> sessions = registry_.List();
+  // The reply must fit in a gRPC message whatever the sessions are: a
+  // reply too large to send would fail deltactl for every user.
+  int64_t session_bytes = 0;
+  uint32_t omitted = 0;
   for (size_t g = 0; g < gpus_.size(); ++g) {
     const GpuInfo& info = backend_.gpus()[g];
     Gpu& gpu = *gpus_[g];
@@ -462,25 +466,35 @@ v1::NodeStatusResponse Node::Status() const {
     for (const SessionInfo& session : sessions) {
       if (session.gpu != static_cast<int>(g)) continue;
       auto usage = gpu.policy->Usage(session.id);
-      v1::SessionStatus* out = r.add_sessions();
-      out->set_session_id(session.id);
-      out->set_gpu(session.gpu);
-      out->set_pid(session.peer.pid);
-      out->set_uid(session.peer.uid);
-      out->set_label(session.label);
-      out->set_chunk_bytes(chunks_.held_bytes(session.id));
+      v1::SessionStatus out;
+      out.set_session_id(session.id);
+      out.set_gpu(session.gpu);
+      out.set_pid(session.peer.pid);
+      out.set_uid(session.peer.uid);
+      out.set_label(session.label);
+      out.set_chunk_bytes(chunks_.held_bytes(session.id));
       if (usage.ok()) {
-        out->set_budget_bytes(usage->budget_bytes);
-        out->set_device_bytes(usage->device_bytes);
-        out->set_host_bytes(usage->host_bytes);
-        out->set_tensors(static_cast<uint64_t>(usage->tensors));
-        out->set_releases(usage->releases_ordered);
+        out.set_budget_bytes(usage->budget_bytes);
+        out.set_device_bytes(usage->device_bytes);
+        out.set_host_bytes(usage->host_bytes);
+        out.set_tensors(static_cast<uint64_t>(usage->tensors));
+        out.set_releases(usage->releases_ordered);
       }
+      // With its tag and length prefix, at most 6 bytes more.
+      const auto bytes = static_cast<int64_t>(out.ByteSizeLong()) + 6;
+      if (r.sessions_size() >= options_.max_status_sessions ||
+          session_bytes + bytes > options_.max_status_bytes) {
+        ++omitted;
+        continue;
+      }
+      session_bytes += bytes;
+      *r.add_sessions() = std::move(out);
     }
   }
   const HostPoolStats pool = pool_.Stats();
   r.set_host_pool_bytes(pool.total_bytes);
   r.set_host_pool_granted_bytes(pool.granted_bytes);
+  r.set_sessions_omitted(omitted);
   return r;
 }
 

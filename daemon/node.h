@@ -28,7 +28,12 @@ struct NodeOptions {
   int64_t min_session_bytes = int64_t{1} << 30;
   int64_t default_host_quota_bytes = int64_t{8} << 30;
   int max_sessions_per_gpu = 64;
+  int max_sessions_per_uid = 256;                    // on all GPUs
   int64_t max_host_quota_bytes = int64_t{64} << 30;  // per session
+  // NodeStatus lists at most this many sessions, in at most this many
+  // bytes, and counts the others (NodeStatusResponse.sessions_omitted).
+  int max_status_sessions = 1024;
+  int64_t max_status_bytes = int64_t{2} << 20;
   GpuPolicyOptions policy;       // its link bandwidth is taken from the backend
   std::string side_socket_path;  // told to clients in OpenSession
   std::string version = "0.1.0";
@@ -101,6 +106,7 @@ class Node {
                             absl::string_view peer_token,
                             absl::Span<const uint64_t> chunk_ids);
 
+  // Every GPU, and the sessions within NodeOptions' bounds.
   v1::NodeStatusResponse Status() const;
 
   // The daemon is going away: sessions reclaimed from now on keep their
@@ -137,7 +143,7 @@ class Node {
         pool_(pool),
         metrics_(metrics),
         options_(std::move(options)),
-        registry_(options_.max_sessions_per_gpu),
+        registry_(options_.max_sessions_per_gpu, options_.max_sessions_per_uid),
         chunks_(backend) {}
   // Removes a session from its GPU and the pool; the lock of its GPU must
   // not be held.

@@ -12,6 +12,7 @@
 #include "common/side_protocol.h"
 #include "common/unix_socket.h"
 #include "daemon/backend/sim_backend.h"
+#include "daemon/config.h"
 #ifdef DELTAD_HAVE_CUDA
 #include "daemon/backend/cuda_backend.h"
 #endif
@@ -90,7 +91,11 @@ absl::StatusOr<NodeOptions> NodeOptionsFrom(const v1::DaemonConfig& config) {
   o.min_session_bytes = config.min_session_bytes();
   o.default_host_quota_bytes = config.default_host_quota_bytes();
   o.max_sessions_per_gpu = config.limits().max_sessions_per_gpu();
+  o.max_sessions_per_uid = config.limits().max_sessions_per_uid();
   o.max_host_quota_bytes = config.limits().max_host_quota_bytes();
+  o.max_status_sessions = config.limits().max_status_sessions();
+  // Half the message limit: the GPUs and the rest of the reply fit beside.
+  o.max_status_bytes = config.limits().max_message_bytes() / 2;
   auto heuristic = policy::ParseHeuristic(config.heuristic());
   if (!heuristic.ok()) return heuristic.status();
   o.policy.filter.heuristic = *heuristic;
@@ -106,6 +111,27 @@ absl::StatusOr<NodeOptions> NodeOptionsFrom(const v1::DaemonConfig& config) {
 }
 
 namespace {
+
+// gRPC's defaults let one local client hold a thread per idle stream
+// without bound, and grow the daemon with pings (170 KB of PINGs added 57
+// MiB): its memory and threads get a quota, and connections a policy.
+void ApplyConnectionLimits(const v1::LimitsConfig& l,
+                           grpc::ServerBuilder& builder) {
+  grpc::ResourceQuota quota("deltad");
+  quota.Resize(static_cast<size_t>(l.grpc_memory_bytes()));
+  quota.SetMaxThreads(l.grpc_max_threads());
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             l.max_concurrent_streams());
+  builder.AddChannelArgument(
+      GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+      l.min_ping_interval_ms());
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES,
+                             l.max_ping_strikes());
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, l.keepalive_time_ms());
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                             l.keepalive_timeout_ms());
+}
 
 // A socket file nobody serves is left over from a daemon that died: remove
 // it. A live one means another deltad is running there.
@@ -154,7 +180,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
       Node::Create(*s->backend_, *s->pool_, s->metrics_.get(), *options);
   if (!node.ok()) return node.status();
   s->node_ = std::move(*node);
-  s->service_ = std::make_unique<MemoryManagerService>(*s->node_);
+  s->service_ = std::make_unique<MemoryManagerService>(
+      *s->node_, RequestLimitsFrom(config), s->metrics_.get());
 
   if (absl::Status claim = ClaimSocketPath(s->socket_path_); !claim.ok()) {
     return claim;
@@ -176,6 +203,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(max_message);
   builder.SetMaxSendMessageSize(max_message);
+  ApplyConnectionLimits(config.limits(), builder);
   builder.RegisterService(s->service_.get());
   // gRPC creates the socket file with the process umask; tighten it so
   // that the file never exists with a wider mode than configured.

@@ -78,7 +78,9 @@ absl::StatusOr<SessionInfo> SessionRegistry::Open(absl::string_view peer_token,
     return UnknownPeer();
   }
   size_t on_gpu = 0;
+  size_t of_uid = 0;
   for (const auto& [t, s] : sessions_) {
+    if (s.peer.uid == peer->second.uid) ++of_uid;
     if (s.gpu != gpu) continue;
     ++on_gpu;
     if (s.peer.pid == peer->second.pid) {
@@ -86,6 +88,12 @@ absl::StatusOr<SessionInfo> SessionRegistry::Open(absl::string_view peer_token,
                                                    " already has session ",
                                                    s.id, " on GPU ", gpu));
     }
+  }
+  // One user's processes must not take every session of the node.
+  if (of_uid >= static_cast<size_t>(max_sessions_per_uid_)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "uid ", peer->second.uid, " already has the maximum of ",
+        max_sessions_per_uid_, " sessions (limits.max_sessions_per_uid)"));
   }
   if (on_gpu >= static_cast<size_t>(max_sessions_per_gpu_)) {
     return absl::ResourceExhaustedError(

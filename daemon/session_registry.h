@@ -45,14 +45,17 @@ struct SessionInfo {
 // Thread safe.
 class SessionRegistry {
  public:
-  explicit SessionRegistry(int max_sessions_per_gpu)
-      : max_sessions_per_gpu_(max_sessions_per_gpu) {}
+  explicit SessionRegistry(int max_sessions_per_gpu,
+                           int max_sessions_per_uid = 1 << 30)
+      : max_sessions_per_gpu_(max_sessions_per_gpu),
+        max_sessions_per_uid_(max_sessions_per_uid) {}
 
   // A process connected to the side socket; returns its peer token.
   absl::StatusOr<std::string> RegisterPeer(const PeerIdentity& peer);
 
   // Opens a session for the process holding `peer_token`. UNAUTHENTICATED
-  // for an unknown token; RESOURCE_EXHAUSTED past the per-GPU limit;
+  // for an unknown token; RESOURCE_EXHAUSTED past the per-GPU limit or
+  // the per-user one (the peer's uid, on all GPUs);
   // ALREADY_EXISTS when the process already has a session on that GPU.
   absl::StatusOr<SessionInfo> Open(absl::string_view peer_token, int gpu,
                                    uint32_t priority, std::string label);
@@ -84,6 +87,7 @@ class SessionRegistry {
                                                 absl::string_view token);
 
   const int max_sessions_per_gpu_;
+  const int max_sessions_per_uid_;
   mutable std::mutex mu_;
   std::map<std::string, PeerIdentity> peers_;    // peer token -> identity
   std::map<std::string, SessionInfo> sessions_;  // session token -> info

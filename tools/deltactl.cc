@@ -148,7 +148,8 @@ int Status(const Daemon& daemon) {
   std::printf("host pool: %s, %s granted\n",
               FormatBytes(r.host_pool_bytes()).c_str(),
               FormatBytes(r.host_pool_granted_bytes()).c_str());
-  std::printf("sessions: %d\n\n", r.sessions_size());
+  std::printf("sessions: %d\n\n",
+              r.sessions_size() + static_cast<int>(r.sessions_omitted()));
   using A = Table::Align;
   Table t({{"GPU", A::kRight},
            {"NAME", A::kLeft},
@@ -200,6 +201,12 @@ int Sessions(const Daemon& daemon) {
               absl::StrCat(s.tensors()), absl::StrCat(s.releases())});
   }
   std::fputs(t.Render().c_str(), stdout);
+  if (r.sessions_omitted() > 0) {
+    std::printf(
+        "(%u more sessions not listed: deltad bounds the reply, see "
+        "limits.max_status_sessions)\n",
+        r.sessions_omitted());
+  }
   return kOk;
 }
 

@@ -30,6 +30,7 @@ TEST(Config, AnEmptyFileGivesTheDocumentedDefaults) {
   EXPECT_EQ(c.heuristic(), "delta_cost");
   EXPECT_DOUBLE_EQ(c.high_watermark(), 0.75);
   EXPECT_EQ(c.limits().max_host_quota_bytes(), int64_t{64} << 30);
+  EXPECT_EQ(c.limits().max_label_bytes(), RequestLimits{}.max_label_bytes);
   EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
 }
 
@@ -81,6 +82,13 @@ TEST(Config, EachBadValueIsRefusedNamingTheField) {
       {"high_watermark: 0.5 low_watermark: 0.6", "watermark"},
       {"limits { max_batch_events: 0 }", "limits"},
       {"limits { max_host_quota_bytes: 0 }", "limits"},
+      {"limits { max_label_bytes: 0 }", "limits.max_label_bytes"},
+      {"limits { max_status_sessions: 0 }", "limits.max_status_sessions"},
+      {"limits { max_queued_order_bytes: -1 }",
+       "limits.max_queued_order_bytes"},
+      {"limits { max_sessions_per_uid: 0 }", "limits.max_sessions_per_uid"},
+      {"limits { grpc_max_threads: 0 }", "limits.grpc_max_threads"},
+      {"limits { max_ping_strikes: 0 }", "limits.max_ping_strikes"},
       {"default_host_quota_bytes: 2048 limits { max_host_quota_bytes: 1024 }",
        "default_host_quota_bytes"},
   };

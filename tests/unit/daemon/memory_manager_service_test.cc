@@ -33,7 +33,11 @@ class ServiceTest : public ::testing::Test {
     pool_ = std::move(sim->pool);
     metrics_ = std::move(sim->metrics);
     node_ = std::move(sim->node);
-    service_ = std::make_unique<MemoryManagerService>(*node_);
+    // Room for far more than gRPC's windows hold: the tests here see the
+    // writer blocked, not the queue's limit (see Mailboxes tests below).
+    RequestLimits limits;
+    limits.max_queued_order_bytes = int64_t{256} << 20;
+    service_ = std::make_unique<MemoryManagerService>(*node_, limits);
     socket_ = ::testing::TempDir() + "/deltad_service_test." +
               std::to_string(getpid()) + ".sock";
     grpc::ServerBuilder builder;
@@ -317,6 +321,38 @@ TEST_F(ServiceTest, ListTensorsAnswersOverTheWire) {
   const grpc::Status s = stub_->ListTensors(&ctx, req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_THAT(s.error_message(), HasSubstr("no session"));
+}
+
+v1::Orders OrdersOfBytes(size_t n) {
+  v1::Orders o;
+  o.set_rejected_batch(std::string(n, 'x'));
+  return o;
+}
+
+TEST(Mailboxes, APostPastTheLimitClosesTheBoxAndCallsOnOverflowOnce) {
+  Mailboxes boxes(1000);
+  int overflows = 0;
+  ASSERT_TRUE(boxes.Open(7, [&] { ++overflows; }));
+  EXPECT_TRUE(boxes.Post(7, OrdersOfBytes(600)));
+  EXPECT_FALSE(boxes.Post(7, OrdersOfBytes(600)));
+  EXPECT_EQ(overflows, 1);
+  // Closed and emptied: nothing more goes in or comes out.
+  EXPECT_FALSE(boxes.Post(7, OrdersOfBytes(1)));
+  EXPECT_EQ(overflows, 1);
+  v1::Orders out;
+  EXPECT_FALSE(boxes.Take(7, &out));
+}
+
+TEST(Mailboxes, TakingOrdersMakesRoomAgain) {
+  Mailboxes boxes(1000);
+  int overflows = 0;
+  ASSERT_TRUE(boxes.Open(7, [&] { ++overflows; }));
+  v1::Orders out;
+  for (int i = 0; i < 10; ++i) {
+    ASSERT_TRUE(boxes.Post(7, OrdersOfBytes(600))) << i;
+    ASSERT_TRUE(boxes.Take(7, &out));
+  }
+  EXPECT_EQ(overflows, 0);
 }
 
 }  // namespace

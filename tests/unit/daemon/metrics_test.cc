@@ -158,6 +158,7 @@ TEST(Metrics, EveryFamilyHasHelpTypeAndItsLabels) {
       {"deltad_orders_total", "counter", {"gpu", "uuid", "kind"}},
       {"deltad_release_decision_seconds", "histogram", per_gpu},
       {"deltad_build_info", "gauge", {"version", "backend"}},
+      {"deltad_refused_total", "counter", {"limit"}},
   };
   const std::vector<Sample> samples = Samples(scrape);
   const std::string lines = "\n" + scrape;  // every line follows a newline
@@ -278,6 +279,24 @@ TEST(Metrics, CountersAddUpPerGpuDirectionAndKind) {
             4.0);
 }
 
+TEST(Metrics, RefusalsAreCountedByTheLimitFromTheStart) {
+  auto m = TwoGpus();
+  ASSERT_NE(m, nullptr);
+  EXPECT_EQ(Value(m->Scrape(), "deltad_refused_total",
+                  {{"limit", "max_queued_order_bytes"}}),
+            0.0);
+  m->AddRefusal(Refusal::kInvalidRequest);
+  m->AddRefusal(Refusal::kInvalidRequest);
+  m->AddRefusal(Refusal::kQueuedOrderBytes);
+  const std::string scrape = m->Scrape();
+  EXPECT_EQ(
+      Value(scrape, "deltad_refused_total", {{"limit", "invalid_request"}}),
+      2.0);
+  EXPECT_EQ(Value(scrape, "deltad_refused_total",
+                  {{"limit", "max_queued_order_bytes"}}),
+            1.0);
+}
+
 TEST(Metrics, NegativeOrNonFiniteAmountsLeaveCountersAlone) {
   auto m = TwoGpus();
   ASSERT_NE(m, nullptr);
@@ -371,7 +390,7 @@ TEST(Metrics, NoLabelCarriesATensorIdAndSeriesDoNotGrow) {
   }
   EXPECT_THAT(label_names, IsSubsetOf(std::set<std::string>{
                                "gpu", "uuid", "direction", "kind", "state",
-                               "le", "version", "backend"}));
+                               "le", "version", "backend", "limit"}));
 }
 
 TEST(Metrics, CreateRejectsRepeatedOrNegativeGpuIndexes) {

@@ -91,6 +91,22 @@ TEST(SessionRegistry, TheSessionLimitPerGpuIsEnforced) {
   EXPECT_TRUE(r.Open(Register(r, 4), 1, 1, "").ok());
 }
 
+TEST(SessionRegistry, TheSessionLimitPerUidIsEnforcedOnAllGpus) {
+  SessionRegistry r(8, /*max_sessions_per_uid=*/2);
+  const std::string p1 = Register(r, 1);
+  ASSERT_TRUE(r.Open(p1, 0, 1, "").ok());
+  ASSERT_TRUE(r.Open(p1, 1, 1, "").ok());
+  auto third = r.Open(Register(r, 2), 2, 1, "");  // same uid, other process
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(third.status().message(),
+              HasSubstr("limits.max_sessions_per_uid"));
+  PeerIdentity other = Peer(3);
+  other.uid += 1;
+  auto token = r.RegisterPeer(other);
+  ASSERT_TRUE(token.ok());
+  EXPECT_TRUE(r.Open(*token, 2, 1, "").ok()) << "another user is not held";
+}
+
 TEST(SessionRegistry, ClosingRevokesTheToken) {
   SessionRegistry r(8);
   auto s = r.Open(Register(r, 1), 0, 1, "");

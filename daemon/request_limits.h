@@ -1,0 +1,72 @@
+#ifndef DELTAD_DAEMON_REQUEST_LIMITS_H_
+#define DELTAD_DAEMON_REQUEST_LIMITS_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "deltad/v1/memory_manager.pb.h"
+
+namespace deltad::daemon {
+
+// The limits on what one client may send or make the daemon hold that came
+// with bounding hostile clients, with their defaults. Each is a field of
+// `limits` in the configuration (proto/deltad/v1/daemon_config.proto), whose
+// defaults config.cc takes from here; docs/RELIABILITY.md ("Limits") lists
+// them with the older ones (message size, batch, tensors, sessions per GPU)
+// and what passing each one gets.
+struct RequestLimits {
+  // --- What one message may carry.
+  // OpenSessionRequest.label: text for operators, which every NodeStatus
+  // reply repeats.
+  int32_t max_label_bytes = 256;
+
+  // --- What one client may make the daemon hold.
+  // Orders waiting for a session's stream: a client that does not read
+  // them is ended with RESOURCE_EXHAUSTED past this.
+  int64_t max_queued_order_bytes = int64_t{1} << 20;
+  // Sessions of one user (uid), on all GPUs together.
+  int32_t max_sessions_per_uid = 256;
+
+  // --- Replies.
+  // Sessions listed in one NodeStatus reply; the rest are counted in
+  // NodeStatusResponse.sessions_omitted.
+  int32_t max_status_sessions = 1024;
+
+  // --- gRPC.
+  // Memory gRPC may use for its buffers (grpc::ResourceQuota), and its
+  // threads: each open Session stream holds one.
+  int64_t grpc_memory_bytes = int64_t{256} << 20;
+  int32_t grpc_max_threads = 2048;
+  // Concurrent calls on one connection (HTTP/2 streams).
+  int32_t max_concurrent_streams = 256;
+  // A client may ping no more often than this (the client library pings
+  // every 10 s); past max_ping_strikes pings that come sooner, the
+  // connection is closed (GOAWAY ENHANCE_YOUR_CALM).
+  int32_t min_ping_interval_ms = 5000;
+  int32_t max_ping_strikes = 2;
+  // The daemon pings an idle connection this often, and closes it when the
+  // answer takes longer than keepalive_timeout_ms: a vanished client does
+  // not hold a stream and its thread for ever.
+  int32_t keepalive_time_ms = 60000;
+  int32_t keepalive_timeout_ms = 20000;
+};
+
+// Whether a request's fields are within the limits. INVALID_ARGUMENT with a
+// message that names the field and the limit ("OpenSessionRequest.label is
+// 300 bytes; the limit is 256 (limits.max_label_bytes)"). Checks what the
+// Node does not: what the daemon keeps of a request's strings. Sizes, ids,
+// GPUs and batch contents are the Node's to check, against its state, and a
+// token of any size that is none of the daemon's is UNAUTHENTICATED there
+// (tokens are compared length first, so a long one costs nothing).
+absl::Status Validate(const v1::OpenSessionRequest& request,
+                      const RequestLimits& limits);
+// The other requests keep no string of theirs: nothing to check here.
+template <typename Request>
+absl::Status Validate(const Request& /*request*/,
+                      const RequestLimits& /*limits*/) {
+  return absl::OkStatus();
+}
+
+}  // namespace deltad::daemon
+
+#endif  // DELTAD_DAEMON_REQUEST_LIMITS_H_

@@ -1,0 +1,284 @@
+// A hostile local client against the real deltad process, written from the
+// proto alone: it sends what no library would (labels of any size or
+// encoding, bytes that are no message, batches past every limit) and
+// tries to wear the daemon down. Each case checks that the refusal is a
+// clear status naming the field or limit, that nothing else changed, and
+// that an honest session on the same GPU can still Release.
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/client_unary_call.h"
+#include "grpcpp/impl/rpc_method.h"
+#include "grpcpp/support/sync_stream.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_process.h"
+#include "tests/integration/daemon_test.h"
+
+namespace deltad::testing_util {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kMaxLabelBytes = 64;
+constexpr int kMaxBatchEvents = 16;
+constexpr int kMaxStatusSessions = 3;
+constexpr int kMaxQueuedOrderBytes = 64 * 1024;
+// What a flood may add to the daemon's resident memory (the issue's target
+// for every flood).
+constexpr int64_t kFloodRssBound = 64 * kMiB;
+
+// A string field `number` holding `bytes` on the wire, which protobuf's
+// own serializer would refuse to write when they are not UTF-8.
+std::string RawStringField(int number, const std::string& bytes) {
+  std::string wire;
+  wire.push_back(static_cast<char>((number << 3) | 2));
+  wire.push_back(static_cast<char>(bytes.size()));  // under 128 here
+  return wire + bytes;
+}
+
+// The resident memory of process `pid` (VmRSS), in bytes; -1 if unknown.
+int64_t RssBytes(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0)
+      return std::atoll(line.c_str() + 6) * 1024;
+  }
+  return -1;
+}
+
+grpc::ByteBuffer Bytes(const std::string& bytes) {
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+class HostileClientTest : public DaemonTest {
+ protected:
+  void SetUp() override {
+    StartDaemonWithLimits(absl::StrCat(
+        "max_label_bytes: ", kMaxLabelBytes, " max_batch_events: ",
+        kMaxBatchEvents, " max_status_sessions: ", kMaxStatusSessions,
+        " max_queued_order_bytes: ", kMaxQueuedOrderBytes));
+    // The honest session: a tensor on GPU 0, on a stream that reads.
+    honest_ = MustOpen(peer_->token(), 0);
+    honest_stream_ =
+        std::make_unique<SessionStream>(*stub_, honest_.session_token());
+    ASSERT_TRUE(honest_stream_->Send(Created({1})));
+    ASSERT_TRUE(WaitForTensors(honest_.session_id(), 1));
+  }
+
+  void TearDown() override {
+    ExpectHonestSessionUnaffected();
+    honest_stream_.reset();
+    DaemonTest::TearDown();
+  }
+
+  // The honest session still has its tensor and its Release answers.
+  void ExpectHonestSessionUnaffected() {
+    EXPECT_EQ(SessionOf(honest_.session_id()).tensors(), 1u);
+    v1::ReleaseRequest request;
+    request.set_session_token(honest_.session_token());
+    request.set_bytes(kMiB);
+    const grpc::Status s = Release(request);
+    EXPECT_TRUE(s.ok()) << "the honest session's Release: " << Describe(s);
+  }
+
+  // A unary call with `bytes` as its request, as they are.
+  grpc::Status RawCall(const char* method, const std::string& bytes) {
+    auto channel = daemon_->NewChannel();
+    grpc::ClientContext context;
+    context.set_deadline(Deadline());
+    grpc::ByteBuffer response;
+    return grpc::internal::BlockingUnaryCall<grpc::ByteBuffer,
+                                             grpc::ByteBuffer>(
+        channel.get(),
+        grpc::internal::RpcMethod(method,
+                                  grpc::internal::RpcMethod::NORMAL_RPC),
+        &context, Bytes(bytes), &response);
+  }
+
+  // A Session stream whose first message is `bytes`, as they are; the
+  // status it ends with.
+  grpc::Status RawStream(const std::string& bytes) {
+    auto channel = daemon_->NewChannel();
+    grpc::ClientContext context;
+    context.set_deadline(Deadline());
+    std::unique_ptr<
+        grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>>
+        stream(grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer,
+                                                         grpc::ByteBuffer>::
+                   Create(channel.get(),
+                          grpc::internal::RpcMethod(
+                              "/deltad.v1.MemoryManager/Session",
+                              grpc::internal::RpcMethod::BIDI_STREAMING),
+                          &context));
+    (void)stream->Write(Bytes(bytes));
+    grpc::ByteBuffer ignored;
+    while (stream->Read(&ignored)) {
+    }
+    return stream->Finish();
+  }
+
+  v1::OpenSessionResponse honest_;
+  std::unique_ptr<SessionStream> honest_stream_;
+};
+
+TEST_F(HostileClientTest, ALabelOverTheLimitIsInvalidArgumentNamingIt) {
+  auto other = PeerProcess::Start(daemon_->side_socket_path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  v1::OpenSessionRequest request;
+  request.set_gpu(0);
+  request.set_peer_token((*other)->token());
+  request.set_label(std::string(kMaxLabelBytes + 1, 'L'));
+  const grpc::Status s = Open(request);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  EXPECT_THAT(s.error_message(), HasSubstr("OpenSessionRequest.label"));
+  EXPECT_THAT(s.error_message(), HasSubstr("limits.max_label_bytes"));
+  EXPECT_EQ(Status().sessions_size(), 1) << "a refused request opened one";
+  // At the limit, it opens.
+  request.set_label(std::string(kMaxLabelBytes, 'L'));
+  EXPECT_TRUE(Open(request).ok());
+}
+
+TEST_F(HostileClientTest, ALabelThatIsNotUtf8IsInvalidArgumentAndNotLogged) {
+  auto other = PeerProcess::Start(daemon_->side_socket_path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  v1::OpenSessionRequest base;
+  base.set_gpu(0);
+  base.set_peer_token((*other)->token());
+  const std::string wire =
+      base.SerializeAsString() + RawStringField(5, "job \xff\xfe rank 0");
+  for (int i = 0; i < 20; ++i) {
+    const grpc::Status s =
+        RawCall("/deltad.v1.MemoryManager/OpenSession", wire);
+    ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << Describe(s);
+    EXPECT_THAT(s.error_message(), HasSubstr("OpenSessionRequest.label"));
+    EXPECT_THAT(s.error_message(), HasSubstr("UTF-8"));
+  }
+  EXPECT_EQ(Status().sessions_size(), 1) << "a refused request opened one";
+  EXPECT_THAT(daemon_->Output(), ::testing::Not(HasSubstr("UTF-8")))
+      << "each refused request wrote a log line";
+}
+
+TEST_F(HostileClientTest, BytesThatAreNoRequestAreInvalidArgument) {
+  // A length-delimited field 3 that claims more bytes than follow.
+  const std::string garbage("\x1a\x7f\x01\x02", 4);
+  for (const char* method : {"/deltad.v1.MemoryManager/OpenSession",
+                             "/deltad.v1.MemoryManager/CloseSession",
+                             "/deltad.v1.MemoryManager/Release",
+                             "/deltad.v1.MemoryManager/ListTensors"}) {
+    const grpc::Status s = RawCall(method, garbage);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << method << ": " << Describe(s);
+    EXPECT_THAT(s.error_message(), HasSubstr("not a valid deltad.v1."))
+        << method;
+  }
+}
+
+TEST_F(HostileClientTest, AStreamWhoseFirstMessageDoesNotParseIsInvalid) {
+  const grpc::Status garbage = RawStream(std::string("\x12\x7f\x01", 3));
+  EXPECT_EQ(garbage.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << Describe(garbage);
+  EXPECT_THAT(garbage.error_message(), HasSubstr("deltad.v1.SessionMessage"));
+  const grpc::Status not_utf8 = RawStream(RawStringField(1, "\xc0\xaf"));
+  EXPECT_EQ(not_utf8.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << Describe(not_utf8);
+  EXPECT_THAT(not_utf8.error_message(),
+              HasSubstr("SessionMessage.session_token"));
+}
+
+TEST_F(HostileClientTest, TooManyRepeatedFieldsAreRefusedAndNothingApplied) {
+  auto other = PeerProcess::Start(daemon_->side_socket_path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  const v1::OpenSessionResponse mine = MustOpen((*other)->token(), 0);
+  SessionStream stream(*stub_, mine.session_token());
+  v1::EventBatch many;
+  for (uint64_t id = 1; id <= kMaxBatchEvents + 1; ++id) {
+    *many.add_created() = Created({id}).created(0);
+  }
+  ASSERT_TRUE(stream.Send(many));
+  EXPECT_THAT(stream.NextRejection(), HasSubstr("limits.max_batch_events"));
+  v1::EventBatch parents = Created({100});
+  for (int i = 0; i < 5000; ++i) {
+    parents.mutable_created(0)->add_parent_ids(1);
+  }
+  ASSERT_TRUE(stream.Send(parents));
+  EXPECT_THAT(stream.NextRejection(), HasSubstr("parent_ids"));
+  EXPECT_EQ(SessionOf(mine.session_id()).tensors(), 0u);
+  // The stream and its session carry on.
+  ASSERT_TRUE(stream.Send(Created({7})));
+  EXPECT_TRUE(WaitForTensors(mine.session_id(), 1));
+}
+
+TEST_F(HostileClientTest, ManySessionsWithLongLabelsLeaveNodeStatusBounded) {
+  // Three more processes, each with a session on both GPUs: seven in all.
+  std::vector<std::unique_ptr<PeerProcess>> others;
+  for (int p = 0; p < 3; ++p) {
+    auto other = PeerProcess::Start(daemon_->side_socket_path());
+    ASSERT_TRUE(other.ok()) << other.status();
+    for (int gpu = 0; gpu < 2; ++gpu) {
+      v1::OpenSessionRequest request;
+      request.set_gpu(gpu);
+      request.set_peer_token((*other)->token());
+      request.set_label(std::string(kMaxLabelBytes, 'L'));
+      ASSERT_TRUE(Open(request).ok());
+    }
+    others.push_back(std::move(*other));
+  }
+  // As deltactl status and sessions ask.
+  const v1::NodeStatusResponse status = Status();
+  EXPECT_EQ(status.sessions_size(), kMaxStatusSessions);
+  EXPECT_EQ(status.sessions_omitted(), 7u - kMaxStatusSessions);
+  uint32_t on_gpus = 0;
+  for (const v1::GpuStatus& g : status.gpus()) on_gpus += g.sessions();
+  EXPECT_EQ(on_gpus, 7u) << "the GPUs count every session";
+  EXPECT_LT(status.ByteSizeLong(), size_t{4} << 20);
+}
+
+TEST_F(HostileClientTest, AStreamNeverReadIsEndedWithResourceExhausted) {
+  auto other = PeerProcess::Start(daemon_->side_socket_path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  const v1::OpenSessionResponse mine = MustOpen((*other)->token(), 0);
+  const int64_t rss_before = RssBytes(daemon_->pid());
+  auto stub = v1::MemoryManager::NewStub(daemon_->NewChannel());
+  grpc::ClientContext context;
+  context.set_deadline(Deadline());
+  auto stream = stub->Session(&context);
+  v1::SessionMessage hello;
+  hello.set_session_token(mine.session_token());
+  ASSERT_TRUE(stream->Write(hello));
+  // Each batch is refused (no tensor 999), and each refusal is an order
+  // that waits for the process to read it, which it never does.
+  v1::SessionMessage refused;
+  *refused.mutable_batch() = Event(v1::TensorEvent::ACCESSED, 999);
+  constexpr int kMostBatches = 300000;
+  int sent = 0;
+  while (sent < kMostBatches && stream->Write(refused)) ++sent;
+  // gRPC hands a client the status only once it has read what came before.
+  v1::Orders unread;
+  while (stream->Read(&unread)) {
+  }
+  const grpc::Status s = stream->Finish();
+  EXPECT_LT(sent, kMostBatches) << "the daemon never ended the stream";
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << Describe(s);
+  EXPECT_THAT(s.error_message(), HasSubstr("limits.max_queued_order_bytes"));
+  EXPECT_TRUE(WaitForStatus([&](const v1::NodeStatusResponse& r) {
+    return r.sessions_size() == 1;  // the honest one
+  })) << "the unread session was not closed";
+  EXPECT_LT(RssBytes(daemon_->pid()) - rss_before, kFloodRssBound);
+  const std::string metrics =
+      Http(MetricsPort(daemon_->Output()), "GET", "/metrics").second;
+  EXPECT_THAT(metrics, HasSubstr("deltad_refused_total{limit=\"max_queued_"
+                                 "order_bytes\"} 1"));
+}
+
+}  // namespace
+}  // namespace deltad::testing_util
