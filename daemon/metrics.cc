@@ -68,6 +68,22 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
     m->host_free_ = &host.Add({{"state", "free"}});
     m->host_granted_ = &host.Add({{"state", "granted"}});
 
+    auto& ended = prometheus::BuildCounter()
+                      .Name("deltad_sessions_ended_total")
+                      .Help(
+                          "Sessions ended, by reason: closed by their "
+                          "process, stream_broken (the stream failed or was "
+                          "cancelled first), process_gone (its side "
+                          "connection closed first).")
+                      .Register(r);
+    for (const auto& [why, reason] :
+         {std::pair{SessionEnd::kClosed, "closed"},
+          std::pair{SessionEnd::kStreamBroken, "stream_broken"},
+          std::pair{SessionEnd::kProcessGone, "process_gone"}}) {
+      m->sessions_ended_[static_cast<size_t>(why)] =
+          &ended.Add({{"reason", reason}});
+    }
+
     auto& memory = prometheus::BuildGauge()
                        .Name("deltad_gpu_memory_bytes")
                        .Help("Total memory of the GPU.")
@@ -206,6 +222,11 @@ void Metrics::AddOrders(int gpu, OrderKind kind, int64_t n) {
   const auto k = static_cast<size_t>(kind);
   if (g == nullptr || n < 0 || k >= g->orders.size()) return;
   g->orders[k]->Increment(static_cast<double>(n));
+}
+
+void Metrics::AddSessionEnded(SessionEnd why) {
+  const auto k = static_cast<size_t>(why);
+  if (k < sessions_ended_.size()) sessions_ended_[k]->Increment();
 }
 
 void Metrics::ObserveDecision(int gpu, double seconds) {

@@ -158,6 +158,7 @@ TEST(Metrics, EveryFamilyHasHelpTypeAndItsLabels) {
       {"deltad_orders_total", "counter", {"gpu", "uuid", "kind"}},
       {"deltad_release_decision_seconds", "histogram", per_gpu},
       {"deltad_build_info", "gauge", {"version", "backend"}},
+      {"deltad_sessions_ended_total", "counter", {"reason"}},
   };
   const std::vector<Sample> samples = Samples(scrape);
   const std::string lines = "\n" + scrape;  // every line follows a newline
@@ -278,6 +279,28 @@ TEST(Metrics, CountersAddUpPerGpuDirectionAndKind) {
             4.0);
 }
 
+TEST(Metrics, SessionEndsAreCountedByReasonFromZero) {
+  auto m = TwoGpus();
+  ASSERT_NE(m, nullptr);
+  EXPECT_EQ(Value(m->Scrape(), "deltad_sessions_ended_total",
+                  {{"reason", "stream_broken"}}),
+            0.0);
+  m->AddSessionEnded(SessionEnd::kClosed);
+  m->AddSessionEnded(SessionEnd::kStreamBroken);
+  m->AddSessionEnded(SessionEnd::kStreamBroken);
+  m->AddSessionEnded(SessionEnd::kProcessGone);
+  const std::string scrape = m->Scrape();
+  EXPECT_EQ(
+      Value(scrape, "deltad_sessions_ended_total", {{"reason", "closed"}}),
+      1.0);
+  EXPECT_EQ(Value(scrape, "deltad_sessions_ended_total",
+                  {{"reason", "stream_broken"}}),
+            2.0);
+  EXPECT_EQ(Value(scrape, "deltad_sessions_ended_total",
+                  {{"reason", "process_gone"}}),
+            1.0);
+}
+
 TEST(Metrics, NegativeOrNonFiniteAmountsLeaveCountersAlone) {
   auto m = TwoGpus();
   ASSERT_NE(m, nullptr);
@@ -371,7 +394,7 @@ TEST(Metrics, NoLabelCarriesATensorIdAndSeriesDoNotGrow) {
   }
   EXPECT_THAT(label_names, IsSubsetOf(std::set<std::string>{
                                "gpu", "uuid", "direction", "kind", "state",
-                               "le", "version", "backend"}));
+                               "le", "version", "backend", "reason"}));
 }
 
 TEST(Metrics, CreateRejectsRepeatedOrNegativeGpuIndexes) {
