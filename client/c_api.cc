@@ -184,6 +184,20 @@ int deltad_stats(deltad_client* client, deltad_client_stats* stats) {
   return 0;
 }
 
+int deltad_session_stats(deltad_client* client,
+                         deltad_client_session_stats* stats) {
+  if (client == nullptr || stats == nullptr) {
+    return InvalidArgument("client and stats must not be NULL");
+  }
+  const deltad::client::ClientStats s = client->impl->Stats();
+  stats->connected = s.connected ? 1 : 0;
+  stats->session_id = s.session_id;
+  stats->reconnects = s.reconnects;
+  stats->sessions_lost = s.sessions_lost;
+  stats->attach_failures = s.attach_failures;
+  return 0;
+}
+
 void deltad_prefetch(deltad_client* client, const uint64_t* ids, size_t n) {
   if (client == nullptr || ids == nullptr || n == 0) return;
   client->impl->Prefetch({ids, n});

@@ -28,7 +28,9 @@ policy::TensorSpec SpecOf(const TensorInfo& info) {
   return spec;
 }
 
-void AddCreated(v1::EventBatch& batch, const TensorInfo& info) {
+}  // namespace
+
+void Client::AddCreated(v1::EventBatch& batch, const TensorInfo& info) {
   v1::TensorCreated* c = batch.add_created();
   c->set_tensor_id(info.id);
   c->set_bytes(info.bytes);
@@ -40,8 +42,6 @@ void AddCreated(v1::EventBatch& batch, const TensorInfo& info) {
   c->set_stable_key(info.stable_key);
 }
 
-}  // namespace
-
 int64_t Client::NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -51,7 +51,11 @@ int64_t Client::NowNs() {
 Client::Client(ClientOptions options, std::unique_ptr<Device> device)
     : options_(std::move(options)),
       device_(std::move(device)),
-      local_(policy::LinkBandwidth{}, options_.local_filter) {
+      local_(policy::LinkBandwidth{}, options_.local_filter),
+      keeper_({std::chrono::milliseconds(options_.reconnect_interval_ms),
+               std::chrono::milliseconds(options_.max_reconnect_interval_ms),
+               options_.reconnect_interval_ms > 0},
+              KeeperHooks()) {
   budget_bytes_ = options_.fallback_budget_bytes;
   // The device outlives the arena (members die in reverse order).
   Device* d = device_.get();
@@ -66,229 +70,28 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
     return absl::InvalidArgumentError("a client needs a device");
   }
   if (options.fallback_budget_bytes <= 0 || options.batch_events <= 0 ||
-      options.flush_interval_ms <= 0 || options.reconnect_interval_ms < 0) {
+      options.flush_interval_ms <= 0 || options.reconnect_interval_ms < 0 ||
+      options.max_reconnect_interval_ms < options.reconnect_interval_ms) {
     return absl::InvalidArgumentError(
         "client options: the fallback budget, batch size and flush interval "
-        "must be positive, the reconnect interval not negative");
+        "must be positive, the reconnect interval not negative nor above its "
+        "maximum");
   }
   if (options.link.gpu < 0 && options.link.gpu_uuid.empty()) {
     options.link.gpu_uuid = device->gpu_uuid();
   }
   std::unique_ptr<Client> client(
       new Client(std::move(options), std::move(device)));
-  if (client->options_.use_daemon) {
-    // Not reaching the daemon is not an error: training goes on without it.
-    (void)client->TryConnect();
-  }
   client->executor_ = std::thread([c = client.get()] { c->ExecutorLoop(); });
+  if (client->options_.use_daemon) {
+    // Not reaching the daemon is not an error: training goes on without
+    // it, and the keeper attaches when it answers.
+    client->keeper_.Start(client->TryConnect());
+  }
   return client;
 }
 
 Client::~Client() { Close(); }
-
-// --- daemon connection -----------------------------------------------------
-
-absl::Status Client::TryConnect() {
-  auto link = DaemonLink::Open(
-      options_.link, [this](const v1::Orders& o) { OnOrders(o); },
-      [this](const std::string& why) { OnLost(why); });
-  // Destroyed after the locks below are released: its destructor joins its
-  // reader thread, which may be waiting for mu_.
-  std::shared_ptr<DaemonLink> shared;
-  absl::Status status = link.status();
-  if (link.ok()) {
-    shared = std::move(*link);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      connecting_ = shared.get();
-    }
-    // Before the locks: it waits on the daemon. A device that cannot map
-    // the daemon's chunks cannot use the session at all.
-    status = SyncChunks(
-        shared,
-        InWholeChunks(*shared, shared->session().granted_budget_bytes()));
-    if (!status.ok()) {
-      std::fprintf(stderr, "deltad client: %s; going on without the daemon\n",
-                   std::string(status.message()).c_str());
-    }
-  }
-  std::shared_ptr<DaemonLink> old;
-  std::lock_guard<std::mutex> send_lock(send_mu_);
-  std::lock_guard<std::mutex> lock(mu_);
-  next_reconnect_ns_ =
-      NowNs() + int64_t{options_.reconnect_interval_ms} * 1000000;
-  connecting_ = nullptr;
-  // On failure `shared`, declared before the locks, is closed after them.
-  if (!status.ok()) return status;
-  for (common::side::Grant& slab : shared->TakeSlabs()) {
-    (void)arena_.AddSlab(slab.fd.release(), slab.bytes,
-                         shared->session().session_id());
-  }
-  // With a session, host memory for offloads is what the daemon granted:
-  // more heap would pass the node's host quota, and with none granted (the
-  // pool exhausted) the in-process policy must evict as the daemon does.
-  // Heap taken while the daemon was away stays until its tensors leave.
-  arena_.SetHeapAllowance(0);
-  const v1::OpenSessionResponse& session = shared->session();
-  budget_bytes_ = session.granted_budget_bytes();
-  chunks_due_ =
-      !device_->chunk_backend().empty() &&
-      device_->chunk_bytes_held() != InWholeChunks(*shared, budget_bytes_);
-  stats_.session_id = session.session_id();
-  // Any session after a first one is a reconnect, even at a moment this
-  // process held no tensors (between two iterations); so is a first one
-  // that comes after tensors were tracked without the daemon.
-  if (had_session_ || !records_.empty()) {
-    ++stats_.reconnects;
-  }
-  old = std::move(link_);
-  link_ = std::move(shared);
-  connecting_ = nullptr;
-  had_session_ = true;
-  batches_sent_ = 0;
-  resync_ = false;
-  draining_seen_ = false;
-  stats_.connected = true;
-  ReplayTensorsLocked();
-  return absl::OkStatus();
-}
-
-void Client::ReplayTensorsLocked() {
-  // A new session knows nothing: every tensor is created again, in one
-  // batch (the daemon accepts a batch's parents in any order), then
-  // brought to its state.
-  pending_.Clear();
-  pending_freed_.clear();
-  for (const auto& [id, r] : records_) AddCreated(pending_, r->info);
-  for (const auto& [id, r] : records_) {
-    // One being restored is reported as where it comes from, so that the
-    // event that ends it (RELOADED, RECOMPUTED, or none for a freed one)
-    // is legal.
-    const Where where =
-        r->where == Where::kReloading ? r->restoring_from : r->where;
-    switch (where) {
-      case Where::kOffloaded:
-        AddEventLocked(Kind::OFFLOADED, id);
-        break;
-      case Where::kEvicted:
-        AddEventLocked(Kind::EVICTED, id);
-        break;
-      case Where::kFreed:
-        AddEventLocked(Kind::FREED, id);
-        break;
-      case Where::kResident:
-        // A freed tensor rebuilt for a child's recompute is freed to the
-        // daemon.
-        if (r->rebuilt_freed) AddEventLocked(Kind::FREED, id);
-        break;
-      case Where::kOffloading:  // ends with OFFLOADED, legal from resident
-      case Where::kReloading:   // restoring_from is never kReloading
-        break;
-    }
-  }
-}
-
-bool Client::EvacuateSlabsOf(uint64_t session) {
-  std::unique_lock<std::mutex> lock(mu_);
-  // A compute thread waiting for them (MakeRoom) must not wait on this
-  // thread.
-  DropOrdersLocked();
-  // The slabs' tensors move to the heap.
-  arena_.SetHeapAllowance(options_.fallback_host_bytes);
-  arena_.Retire(session);
-  bool all_moved = true;
-  // By id, not by iterator: the waits below let other threads add and drop
-  // records, which may rehash the map.
-  std::vector<uint64_t> ids;
-  ids.reserve(records_.size());
-  for (const auto& [id, r] : records_) ids.push_back(id);
-  for (uint64_t id : ids) {
-    // A copy in flight reads or writes its block: wait for it to end.
-    Record* rec = nullptr;
-    changed_.wait(lock, [&] {
-      auto it = records_.find(id);
-      rec = it == records_.end() ? nullptr : it->second.get();
-      return rec == nullptr || (rec->where != Where::kOffloading &&
-                                rec->where != Where::kReloading);
-    });
-    if (rec == nullptr || !arena_.IsRetired(rec->host)) continue;
-    auto moved = arena_.Allocate(rec->info.bytes);
-    if (!moved.ok()) {
-      // No heap left for it: the session must stay open, or its bytes go.
-      all_moved = false;
-      std::fprintf(stderr,
-                   "deltad client: no host memory to move tensor %llu out "
-                   "of session %llu's slabs: %s\n",
-                   static_cast<unsigned long long>(id),
-                   static_cast<unsigned long long>(session),
-                   std::string(moved.status().message()).c_str());
-      continue;
-    }
-    std::memcpy(moved->data, rec->host.data,
-                static_cast<size_t>(rec->info.bytes));
-    arena_.Free(rec->host);
-    rec->host = *moved;
-  }
-  return all_moved;
-}
-
-void Client::OnOrders(const v1::Orders& orders) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (orders.new_budget_bytes() > 0) {
-    budget_bytes_ = orders.new_budget_bytes();
-    chunks_due_ = true;
-  }
-  if (!orders.rejected_batch().empty()) {
-    // Nothing of that batch was applied: the daemon's view and ours now
-    // differ, so the session is opened anew with the whole state.
-    ++stats_.rejected_batches;
-    resync_ = true;
-    std::fprintf(stderr,
-                 "deltad client: the daemon refused a batch (%s); reopening "
-                 "the session\n",
-                 orders.rejected_batch().c_str());
-  }
-  if (orders.draining()) draining_seen_ = true;
-  for (const v1::ReleaseOrder& o : orders.release()) {
-    ++stats_.orders_received;
-    ++queued_releases_;
-    ordered_.insert(o.tensor_id());
-    jobs_.push_back(
-        {o.action() == v1::ReleaseOrder::EVICT ? Job::kEvict : Job::kOffload,
-         o.tensor_id()});
-  }
-  for (uint64_t id : orders.prefetch_tensor_ids()) {
-    ++stats_.orders_received;
-    jobs_.push_back({Job::kPrefetch, id});
-  }
-  work_.notify_all();
-}
-
-void Client::OnLost(const std::string& /*why*/) {
-  std::lock_guard<std::mutex> lock(mu_);
-  stats_.connected = false;
-  DropOrdersLocked();  // the daemon's state went with it
-  arena_.SetHeapAllowance(options_.fallback_host_bytes);
-  next_reconnect_ns_ =
-      NowNs() + int64_t{options_.reconnect_interval_ms} * 1000000;
-  work_.notify_all();
-}
-
-void Client::DropOrdersLocked() {
-  // Orders of a session that ended are moot; whoever waits for them to be
-  // carried out waits no more.
-  for (const Job& job : jobs_) {
-    if (job.release()) UnorderLocked(job.id);
-  }
-  jobs_.clear();
-  queued_releases_ = 0;
-  changed_.notify_all();
-}
-
-bool Client::connected() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return stats_.connected;
-}
 
 // --- events -----------------------------------------------------------------
 
@@ -518,10 +321,15 @@ ClientStats Client::Stats() const {
   s.raw_bytes = raw_bytes_;
   s.budget_bytes = budget_bytes_;
   s.host_bytes = arena_.used_bytes();
+  const SessionKeeper::Stats kept = keeper_.stats();
+  s.sessions_lost = kept.sessions_lost;
+  s.attach_failures = kept.attach_failures;
   return s;
 }
 
 void Client::Close() {
+  // First: an attempt under way may wait for copies the executor makes.
+  keeper_.Stop();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;
@@ -530,12 +338,15 @@ void Client::Close() {
   }
   if (executor_.joinable()) executor_.join();
   std::shared_ptr<DaemonLink> link;
+  std::shared_ptr<DaemonLink> lost;
   {
     std::lock_guard<std::mutex> lock(mu_);
     link = std::move(link_);
+    lost = std::move(lost_link_);
     stats_.connected = false;
   }
   if (link != nullptr) link->Close();
+  if (lost != nullptr) lost->Close();
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [id, r] : records_) {
     if (r->device != nullptr) device_->Free(r->device, r->info.bytes);
@@ -848,8 +659,11 @@ absl::StatusOr<bool> Client::MakeRoom(int64_t bytes, int64_t extra) {
       });
       return true;
     }
+    // Anything else leaves it unknown whether the daemon applied the
+    // batch: its view of the tensors can no longer be trusted.
     if (response.status().code() != absl::StatusCode::kResourceExhausted) {
-      OnLost(std::string(response.status().message()));
+      OnLost(link.get(), absl::StrCat("a Release call failed (",
+                                      response.status().ToString(), ")"));
     }
   }
   // In-process: the same policy over this process's tensors, once the
@@ -1210,9 +1024,6 @@ void Client::ExecutorLoop() {
         changed_.notify_all();
       }
     }
-    bool reconnect = options_.use_daemon &&
-                     options_.reconnect_interval_ms > 0 && !stats_.connected &&
-                     NowNs() >= next_reconnect_ns_;
     // After a budget order (a cut, or the daemon asking for what it lent
     // beyond the budget because another session is short), chunks past the
     // budget go back as they come free, and chunks short of it are asked
@@ -1225,11 +1036,6 @@ void Client::ExecutorLoop() {
     if (sync_chunks) {
       chunk_link = link_;
       next_chunk_check_ns_ = NowNs() + 20'000'000;
-    }
-    std::shared_ptr<DaemonLink> stale;
-    if (resync_ && stats_.connected) {
-      stale = link_;
-      reconnect = true;
     }
     lock.unlock();
     if (sync_chunks) {
@@ -1268,23 +1074,7 @@ void Client::ExecutorLoop() {
         if (budget_bytes_ == chunk_budget) chunks_due_ = false;
       }
     }
-    if (stale != nullptr) {
-      if (EvacuateSlabsOf(stale->session().session_id())) {
-        stale->Close();
-        arena_.UnmapRetired();
-        std::lock_guard<std::mutex> relock(mu_);
-        stats_.connected = false;
-        DropOrdersLocked();
-      } else {
-        // Keep the diverged session rather than lose bytes; the daemon's
-        // view heals as the tensors are freed.
-        reconnect = false;
-        std::lock_guard<std::mutex> relock(mu_);
-        resync_ = false;
-      }
-    }
     FlushIfDue(/*force=*/true);
-    if (reconnect) (void)TryConnect();
     lock.lock();
   }
 }

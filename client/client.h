@@ -20,6 +20,7 @@
 #include "client/device.h"
 #include "client/host_arena.h"
 #include "client/local_policy.h"
+#include "client/session_keeper.h"
 #include "deltad/v1/memory_manager.pb.h"
 
 namespace deltad::client {
@@ -55,8 +56,12 @@ struct ClientOptions {
   // Events are sent when this many are waiting, or after flush_interval_ms.
   int batch_events = 256;
   int flush_interval_ms = 2;
-  // How often to try the daemon again after it was lost; 0: never.
+  // After a session is lost (or none could be opened), the first wait
+  // between attempts to open one; it doubles after each failure, up to
+  // max_reconnect_interval_ms. 0: never try again (a lost session is still
+  // ended on both sides).
   int reconnect_interval_ms = 1000;
+  int max_reconnect_interval_ms = 8000;
   // How long an allocation may wait for device chunks the daemon owes this
   // process (its budget covers them, but other sessions have yet to give
   // them back) before it fails with RESOURCE_EXHAUSTED.
@@ -95,7 +100,12 @@ struct ClientStats {
   int64_t stall_ns = 0;         // compute waiting for reloads and offloads
   int64_t local_decisions = 0;  // releases chosen in-process
   int64_t local_refused = 0;    // of them, not carried out
-  int64_t reconnects = 0;
+  int64_t reconnects = 0;       // sessions opened after the first
+  // Sessions that ended without this process closing them (the stream
+  // broke, a call failed, the daemon refused a batch): each was ended on
+  // both sides and a new one sought.
+  int64_t sessions_lost = 0;
+  int64_t attach_failures = 0;  // attempts that opened no session
   int64_t rejected_batches = 0;
   bool connected = false;
   uint64_t session_id = 0;
@@ -110,8 +120,9 @@ struct ClientStats {
 // Orders from the daemon run on the client's executor thread, apart from the
 // compute thread, which waits only for a tensor it needs that is not
 // resident. When the daemon is out of reach (never started, crashed,
-// draining) the client goes on with the same policies in-process and tries
-// the daemon again every reconnect_interval_ms, reporting its tensors anew.
+// stalled, draining) the client goes on with the same policies in-process,
+// and its SessionKeeper opens a new session in the background as soon as
+// the daemon answers, reporting its tensors anew.
 //
 // Thread safe; Pin and Track may be called from several threads.
 class Client {
@@ -210,15 +221,28 @@ class Client {
 
   Client(ClientOptions options, std::unique_ptr<Device> device);
 
-  // --- daemon connection
+  // --- daemon connection (client_session.cc)
+  SessionKeeper::Hooks KeeperHooks();
   absl::Status TryConnect();  // mu_ not held
-  void OnOrders(const v1::Orders& orders);
-  void OnLost(const std::string& why);
+  void OnOrders(const DaemonLink* from, const v1::Orders& orders);
+  // The session of `from` ended or can no longer be trusted; nothing when
+  // it is not the current one.
+  void OnLost(const DaemonLink* from, const std::string& why);
+  // Runs on in-process decisions from now on; the link waits in
+  // lost_link_ for EndLostSession.
+  void DetachLocked();
+  // The keeper's hook: closes the lost link, its slabs' bytes moved out
+  // first where the daemon could still wipe them. False when some could
+  // not be moved (no heap left): the session stays open for now.
+  bool EndLostSession();
+  // The keeper's periodic check: cuts off a stream whose writes stall.
+  void CheckLink();
   void DropOrdersLocked();
   void ReplayTensorsLocked();  // reports every tracked tensor to a new session
   // Moves offloaded bytes out of a session's slabs before it is closed.
   // False when some could not be moved (no heap left).
   bool EvacuateSlabsOf(uint64_t session);
+  static void AddCreated(v1::EventBatch& batch, const TensorInfo& info);
 
   // --- events
   void AddEventLocked(v1::TensorEvent::Kind kind, uint64_t id);
@@ -301,10 +325,11 @@ class Client {
   // The link TryConnect is setting up, until it is link_ or has failed:
   // SyncChunks takes it for the current one.
   const DaemonLink* connecting_ = nullptr;
-  bool had_session_ = false;  // some session was opened before
+  // A session lost but not yet ended on both sides; guarded by mu_.
+  std::shared_ptr<DaemonLink> lost_link_;
+  bool lost_draining_ = false;  // its daemon said it was going away
+  bool had_session_ = false;    // some session was opened before
   bool draining_seen_ = false;
-  bool resync_ = false;  // a batch was rejected: reopen the session
-  int64_t next_reconnect_ns_ = 0;
   // Serialises taking a batch with sending it, so batches reach the daemon
   // in the order they were taken; also counts the stream's batches.
   std::mutex send_mu_;
@@ -334,6 +359,8 @@ class Client {
   std::condition_variable work_;
   bool stopping_ = false;
   std::thread executor_;
+  // Last: its thread calls into everything above, and is stopped first.
+  SessionKeeper keeper_;
 };
 
 }  // namespace deltad::client

@@ -1,5 +1,6 @@
 #include "client/daemon_link.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -14,6 +15,12 @@ namespace deltad::client {
 namespace side = common::side;
 
 namespace {
+
+int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 std::chrono::system_clock::time_point Deadline(int ms) {
   return std::chrono::system_clock::now() + std::chrono::milliseconds(ms);
@@ -180,7 +187,7 @@ std::vector<side::Grant> DaemonLink::TakeSlabs() {
 
 void DaemonLink::ReadOrders() {
   v1::Orders orders;
-  while (stream_->Read(&orders)) on_orders_(orders);
+  while (stream_->Read(&orders)) on_orders_(this, orders);
   const grpc::Status status = stream_->Finish();
   alive_.store(false);
   {
@@ -189,9 +196,17 @@ void DaemonLink::ReadOrders() {
   }
   reader_cv_.notify_all();
   if (closing_.load()) return;
-  on_lost_(status.ok() ? std::string("the session stream ended")
-                       : absl::StrCat("the session stream ended: ",
-                                      status.error_message()));
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(cancel_mu_);
+    why = cancelled_for_;
+  }
+  if (why.empty()) {
+    why = status.ok() ? std::string("the session stream ended")
+                      : absl::StrCat("the session stream ended: ",
+                                     status.error_message());
+  }
+  on_lost_(this, why);
 }
 
 absl::Status DaemonLink::Send(const v1::EventBatch& batch) {
@@ -199,10 +214,25 @@ absl::Status DaemonLink::Send(const v1::EventBatch& batch) {
   v1::SessionMessage message;
   *message.mutable_batch() = batch;
   std::lock_guard<std::mutex> lock(write_mu_);
-  if (!stream_->Write(message)) {
-    return absl::UnavailableError("the session stream is closed");
-  }
+  write_since_ns_.store(SteadyNs());
+  const bool written = stream_->Write(message);
+  write_since_ns_.store(0);
+  if (!written) return absl::UnavailableError("the session stream is closed");
   return absl::OkStatus();
+}
+
+bool DaemonLink::WriteStalled() const {
+  const int64_t since = write_since_ns_.load();
+  return since != 0 &&
+         SteadyNs() - since > int64_t{options_.rpc_timeout_ms} * 1000000;
+}
+
+void DaemonLink::Cancel(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(cancel_mu_);
+    if (cancelled_for_.empty()) cancelled_for_ = why;
+  }
+  stream_context_.TryCancel();
 }
 
 absl::StatusOr<v1::ReleaseResponse> DaemonLink::Release(
@@ -220,6 +250,13 @@ absl::StatusOr<v1::ReleaseResponse> DaemonLink::Release(
     return FromGrpc(s, "Release");
   }
   return response;
+}
+
+bool DaemonLink::SideClosedByDaemon() const {
+  if (!side_.valid()) return true;
+  pollfd p{side_.get(), POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) < 0) return false;
+  return (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
 void DaemonLink::Close() {

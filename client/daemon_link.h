@@ -39,11 +39,12 @@ struct LinkOptions {
 // this process is (and whose end tells the daemon the process is gone), the
 // gRPC channel, and the session's stream. Orders arrive on a reader thread
 // and go to `on_orders`; when the stream ends for any reason, `on_lost`
-// runs once on that thread. Thread safe.
+// runs once on that thread. Both name the link they come from, so that a
+// link already replaced can be told apart. Thread safe.
 class DaemonLink {
  public:
-  using OrdersFn = std::function<void(const v1::Orders&)>;
-  using LostFn = std::function<void(const std::string& why)>;
+  using OrdersFn = std::function<void(const DaemonLink*, const v1::Orders&)>;
+  using LostFn = std::function<void(const DaemonLink*, const std::string&)>;
 
   // Connects, opens the session, fetches the host slabs and opens the
   // stream. UNAVAILABLE when no daemon answers.
@@ -81,6 +82,16 @@ class DaemonLink {
   void Close();
 
   bool alive() const { return alive_.load(); }
+  // Whether a write on the stream has waited past the RPC timeout: the
+  // daemon stopped reading (stalled), and gRPC's writes have no deadline.
+  bool WriteStalled() const;
+  // Cuts the stream off: a write waiting on it returns, and `on_lost` runs
+  // with `why`.
+  void Cancel(const std::string& why);
+  // Whether the daemon's end of the side connection has closed: the daemon
+  // died, stopped, or reclaimed this process's sessions. Then nothing the
+  // session held can be handed to another process any more.
+  bool SideClosedByDaemon() const;
 
  private:
   DaemonLink() = default;
@@ -101,6 +112,9 @@ class DaemonLink {
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionMessage, v1::Orders>>
       stream_;
   std::mutex write_mu_;  // one writer at a time on the stream
+  std::atomic<int64_t> write_since_ns_{0};  // 0: no write under way
+  std::mutex cancel_mu_;
+  std::string cancelled_for_;  // guarded by cancel_mu_
   std::thread reader_;
   std::mutex reader_mu_;
   std::condition_variable reader_cv_;

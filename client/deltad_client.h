@@ -69,6 +69,20 @@ typedef struct {
   int64_t prefetches; /* reloads done ahead of use */
 } deltad_client_stats;
 
+/* The client's sessions with the daemon (deltad_session_stats). Apart from
+ * deltad_client_stats so that its layout, which bindings mirror, stays as it
+ * is. */
+typedef struct {
+  int32_t connected;   /* 1 while a session is open */
+  uint64_t session_id; /* the last session opened; 0: none yet */
+  int64_t reconnects;  /* sessions opened after the first */
+  /* Sessions that ended without this process closing them (the stream
+   * broke, a call failed, the daemon stalled or died): each was ended on
+   * both sides and a new one sought in the background. */
+  int64_t sessions_lost;
+  int64_t attach_failures; /* attempts that opened no session */
+} deltad_client_session_stats;
+
 /* Rebuilds tensor `id` into `out`; returns 0 on success. Runs on the thread
  * that needed the tensor. */
 typedef int (*deltad_recompute_fn)(void* user_data, uint64_t id, void* out);
@@ -88,6 +102,8 @@ int deltad_pin(deltad_client* client, uint64_t id, void** out);
 void deltad_unpin(deltad_client* client, uint64_t id);
 int deltad_free(deltad_client* client, uint64_t id);
 int deltad_stats(deltad_client* client, deltad_client_stats* stats);
+int deltad_session_stats(deltad_client* client,
+                         deltad_client_session_stats* stats);
 
 /* Reload these offloaded tensors ahead of their use, in this order, as far
  * as the budget allows (a hint: unknown or resident ids are skipped). */

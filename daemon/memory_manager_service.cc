@@ -330,15 +330,24 @@ grpc::Status MemoryManagerService::Session(
   // writer gets a moment to deliver what is queued; a client that stopped
   // reading would leave it blocked in Write for ever, and cancelling the
   // call wakes it.
+  // Reads end without a cancel only after the process's WritesDone: a
+  // close. Anything else (a cut connection, the process cancelling a
+  // stream it gave up on) broke the stream.
+  const bool cancelled = context->IsCancelled();
   node_.SetReachable(id, false);
   mailboxes_.Close(id);
-  if (writer_finished.wait_for(kWriterGrace) != std::future_status::ready) {
-    context->TryCancel();
-  }
+  const bool stuck =
+      writer_finished.wait_for(kWriterGrace) != std::future_status::ready;
+  if (stuck) context->TryCancel();
   writer.join();
   mailboxes_.Remove(id);
   batches_.Forget(id);
-  auto others = node_.CloseSession(token);
+  auto others = node_.CloseSession(
+      token,
+      cancelled || stuck ? SessionEnd::kStreamBroken : SessionEnd::kClosed,
+      stuck       ? "the process stopped reading its orders"
+      : cancelled ? "cancelled or cut off"
+                  : "");
   if (others.ok()) Deliver(*others);
   return ToGrpc(end);
 }

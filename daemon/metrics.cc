@@ -81,6 +81,22 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
     m->refusals_[static_cast<size_t>(Refusal::kQueuedOrderBytes)] =
         &refused.Add({{"limit", "max_queued_order_bytes"}});
 
+    auto& ended = prometheus::BuildCounter()
+                      .Name("deltad_sessions_ended_total")
+                      .Help(
+                          "Sessions ended, by reason: closed by their "
+                          "process, stream_broken (the stream failed or was "
+                          "cancelled first), process_gone (its side "
+                          "connection closed first).")
+                      .Register(r);
+    for (const auto& [why, reason] :
+         {std::pair{SessionEnd::kClosed, "closed"},
+          std::pair{SessionEnd::kStreamBroken, "stream_broken"},
+          std::pair{SessionEnd::kProcessGone, "process_gone"}}) {
+      m->sessions_ended_[static_cast<size_t>(why)] =
+          &ended.Add({{"reason", reason}});
+    }
+
     auto& memory = prometheus::BuildGauge()
                        .Name("deltad_gpu_memory_bytes")
                        .Help("Total memory of the GPU.")
@@ -224,6 +240,11 @@ void Metrics::AddOrders(int gpu, OrderKind kind, int64_t n) {
 void Metrics::AddRefusal(Refusal refusal) {
   const auto k = static_cast<size_t>(refusal);
   if (k < refusals_.size()) refusals_[k]->Increment();
+}
+
+void Metrics::AddSessionEnded(SessionEnd why) {
+  const auto k = static_cast<size_t>(why);
+  if (k < sessions_ended_.size()) sessions_ended_[k]->Increment();
 }
 
 void Metrics::ObserveDecision(int gpu, double seconds) {

@@ -48,6 +48,14 @@ enum class Refusal {
   kQueuedOrderBytes,  // "max_queued_order_bytes": a stream left unread
 };
 
+// Why a session ended, label `reason` of deltad_sessions_ended_total.
+enum class SessionEnd {
+  kClosed,        // the process ended its stream: reason="closed"
+  kStreamBroken,  // the stream broke or was cancelled first: "stream_broken"
+  kProcessGone,   // its side connection closed first (exit, crash, a link
+                  // the process dropped): "process_gone"
+};
+
 // The daemon's Prometheus metrics. Call sites use the typed methods and never
 // build metric names or labels, which keeps names, units and label sets in
 // one place (and keeps tensor ids, whose number is unbounded, out of labels).
@@ -87,6 +95,8 @@ class Metrics {
   void AddOrders(int gpu, OrderKind kind, int64_t n);
   // deltad_refused_total{limit}: one client request or stream refused.
   void AddRefusal(Refusal refusal);
+  // Node-wide: one session ended, and why.
+  void AddSessionEnded(SessionEnd why);
 
   // Latency of one release decision (choosing what to offload or evict).
   void ObserveDecision(int gpu, double seconds);
@@ -122,7 +132,8 @@ class Metrics {
   absl::flat_hash_map<int, GpuMetrics> gpus_;  // immutable after Create
   prometheus::Gauge* host_free_ = nullptr;
   prometheus::Gauge* host_granted_ = nullptr;
-  std::array<prometheus::Counter*, 2> refusals_{};  // indexed by Refusal
+  std::array<prometheus::Counter*, 2> refusals_{};        // indexed by Refusal
+  std::array<prometheus::Counter*, 3> sessions_ended_{};  // by SessionEnd
 };
 
 // Serves a registry's text exposition over HTTP at /metrics (GET only; any

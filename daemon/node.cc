@@ -196,11 +196,14 @@ absl::StatusOr<Node::Opened> Node::OpenSession(
   return opened;
 }
 
-OrdersBySession Node::Reclaim(const SessionInfo& session) {
+OrdersBySession Node::Reclaim(const SessionInfo& session, SessionEnd why,
+                              absl::string_view detail) {
   OrdersBySession others;
   Gpu& gpu = *gpus_[session.gpu];
+  absl::StatusOr<SessionUsage> held;
   {
     std::lock_guard<std::mutex> lock(gpu.mu);
+    held = gpu.policy->Usage(session.id);
     (void)gpu.policy->RemoveSession(session.id);
     auto changes = gpu.arbiter.RemoveSession(session.id);
     if (changes.ok()) AddBudgetOrders(*changes, session.id, gpu, others);
@@ -216,13 +219,16 @@ OrdersBySession Node::Reclaim(const SessionInfo& session) {
     std::lock_guard<std::mutex> lock(gpu.mu);
     UpdateGpuMetrics(session.gpu, gpu);
   }
+  end_log_.Ended(session, why, detail, held);
   return others;
 }
 
-absl::StatusOr<OrdersBySession> Node::CloseSession(absl::string_view token) {
+absl::StatusOr<OrdersBySession> Node::CloseSession(absl::string_view token,
+                                                   SessionEnd why,
+                                                   absl::string_view detail) {
   auto session = registry_.Close(token);
   if (!session.ok()) return session.status();
-  return Reclaim(*session);
+  return Reclaim(*session, why, detail);
 }
 
 absl::StatusOr<std::vector<common::side::Grant>> Node::HostSlabs(
@@ -280,7 +286,9 @@ absl::Status Node::ReturnChunks(absl::string_view session_token,
 OrdersBySession Node::PeerGone(absl::string_view peer_token) {
   OrdersBySession others;
   for (const SessionInfo& s : registry_.ForgetPeer(peer_token)) {
-    for (auto& [id, orders] : Reclaim(s)) others[id].MergeFrom(orders);
+    for (auto& [id, orders] : Reclaim(s, SessionEnd::kProcessGone, {})) {
+      others[id].MergeFrom(orders);
+    }
   }
   return others;
 }

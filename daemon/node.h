@@ -18,6 +18,7 @@
 #include "daemon/gpu_policy.h"
 #include "daemon/host_pool.h"
 #include "daemon/metrics.h"
+#include "daemon/session_end_log.h"
 #include "daemon/session_registry.h"
 #include "deltad/v1/memory_manager.pb.h"
 
@@ -65,8 +66,11 @@ class Node {
   // For the process that holds `peer_token` (see SessionRegistry).
   absl::StatusOr<Opened> OpenSession(absl::string_view peer_token,
                                      const v1::OpenSessionRequest& request);
-  // Returns the budget changes of the sessions that remain.
-  absl::StatusOr<OrdersBySession> CloseSession(absl::string_view token);
+  // Returns the budget changes of the sessions that remain. `why` and
+  // `detail` are logged and counted (see SessionEndLog).
+  absl::StatusOr<OrdersBySession> CloseSession(
+      absl::string_view token, SessionEnd why = SessionEnd::kClosed,
+      absl::string_view detail = {});
   // The process behind a peer token is gone: reclaims all its sessions.
   OrdersBySession PeerGone(absl::string_view peer_token);
 
@@ -144,10 +148,12 @@ class Node {
         metrics_(metrics),
         options_(std::move(options)),
         registry_(options_.max_sessions_per_gpu, options_.max_sessions_per_uid),
-        chunks_(backend) {}
+        chunks_(backend),
+        end_log_(metrics) {}
   // Removes a session from its GPU and the pool; the lock of its GPU must
   // not be held.
-  OrdersBySession Reclaim(const SessionInfo& session);
+  OrdersBySession Reclaim(const SessionInfo& session, SessionEnd why,
+                          absl::string_view detail);
   void AddBudgetOrders(const std::vector<BudgetChange>& changes,
                        SessionId except, Gpu& gpu, OrdersBySession& out);
   void UpdateGpuMetrics(int gpu_index, Gpu& gpu);
@@ -158,6 +164,7 @@ class Node {
   const NodeOptions options_;
   SessionRegistry registry_;
   ChunkLedger chunks_;
+  SessionEndLog end_log_;
   std::vector<std::unique_ptr<Gpu>> gpus_;
   std::atomic<bool> keep_slab_contents_{false};
 };

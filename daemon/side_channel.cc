@@ -1,5 +1,6 @@
 #include "daemon/side_channel.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -98,8 +99,18 @@ void SideChannel::AcceptLoop() {
 void SideChannel::Serve(uint64_t id, int fd) {
   std::string peer_token;
   if (auto cred = common::PeerCredentials(fd); cred.ok()) {
+    ReapClosedConnectionsOf(cred->pid);
     auto token =
         node_.registry().RegisterPeer({cred->pid, cred->uid, cred->gid});
+    if (token.ok()) {
+      // Known before the process has it, so that its next connection
+      // finds this one.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = connections_.find(id); it != connections_.end()) {
+        it->second->pid = cred->pid;
+        it->second->peer_token = *token;
+      }
+    }
     if (token.ok() && common::SendFds(fd, side::kPeerToken, {}, *token).ok()) {
       peer_token = std::move(*token);
     } else if (token.ok()) {
@@ -121,6 +132,29 @@ void SideChannel::Serve(uint64_t id, int fd) {
     // Closed here, not at join, so the process sees its lifeline end now.
     it->second->fd.reset();
     it->second->done = true;
+  }
+}
+
+void SideChannel::ReapClosedConnectionsOf(pid_t pid) {
+  std::vector<std::string> closed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, c] : connections_) {
+      if (c->done || c->pid != pid || c->peer_token.empty() || !c->fd.valid()) {
+        continue;
+      }
+      pollfd p{c->fd.get(), POLLRDHUP, 0};
+      if (::poll(&p, 1, 0) == 1 &&
+          (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
+        closed.push_back(c->peer_token);
+      }
+    }
+  }
+  // Its own thread reclaims too once it sees the close; the second finds
+  // nothing left.
+  for (const std::string& token : closed) {
+    const OrdersBySession others = node_.PeerGone(token);
+    if (deliver_) deliver_(others);
   }
 }
 

@@ -51,6 +51,8 @@ class SideChannel {
     common::UniqueFd fd;
     std::thread thread;
     bool done = false;
+    pid_t pid = 0;           // once it has a peer token
+    std::string peer_token;  // secret; empty until sent
   };
 
   SideChannel(std::string path, Node& node, DeliverFn deliver,
@@ -66,6 +68,12 @@ class SideChannel {
   bool Answer(int fd, const std::string& peer_token,
               const common::ReceivedFds& message);
   void JoinFinished();  // mu_ not held
+  // Reclaims the sessions of `pid`'s connections that the process has
+  // closed but whose threads have not seen it yet (mu_ not held). A process
+  // that gives up a session and opens another closes the old connection
+  // first; without this its new session could race the old one's reclaim
+  // and be refused as a second one on its GPU.
+  void ReapClosedConnectionsOf(pid_t pid);
 
   const std::string path_;
   Node& node_;

@@ -14,7 +14,9 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace deltad::testing_util {
 
@@ -222,6 +224,26 @@ absl::StatusOr<std::string> ChildProcess::ReadLine(absl::Duration timeout) {
     }
     stdout_buffer_.append(buffer, static_cast<size_t>(n));
   }
+}
+
+absl::StatusOr<std::string> LineStarting(ChildProcess& p,
+                                         const std::string& prefix,
+                                         absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  std::string seen;
+  while (absl::Now() < deadline) {
+    auto line = p.ReadLine(deadline - absl::Now());
+    if (!line.ok()) {
+      return absl::Status(
+          line.status().code(),
+          absl::StrCat("waiting for \"", prefix,
+                       "\": ", line.status().message(), "; it said: ", seen));
+    }
+    if (absl::StartsWith(*line, prefix)) return *line;
+    absl::StrAppend(&seen, *line, " | ");
+  }
+  return absl::DeadlineExceededError(absl::StrCat(
+      "no line starting \"", prefix, "\" in time; it said: ", seen));
 }
 
 }  // namespace deltad::testing_util

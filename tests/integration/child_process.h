@@ -91,6 +91,12 @@ class ChildProcess {
   std::string stdout_buffer_;  // read from the pipe, not yet a whole line
 };
 
+// The next line of `p`'s stdout pipe that starts with `prefix`, within
+// `timeout`; otherwise an error that quotes the lines it printed meanwhile.
+absl::StatusOr<std::string> LineStarting(ChildProcess& p,
+                                         const std::string& prefix,
+                                         absl::Duration timeout);
+
 // The whole content of a file; empty when it cannot be read.
 std::string ReadFileOrEmpty(const std::string& path);
 

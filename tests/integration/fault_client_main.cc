@@ -46,6 +46,7 @@
 #include "absl/status/statusor.h"
 #include "client/client.h"
 #include "client/sim_chunk_device.h"
+#include "tests/integration/tensor_bytes.h"
 
 ABSL_FLAG(std::string, socket, "", "deltad's socket");
 ABSL_FLAG(int, gpu, 0, "GPU index");
@@ -61,30 +62,15 @@ namespace {
 
 using deltad::client::Client;
 using deltad::client::TensorInfo;
+using deltad::testing_util::FillTensor;
+using deltad::testing_util::Say;
+using deltad::testing_util::TensorIntact;
 
 constexpr int64_t kMiB = int64_t{1} << 20;
-
-void Say(const std::string& line) {
-  std::printf("%s\n", line.c_str());
-  std::fflush(stdout);
-}
 
 int Fail(const std::string& why) {
   Say("error " + why);
   return 1;
-}
-
-// Tensor `id`'s bytes: a pattern no other tensor has.
-void Fill(void* out, int64_t bytes, uint64_t id) {
-  auto* p = static_cast<uint64_t*>(out);
-  for (int64_t i = 0; i < bytes / 8; ++i) p[i] = id * 0x9E3779B97F4A7C15ULL + i;
-}
-bool Check(const void* in, int64_t bytes, uint64_t id) {
-  const auto* p = static_cast<const uint64_t*>(in);
-  for (int64_t i = 0; i < bytes / 8; ++i) {
-    if (p[i] != id * 0x9E3779B97F4A7C15ULL + i) return false;
-  }
-  return true;
 }
 
 }  // namespace
@@ -134,7 +120,7 @@ int main(int argc, char** argv) {
       info.evict_pinned = true;
       auto out = c.Track(info, nullptr);
       if (!out.ok()) return out.status();
-      Fill(*out, bytes, id);
+      FillTensor(*out, bytes, id);
       if (!pin) c.Unpin(id);
     }
     return static_cast<uint64_t>(fit);
@@ -162,7 +148,8 @@ int main(int argc, char** argv) {
     for (uint64_t id = 1; id <= *count; ++id) {
       auto p = c.Pin(id);
       if (!p.ok()) return Fail(p.status().ToString());
-      if (!Check(*p, bytes, id)) return Fail("tensor bytes came back wrong");
+      if (!TensorIntact(*p, bytes, id))
+        return Fail("tensor bytes came back wrong");
       c.Unpin(id);
     }
     Say("verified offloads " + std::to_string(c.Stats().offloads));
@@ -199,7 +186,7 @@ int main(int argc, char** argv) {
     }
     auto out = c.Track(info, std::move(fn));
     if (!out.ok()) return out.status();
-    Fill(*out, bytes, id);
+    FillTensor(*out, bytes, id);
     c.Unpin(id);
     return absl::OkStatus();
   };
@@ -244,7 +231,8 @@ int main(int argc, char** argv) {
   bool restored = false;
   auto p = c.Pin(gone, &restored);
   if (!p.ok()) return Fail(p.status().ToString());
-  if (!Check(*p, bytes, gone)) return Fail("tensor bytes came back wrong");
+  if (!TensorIntact(*p, bytes, gone))
+    return Fail("tensor bytes came back wrong");
   c.Unpin(gone);
   Say("done");
   return 0;

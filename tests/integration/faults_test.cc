@@ -12,7 +12,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -28,28 +27,6 @@ namespace {
 using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::Not;
-
-// What the test needs of a fault client's stdout: the next line that starts
-// with `prefix`, within `timeout`; the error lines it printed otherwise.
-absl::StatusOr<std::string> LineStarting(ChildProcess& p,
-                                         const std::string& prefix,
-                                         absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  std::string seen;
-  while (absl::Now() < deadline) {
-    auto line = p.ReadLine(deadline - absl::Now());
-    if (!line.ok()) {
-      return absl::Status(
-          line.status().code(),
-          absl::StrCat("waiting for \"", prefix,
-                       "\": ", line.status().message(), "; it said: ", seen));
-    }
-    if (absl::StartsWith(*line, prefix)) return *line;
-    absl::StrAppend(&seen, *line, " | ");
-  }
-  return absl::DeadlineExceededError(absl::StrCat(
-      "no line starting \"", prefix, "\" in time; it said: ", seen));
-}
 
 // integration_fault_client on GPU 0 in `phase` with `flags`: its stdout is
 // a pipe (LineStarting reads it), its stderr goes to <dir>/<name>.err.

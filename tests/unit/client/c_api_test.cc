@@ -46,6 +46,13 @@ TEST(CApi, TracksPinsAndFreesInProcessWithoutADaemon) {
   ASSERT_EQ(deltad_stats(c, &s), 0);
   EXPECT_LE(s.peak_device_bytes, 2 << 20);
   EXPECT_EQ(s.connected, 0);
+  // No daemon: no session, nor any lost.
+  deltad_client_session_stats sessions;
+  ASSERT_EQ(deltad_session_stats(c, &sessions), 0);
+  EXPECT_EQ(sessions.connected, 0);
+  EXPECT_EQ(sessions.session_id, 0u);
+  EXPECT_EQ(sessions.sessions_lost, 0);
+  EXPECT_EQ(deltad_session_stats(c, nullptr), 3);
   EXPECT_EQ(deltad_free(c, 1), 0);
   EXPECT_EQ(deltad_free(c, 1), 5);  // NOT_FOUND
   EXPECT_NE(std::strlen(deltad_last_error()), 0u);

@@ -159,6 +159,7 @@ TEST(Metrics, EveryFamilyHasHelpTypeAndItsLabels) {
       {"deltad_release_decision_seconds", "histogram", per_gpu},
       {"deltad_build_info", "gauge", {"version", "backend"}},
       {"deltad_refused_total", "counter", {"limit"}},
+      {"deltad_sessions_ended_total", "counter", {"reason"}},
   };
   const std::vector<Sample> samples = Samples(scrape);
   const std::string lines = "\n" + scrape;  // every line follows a newline
@@ -297,6 +298,28 @@ TEST(Metrics, RefusalsAreCountedByTheLimitFromTheStart) {
             1.0);
 }
 
+TEST(Metrics, SessionEndsAreCountedByReasonFromZero) {
+  auto m = TwoGpus();
+  ASSERT_NE(m, nullptr);
+  EXPECT_EQ(Value(m->Scrape(), "deltad_sessions_ended_total",
+                  {{"reason", "stream_broken"}}),
+            0.0);
+  m->AddSessionEnded(SessionEnd::kClosed);
+  m->AddSessionEnded(SessionEnd::kStreamBroken);
+  m->AddSessionEnded(SessionEnd::kStreamBroken);
+  m->AddSessionEnded(SessionEnd::kProcessGone);
+  const std::string scrape = m->Scrape();
+  EXPECT_EQ(
+      Value(scrape, "deltad_sessions_ended_total", {{"reason", "closed"}}),
+      1.0);
+  EXPECT_EQ(Value(scrape, "deltad_sessions_ended_total",
+                  {{"reason", "stream_broken"}}),
+            2.0);
+  EXPECT_EQ(Value(scrape, "deltad_sessions_ended_total",
+                  {{"reason", "process_gone"}}),
+            1.0);
+}
+
 TEST(Metrics, NegativeOrNonFiniteAmountsLeaveCountersAlone) {
   auto m = TwoGpus();
   ASSERT_NE(m, nullptr);
@@ -390,7 +413,7 @@ TEST(Metrics, NoLabelCarriesATensorIdAndSeriesDoNotGrow) {
   }
   EXPECT_THAT(label_names, IsSubsetOf(std::set<std::string>{
                                "gpu", "uuid", "direction", "kind", "state",
-                               "le", "version", "backend", "limit"}));
+                               "le", "version", "backend", "limit", "reason"}));
 }
 
 TEST(Metrics, CreateRejectsRepeatedOrNegativeGpuIndexes) {

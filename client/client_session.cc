@@ -1,0 +1,310 @@
+// The Client's session with deltad: opening one and telling it everything
+// the process holds, the orders that come on its stream, and its loss.
+// Apart from client.cc, which holds the tensors' life cycle; the
+// SessionKeeper decides when these run (on its own thread, for all but the
+// first attach).
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+
+namespace deltad::client {
+
+using Kind = v1::TensorEvent;
+
+SessionKeeper::Hooks Client::KeeperHooks() {
+  return {[this] { return EndLostSession(); },
+          [this]() -> absl::StatusOr<std::string> {
+            if (absl::Status s = TryConnect(); !s.ok()) return s;
+            std::lock_guard<std::mutex> lock(mu_);
+            return absl::StrCat("session ", stats_.session_id, ", ",
+                                records_.size(), " tensors re-reported");
+          },
+          [this] { CheckLink(); }};
+}
+
+void Client::CheckLink() {
+  std::shared_ptr<DaemonLink> link;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stats_.connected) link = link_;
+  }
+  // A daemon that stopped reading blocks the writer, and whoever waits to
+  // send after it (an allocation asking for room): cutting the stream off
+  // frees them, and the loss takes its usual course.
+  if (link != nullptr && link->WriteStalled()) {
+    link->Cancel(absl::StrCat("a write on the session stream waited over ",
+                              options_.link.rpc_timeout_ms,
+                              " ms (the daemon stopped reading)"));
+  }
+}
+
+absl::Status Client::TryConnect() {
+  auto link = DaemonLink::Open(
+      options_.link,
+      [this](const DaemonLink* from, const v1::Orders& o) {
+        OnOrders(from, o);
+      },
+      [this](const DaemonLink* from, const std::string& why) {
+        OnLost(from, why);
+      });
+  // Destroyed after the locks below are released: its destructor joins its
+  // reader thread, which may be waiting for mu_.
+  std::shared_ptr<DaemonLink> shared;
+  absl::Status status = link.status();
+  if (link.ok()) {
+    shared = std::move(*link);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      connecting_ = shared.get();
+    }
+    // Before the locks: it waits on the daemon. A device that cannot map
+    // the daemon's chunks cannot use the session at all.
+    status = SyncChunks(
+        shared,
+        InWholeChunks(*shared, shared->session().granted_budget_bytes()));
+    if (!status.ok()) {
+      std::fprintf(stderr, "deltad client: %s; going on without the daemon\n",
+                   std::string(status.message()).c_str());
+    }
+  }
+  std::shared_ptr<DaemonLink> old;
+  std::lock_guard<std::mutex> send_lock(send_mu_);
+  std::lock_guard<std::mutex> lock(mu_);
+  connecting_ = nullptr;
+  // A stream that ended already would never report its loss (its reader
+  // found it was not the current link): it must not become the session.
+  if (status.ok() && !shared->alive()) {
+    status = absl::UnavailableError("the session stream ended at once");
+  }
+  // On failure `shared`, declared before the locks, is closed after them.
+  if (!status.ok()) return status;
+  for (common::side::Grant& slab : shared->TakeSlabs()) {
+    (void)arena_.AddSlab(slab.fd.release(), slab.bytes,
+                         shared->session().session_id());
+  }
+  // With a session, host memory for offloads is what the daemon granted:
+  // more heap would pass the node's host quota, and with none granted (the
+  // pool exhausted) the in-process policy must evict as the daemon does.
+  // Heap taken while the daemon was away stays until its tensors leave.
+  arena_.SetHeapAllowance(0);
+  const v1::OpenSessionResponse& session = shared->session();
+  budget_bytes_ = session.granted_budget_bytes();
+  chunks_due_ =
+      !device_->chunk_backend().empty() &&
+      device_->chunk_bytes_held() != InWholeChunks(*shared, budget_bytes_);
+  stats_.session_id = session.session_id();
+  // Any session after a first one is a reconnect, even at a moment this
+  // process held no tensors (between two iterations); so is a first one
+  // that comes after tensors were tracked without the daemon.
+  if (had_session_ || !records_.empty()) {
+    ++stats_.reconnects;
+  }
+  old = std::move(link_);
+  link_ = std::move(shared);
+  had_session_ = true;
+  batches_sent_ = 0;
+  draining_seen_ = false;
+  stats_.connected = true;
+  ReplayTensorsLocked();
+  return absl::OkStatus();
+}
+
+void Client::ReplayTensorsLocked() {
+  // A new session knows nothing: every tensor is created again, in one
+  // batch (the daemon accepts a batch's parents in any order), then
+  // brought to its state.
+  pending_.Clear();
+  pending_freed_.clear();
+  for (const auto& [id, r] : records_) AddCreated(pending_, r->info);
+  for (const auto& [id, r] : records_) {
+    // One being restored is reported as where it comes from, so that the
+    // event that ends it (RELOADED, RECOMPUTED, or none for a freed one)
+    // is legal.
+    const Where where =
+        r->where == Where::kReloading ? r->restoring_from : r->where;
+    switch (where) {
+      case Where::kOffloaded:
+        AddEventLocked(Kind::OFFLOADED, id);
+        break;
+      case Where::kEvicted:
+        AddEventLocked(Kind::EVICTED, id);
+        break;
+      case Where::kFreed:
+        AddEventLocked(Kind::FREED, id);
+        break;
+      case Where::kResident:
+        // A freed tensor rebuilt for a child's recompute is freed to the
+        // daemon.
+        if (r->rebuilt_freed) AddEventLocked(Kind::FREED, id);
+        break;
+      case Where::kOffloading:  // ends with OFFLOADED, legal from resident
+      case Where::kReloading:   // restoring_from is never kReloading
+        break;
+    }
+  }
+}
+
+bool Client::EvacuateSlabsOf(uint64_t session) {
+  std::unique_lock<std::mutex> lock(mu_);
+  // A compute thread waiting for them (MakeRoom) must not wait on this
+  // thread.
+  DropOrdersLocked();
+  // The slabs' tensors move to the heap.
+  arena_.SetHeapAllowance(options_.fallback_host_bytes);
+  arena_.Retire(session);
+  bool all_moved = true;
+  // By id, not by iterator: the waits below let other threads add and drop
+  // records, which may rehash the map.
+  std::vector<uint64_t> ids;
+  ids.reserve(records_.size());
+  for (const auto& [id, r] : records_) ids.push_back(id);
+  for (uint64_t id : ids) {
+    // A copy in flight reads or writes its block: wait for it to end.
+    Record* rec = nullptr;
+    changed_.wait(lock, [&] {
+      auto it = records_.find(id);
+      rec = it == records_.end() ? nullptr : it->second.get();
+      return rec == nullptr || (rec->where != Where::kOffloading &&
+                                rec->where != Where::kReloading);
+    });
+    if (rec == nullptr || !arena_.IsRetired(rec->host)) continue;
+    auto moved = arena_.Allocate(rec->info.bytes);
+    if (!moved.ok()) {
+      // No heap left for it: the session must stay open, or its bytes go.
+      all_moved = false;
+      std::fprintf(stderr,
+                   "deltad client: no host memory to move tensor %llu out "
+                   "of session %llu's slabs: %s\n",
+                   static_cast<unsigned long long>(id),
+                   static_cast<unsigned long long>(session),
+                   std::string(moved.status().message()).c_str());
+      continue;
+    }
+    std::memcpy(moved->data, rec->host.data,
+                static_cast<size_t>(rec->info.bytes));
+    arena_.Free(rec->host);
+    rec->host = *moved;
+  }
+  return all_moved;
+}
+
+void Client::OnOrders(const DaemonLink* from, const v1::Orders& orders) {
+  std::string lost;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // A link being set up gets its budget; one that is no longer the
+    // session (lost, or replaced) has nothing more to say.
+    const bool current = from == link_.get() && stats_.connected;
+    if (!current && from != connecting_) return;
+    if (orders.new_budget_bytes() > 0) {
+      budget_bytes_ = orders.new_budget_bytes();
+      chunks_due_ = true;
+    }
+    if (!orders.rejected_batch().empty() && current) {
+      // Nothing of that batch was applied: the daemon's view and ours now
+      // differ, so the session is opened anew with the whole state.
+      ++stats_.rejected_batches;
+      lost = absl::StrCat("the daemon refused a batch (",
+                          orders.rejected_batch(), ")");
+      DetachLocked();
+    }
+    if (orders.draining()) draining_seen_ = true;
+    if (lost.empty()) {
+      for (const v1::ReleaseOrder& o : orders.release()) {
+        ++stats_.orders_received;
+        ++queued_releases_;
+        ordered_.insert(o.tensor_id());
+        jobs_.push_back({o.action() == v1::ReleaseOrder::EVICT ? Job::kEvict
+                                                               : Job::kOffload,
+                         o.tensor_id()});
+      }
+      for (uint64_t id : orders.prefetch_tensor_ids()) {
+        ++stats_.orders_received;
+        jobs_.push_back({Job::kPrefetch, id});
+      }
+    }
+    work_.notify_all();
+  }
+  if (!lost.empty()) keeper_.Lost(lost);
+}
+
+void Client::OnLost(const DaemonLink* from, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // A link already replaced, or lost before, was dealt with then.
+    if (from == nullptr || from != link_.get() || !stats_.connected) return;
+    DetachLocked();
+  }
+  keeper_.Lost(why);
+}
+
+void Client::DetachLocked() {
+  stats_.connected = false;
+  DropOrdersLocked();  // the daemon's state went with it
+  arena_.SetHeapAllowance(options_.fallback_host_bytes);
+  // Kept open until the keeper ends it: its slabs may hold offloaded bytes
+  // that must be moved out first.
+  lost_link_ = std::move(link_);
+  lost_draining_ = draining_seen_;
+  work_.notify_all();
+}
+
+bool Client::EndLostSession() {
+  std::shared_ptr<DaemonLink> lost;
+  bool draining;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    lost = lost_link_;
+    draining = lost_draining_;
+  }
+  if (lost == nullptr) return true;
+  const uint64_t session = lost->session().session_id();
+  // A daemon that still holds the session (it stalled, or refused a batch)
+  // wipes its slabs once it is closed, and may grant them to another
+  // process: their offloaded bytes move to the heap first. One that is
+  // going away (it said it drains, or closed the side connection: it died)
+  // will never touch them: their mappings keep the bytes, and the process
+  // keeps using them as its own host memory.
+  const bool wiped = !draining && !lost->SideClosedByDaemon();
+  if (wiped && !EvacuateSlabsOf(session)) return false;
+  {
+    // Its chunk ids mean nothing to the next session; and once it is gone
+    // a new link may take its address, which the bookkeeping must not
+    // mistake for it.
+    std::lock_guard<std::mutex> lock(chunk_mu_);
+    if (chunk_link_ == lost.get()) {
+      (void)device_->ShrinkChunksTo(0);
+      daemon_chunk_.clear();
+      chunk_link_ = nullptr;
+    }
+  }
+  lost->Close();
+  // Those of earlier sessions may have emptied since, too.
+  arena_.UnmapRetired();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (lost_link_ == lost) lost_link_.reset();
+  return true;
+}
+
+void Client::DropOrdersLocked() {
+  // Orders of a session that ended are moot; whoever waits for them to be
+  // carried out waits no more.
+  for (const Job& job : jobs_) {
+    if (job.release()) UnorderLocked(job.id);
+  }
+  jobs_.clear();
+  queued_releases_ = 0;
+  changed_.notify_all();
+}
+
+bool Client::connected() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_.connected;
+}
+
+}  // namespace deltad::client

@@ -1,0 +1,254 @@
+// Sessions that survive the daemon: a training process (the steady client,
+// which never stops allocating, freeing and checking its tensors' bytes)
+// goes on through a daemon stalled for 3 s, a daemon killed and started
+// again, and a daemon that was not there when it started; each time it ends
+// up attached to a session the daemon lists, with everything it holds
+// reported again, and loses no byte.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/child_process.h"
+#include "tests/integration/daemon_process.h"
+#include "tests/integration/trainer_jobs.h"
+
+namespace deltad::testing_util {
+namespace {
+
+using ::testing::HasSubstr;
+
+// The steady client's "report" line.
+struct Report {
+  int connected = 0;
+  unsigned long long session = 0;
+  long long device_bytes = 0;
+  long long tensors = 0;
+  long long lost = 0;
+  long long reconnects = 0;
+  long long steps = 0;
+};
+
+struct SteadyClient {
+  std::unique_ptr<ChildProcess> process;
+  std::string errors;  // the file its stderr goes to
+
+  // Sends `command` and reads the report it answers with.
+  absl::StatusOr<Report> Ask(const std::string& command) {
+    const std::string line = command + "\n";
+    if (::write(process->stdin_fd(), line.data(), line.size()) !=
+        static_cast<ssize_t>(line.size())) {
+      return absl::UnavailableError("the client's stdin is closed");
+    }
+    auto answer = LineStarting(*process, "report ", absl::Seconds(30));
+    if (!answer.ok()) return answer.status();
+    Report r;
+    if (std::sscanf(answer->c_str(),
+                    "report connected %d session %llu device_bytes %lld "
+                    "tensors %lld lost %lld reconnects %lld steps %lld",
+                    &r.connected, &r.session, &r.device_bytes, &r.tensors,
+                    &r.lost, &r.reconnects, &r.steps) != 7) {
+      return absl::InternalError("unreadable report: " + *answer);
+    }
+    return r;
+  }
+  // Closes its stdin and waits for its verdict on its tensors' bytes.
+  void ExpectEveryTensorIntact() {
+    process->CloseStdin();
+    auto verified = LineStarting(*process, "verified ", absl::Seconds(60));
+    ASSERT_TRUE(verified.ok()) << verified.status() << "\n"
+                               << ReadFileOrEmpty(errors);
+    EXPECT_THAT(*verified, HasSubstr(" bad 0"));
+    const ExitStatus exit = process->WaitOrKill(absl::Seconds(30));
+    EXPECT_TRUE(exit.ok()) << exit.ToString() << "\n"
+                           << ReadFileOrEmpty(errors);
+  }
+};
+
+// Its stderr goes to <dir>/<name>.err.
+SteadyClient StartSteadyClient(const std::string& dir, const std::string& name,
+                               const std::string& socket) {
+  SteadyClient c;
+  SpawnOptions options;
+  options.pipe_stdout = true;
+  options.pipe_stdin = true;
+  c.errors = dir + "/" + name + ".err";
+  options.output_file = c.errors;
+  auto p = ChildProcess::Spawn(
+      {DELTAD_STEADY_CLIENT_BINARY, "--socket=" + socket}, options);
+  EXPECT_TRUE(p.ok()) << p.status();
+  if (!p.ok()) return c;
+  c.process = std::move(*p);
+  auto started = LineStarting(*c.process, "started", absl::Seconds(60));
+  EXPECT_TRUE(started.ok()) << started.status() << "\n"
+                            << ReadFileOrEmpty(c.errors);
+  return c;
+}
+
+// Waits (up to `timeout`) until the client is attached to a session that
+// `daemon` lists as its only one, holding what the client holds (device
+// bytes and tensors, compared while the client is paused), and returns the
+// client's report then; the client is left running.
+absl::StatusOr<Report> AttachedWithItsHoldings(DaemonProcess& daemon,
+                                               SteadyClient& client,
+                                               absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  auto stub = daemon.NewStub();
+  std::string last = "no report";
+  while (absl::Now() < deadline) {
+    auto r = client.Ask("pause");
+    if (!r.ok()) return r.status();
+    // The events it sent on pausing, and orders carried out since, take a
+    // moment to reach the daemon: compare a few times.
+    for (int i = 0; i < 50 && r.ok() && r->connected == 1; ++i) {
+      const v1::NodeStatusResponse s = Status(*stub);
+      const v1::SessionStatus* mine = FindSession(s, r->session);
+      last = absl::StrCat("client: session ", r->session, ", ", r->device_bytes,
+                          " device bytes, ", r->tensors,
+                          " tensors; daemon: ", s.ShortDebugString());
+      if (s.sessions_size() == 1 && mine != nullptr &&
+          mine->pid() == client.process->pid() &&
+          mine->device_bytes() == r->device_bytes &&
+          static_cast<long long>(mine->tensors()) == r->tensors) {
+        (void)client.Ask("resume");
+        return r;
+      }
+      absl::SleepFor(absl::Milliseconds(100));
+      r = client.Ask("report");
+    }
+    if (!r.ok()) return r.status();
+    auto resumed = client.Ask("resume");
+    if (!resumed.ok()) return resumed.status();
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  return absl::DeadlineExceededError("not attached with its holdings: " + last);
+}
+
+// The client has run for `steps` more steps than `from` says.
+bool Progressed(SteadyClient& client, const Report& from, long long steps) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < deadline) {
+    auto r = client.Ask("report");
+    if (!r.ok()) return false;
+    if (r->steps >= from.steps + steps) return true;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return false;
+}
+
+TEST(SessionSurvival, ADaemonStalledForThreeSecondsGetsTheClientBack) {
+  auto d = DaemonProcess::Start(SmallNode());
+  ASSERT_TRUE(d.ok()) << d.status();
+  DaemonProcess& daemon = **d;
+  SteadyClient client =
+      StartSteadyClient(daemon.dir(), "steady", daemon.socket_path());
+  ASSERT_NE(client.process, nullptr);
+  auto before = AttachedWithItsHoldings(daemon, client, absl::Seconds(60));
+  ASSERT_TRUE(before.ok()) << before.status() << "\n"
+                           << ReadFileOrEmpty(client.errors);
+  // Past its budget, it asks the daemon for room at every step.
+  ASSERT_TRUE(Progressed(client, *before, 20));
+
+  ::kill(daemon.pid(), SIGSTOP);
+  absl::SleepFor(absl::Seconds(3));
+  ::kill(daemon.pid(), SIGCONT);
+
+  auto after = AttachedWithItsHoldings(daemon, client, absl::Seconds(60));
+  ASSERT_TRUE(after.ok()) << after.status() << "\n"
+                          << ReadFileOrEmpty(client.errors) << "\n"
+                          << daemon.Output();
+  // It noticed (a call for room ran past its 1 s deadline), ended that
+  // session on both sides and opened another; it kept training meanwhile.
+  EXPECT_GE(after->lost, 1);
+  EXPECT_NE(after->session, before->session);
+  EXPECT_GE(after->reconnects, 1);
+  EXPECT_THAT(ReadFileOrEmpty(client.errors),
+              HasSubstr("lost the session with deltad"));
+  EXPECT_THAT(daemon.Output(),
+              HasSubstr(absl::StrCat("session ", before->session, " (pid ",
+                                     client.process->pid())));
+  EXPECT_TRUE(Progressed(client, *after, 20));
+  client.ExpectEveryTensorIntact();
+  EXPECT_TRUE(StatusBecomes(daemon, [](const v1::NodeStatusResponse& s) {
+    return s.sessions_size() == 0 && s.host_pool_granted_bytes() == 0 &&
+           s.gpus(0).chunk_bytes() == 0;
+  }));
+  const ExitStatus stopped = daemon.Stop();
+  EXPECT_TRUE(stopped.ok()) << stopped.ToString();
+}
+
+TEST(SessionSurvival, ADaemonKilledAndRestartedGetsEverythingReportedAgain) {
+  DaemonOptions options = SmallNode();
+  const std::string dir = ::testing::TempDir();
+  options.socket_path =
+      dir + "/survive-" + std::to_string(::getpid()) + ".sock";
+  auto first = DaemonProcess::Start(options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  // Its log outlives the first daemon's dir.
+  SteadyClient client = StartSteadyClient(
+      dir, "survive-" + std::to_string(::getpid()), options.socket_path);
+  ASSERT_NE(client.process, nullptr);
+  auto before = AttachedWithItsHoldings(**first, client, absl::Seconds(60));
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_TRUE(Progressed(client, *before, 20));
+
+  (*first)->Kill();
+  first->reset();
+  // Training on alone meanwhile.
+  ASSERT_TRUE(Progressed(client, *before, 40))
+      << ReadFileOrEmpty(client.errors);
+  auto second = DaemonProcess::Start(options);
+  ASSERT_TRUE(second.ok()) << second.status();
+
+  auto after = AttachedWithItsHoldings(**second, client, absl::Seconds(60));
+  ASSERT_TRUE(after.ok()) << after.status() << "\n"
+                          << ReadFileOrEmpty(client.errors);
+  EXPECT_GE(after->lost, 1);
+  EXPECT_GE(after->reconnects, 1);
+  EXPECT_GT(after->tensors, 0);
+  client.ExpectEveryTensorIntact();
+  EXPECT_TRUE(StatusBecomes(**second, [](const v1::NodeStatusResponse& s) {
+    return s.sessions_size() == 0 && s.host_pool_granted_bytes() == 0 &&
+           s.gpus(0).chunk_bytes() == 0;
+  }));
+  const ExitStatus stopped = (*second)->Stop();
+  EXPECT_TRUE(stopped.ok()) << stopped.ToString();
+}
+
+TEST(SessionSurvival, AClientStartedBeforeTheDaemonAttachesWhenItStarts) {
+  DaemonOptions options = SmallNode();
+  const std::string dir = ::testing::TempDir();
+  options.socket_path = dir + "/late-" + std::to_string(::getpid()) + ".sock";
+  SteadyClient client = StartSteadyClient(
+      dir, "late-" + std::to_string(::getpid()), options.socket_path);
+  ASSERT_NE(client.process, nullptr);
+  auto alone = client.Ask("report");
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  EXPECT_EQ(alone->connected, 0);
+  ASSERT_TRUE(Progressed(client, *alone, 20)) << ReadFileOrEmpty(client.errors);
+
+  auto d = DaemonProcess::Start(options);
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto attached = AttachedWithItsHoldings(**d, client, absl::Seconds(60));
+  ASSERT_TRUE(attached.ok()) << attached.status() << "\n"
+                             << ReadFileOrEmpty(client.errors);
+  EXPECT_EQ(attached->lost, 0);
+  // Its first session, but after tensors it tracked alone: a reconnect.
+  EXPECT_EQ(attached->reconnects, 1);
+  EXPECT_GT(attached->tensors, 0);
+  EXPECT_TRUE(Progressed(client, *attached, 20));
+  client.ExpectEveryTensorIntact();
+  const ExitStatus stopped = (*d)->Stop();
+  EXPECT_TRUE(stopped.ok()) << stopped.ToString();
+}
+
+}  // namespace
+}  // namespace deltad::testing_util
