@@ -6,6 +6,6 @@ activations to it. The library is found through $DELTAD_CLIENT_LIBRARY, then
 next to this package, then the system's loader path.
 """
 
-from deltad.client import Client, ClientStats, DeltadError
+from deltad.client import Client, ClientStats, DeltadError, SessionStats
 
-__all__ = ["Client", "ClientStats", "DeltadError"]
+__all__ = ["Client", "ClientStats", "DeltadError", "SessionStats"]

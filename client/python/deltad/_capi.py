@@ -59,6 +59,16 @@ class Stats(ctypes.Structure):
     ]
 
 
+class SessionStats(ctypes.Structure):
+    _fields_ = [
+        ("connected", ctypes.c_int32),
+        ("session_id", ctypes.c_uint64),
+        ("reconnects", ctypes.c_int64),
+        ("sessions_lost", ctypes.c_int64),
+        ("attach_failures", ctypes.c_int64),
+    ]
+
+
 class AllocatorUsage(ctypes.Structure):
     _fields_ = [
         ("attached", ctypes.c_int32),
@@ -136,6 +146,11 @@ def load():
     lib.deltad_free.restype = ctypes.c_int
     lib.deltad_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(Stats)]
     lib.deltad_stats.restype = ctypes.c_int
+    # Absent from libraries built before sessions could be lost and found.
+    if hasattr(lib, "deltad_session_stats"):
+        lib.deltad_session_stats.argtypes = [ctypes.c_void_p,
+                                             ctypes.POINTER(SessionStats)]
+        lib.deltad_session_stats.restype = ctypes.c_int
     lib.deltad_prefetch.argtypes = [ctypes.c_void_p,
                                     ctypes.POINTER(ctypes.c_uint64),
                                     ctypes.c_size_t]

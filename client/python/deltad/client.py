@@ -56,6 +56,18 @@ class ClientStats:
     prefetches: int
 
 
+@dataclasses.dataclass
+class SessionStats:
+    """The client's sessions with the daemon: a session the daemon lost
+    (stalled, killed, a broken stream) is ended on both sides and a new one
+    opened in the background, everything held reported again."""
+    connected: bool
+    session_id: int       # the last session opened; 0: none yet
+    reconnects: int       # sessions opened after the first
+    sessions_lost: int    # ended without this process closing them
+    attach_failures: int  # attempts that opened no session
+
+
 class Client:
     """A session's tensors: `track` gives device memory for a new tensor
     (returned pinned), `pin`/`unpin` bracket each use, `free` drops it.
@@ -230,3 +242,12 @@ class Client:
         values = {f: getattr(s, f) for f, _ in s._fields_}
         values["connected"] = bool(values["connected"])
         return ClientStats(**values)
+
+    def session_stats(self):
+        """SessionStats: how the sessions with the daemon went."""
+        self._open()
+        s = _capi.SessionStats()
+        _check(self._lib.deltad_session_stats(self._handle, ctypes.byref(s)))
+        values = {f: getattr(s, f) for f, _ in s._fields_}
+        values["connected"] = bool(values["connected"])
+        return SessionStats(**values)

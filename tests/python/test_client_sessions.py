@@ -1,0 +1,73 @@
+"""deltad.Client.session_stats: the client's sessions with the daemon as
+the library counts them; a daemon that dies is a session lost, ended on the
+client's side too, and the client keeps serving its tensors alone while it
+tries to attach again."""
+
+import os
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "..", "..", "bench"))
+from sim_daemon import SimDaemon  # noqa: E402
+
+import deltad  # noqa: E402
+
+BUDGET = 4 << 20
+DEADLINE_S = 20
+
+
+def wait_for(predicate):
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    return predicate()
+
+
+class SessionStatsTest(unittest.TestCase):
+
+    def setUp(self):
+        self.binary = os.environ.get("DELTAD_BINARY")
+        if not self.binary:
+            self.skipTest("DELTAD_BINARY is not set (ctest sets it)")
+
+    def test_an_open_session_is_counted_once(self):
+        with SimDaemon(self.binary, 64 << 20,
+                       prefix="deltad-sessions-") as socket:
+            with deltad.Client(socket=socket, budget_bytes=BUDGET,
+                               device_memory_bytes=BUDGET) as client:
+                s = client.session_stats()
+                self.assertTrue(s.connected)
+                self.assertGreater(s.session_id, 0)
+                self.assertEqual((s.reconnects, s.sessions_lost), (0, 0))
+
+    def test_a_dead_daemon_is_a_session_lost_and_the_tensors_stay(self):
+        daemon = SimDaemon(self.binary, 64 << 20, prefix="deltad-sessions-")
+        socket = daemon.__enter__()
+        try:
+            with deltad.Client(socket=socket, budget_bytes=BUDGET,
+                               device_memory_bytes=BUDGET) as client:
+                tensor = 1
+                client.track(tensor, 1 << 16)
+                client.unpin(tensor)
+                daemon.proc.kill()
+                daemon.proc.wait()
+                s = wait_for(lambda: (lambda s: s if s.sessions_lost >= 1
+                                      else None)(client.session_stats()))
+                self.assertIsNotNone(s, client.session_stats())
+                self.assertFalse(s.connected)
+                self.assertEqual(s.sessions_lost, 1)
+                # Still served on local decisions.
+                client.pin(tensor)
+                client.unpin(tensor)
+                client.free(tensor)
+        finally:
+            daemon.__exit__()
+
+
+if __name__ == "__main__":
+    unittest.main()
