@@ -13,6 +13,7 @@
 #include "common/unix_socket.h"
 #include "daemon/backend/sim_backend.h"
 #include "daemon/config.h"
+#include "daemon/library_log.h"
 #ifdef DELTAD_HAVE_CUDA
 #include "daemon/backend/cuda_backend.h"
 #endif
@@ -186,6 +187,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   if (absl::Status claim = ClaimSocketPath(s->socket_path_); !claim.ok()) {
     return claim;
   }
+  // gRPC and protobuf log what clients make them log: through a limit.
+  RouteLibraryLogs();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -1,0 +1,39 @@
+#ifndef DELTAD_DAEMON_LIBRARY_LOG_H_
+#define DELTAD_DAEMON_LIBRARY_LOG_H_
+
+#include <cstdio>
+
+#include "absl/strings/string_view.h"
+#include "common/log_limit.h"
+
+namespace deltad::daemon {
+
+// What gRPC and protobuf log go through a limit: a local client can make
+// them log at will (a connection that speaks no HTTP/2, pings past the
+// policy, a message that does not parse), and the journal must not fill
+// with it. Lines beyond `kBurst` per window are held back and counted; the
+// next line let through says how many were.
+class LibraryLog {
+ public:
+  static constexpr int kBurst = 20;
+  static constexpr std::chrono::seconds kWindow{10};
+
+  explicit LibraryLog(std::FILE* out) : out_(out), limit_(kBurst, kWindow) {}
+
+  // One line from `library` ("grpc", "protobuf"), if the limit allows.
+  void Write(absl::string_view library, absl::string_view severity,
+             absl::string_view file, int line, absl::string_view message);
+
+ private:
+  std::FILE* out_;
+  common::LogLimit limit_;
+};
+
+// Routes gRPC's (gpr_set_log_function) and protobuf's (SetLogHandler) log
+// lines through one LibraryLog on stderr, for the daemon's lifetime. Call
+// once, before the server starts.
+void RouteLibraryLogs();
+
+}  // namespace deltad::daemon
+
+#endif  // DELTAD_DAEMON_LIBRARY_LOG_H_

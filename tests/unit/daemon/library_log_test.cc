@@ -1,0 +1,55 @@
+#include "daemon/library_log.h"
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace deltad::daemon {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::vector<std::string> Lines(std::FILE* f) {
+  std::rewind(f);
+  std::string all;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) all.append(buf, n);
+  std::vector<std::string> out = absl::StrSplit(all, '\n', absl::SkipEmpty());
+  return out;
+}
+
+TEST(LibraryLog, ALineNamesTheLibrarySeverityAndPlace) {
+  std::FILE* f = std::tmpfile();
+  ASSERT_NE(f, nullptr);
+  LibraryLog log(f);
+  log.Write("grpc", "error", "chttp2_transport.cc", 1234,
+            "too_many_pings: GOAWAY sent");
+  const std::vector<std::string> lines = Lines(f);
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0],
+            "deltad: grpc error: too_many_pings: GOAWAY sent "
+            "(chttp2_transport.cc:1234)");
+  std::fclose(f);
+}
+
+TEST(LibraryLog, AFloodIsHeldBackAndCounted) {
+  std::FILE* f = std::tmpfile();
+  ASSERT_NE(f, nullptr);
+  LibraryLog log(f);
+  for (int i = 0; i < 10'000; ++i) {
+    log.Write("protobuf", "error", "wire_format_lite.cc", 581,
+              "String field contains invalid UTF-8 data");
+  }
+  const std::vector<std::string> lines = Lines(f);
+  // A burst gets through, the rest of the window's lines do not.
+  EXPECT_EQ(lines.size(), static_cast<size_t>(LibraryLog::kBurst));
+  std::fclose(f);
+}
+
+}  // namespace
+}  // namespace deltad::daemon
