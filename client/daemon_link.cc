@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/protocol_version.h"
 #include "common/side_protocol.h"
 
 namespace deltad::client {
@@ -100,12 +101,29 @@ absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
   request.set_priority(options.priority);
   request.set_label(options.label);
   request.set_peer_token(hello->payload);
+  request.set_client_version(DELTAD_VERSION);
+  request.set_protocol_version(common::kProtocolVersion);
   grpc::ClientContext context;
   context.set_deadline(Deadline(options.rpc_timeout_ms));
   if (grpc::Status s =
           link->stub_->OpenSession(&context, request, &link->session_);
       !s.ok()) {
     return FromGrpc(s, "OpenSession");
+  }
+  if (const uint32_t spoken =
+          common::SpokenProtocol(link->session_.protocol_version());
+      spoken != common::kProtocolVersion) {
+    // The daemon opened a session it cannot serve this library in: close
+    // it rather than misread each other.
+    grpc::ClientContext close_context;
+    close_context.set_deadline(Deadline(options.rpc_timeout_ms));
+    v1::CloseSessionRequest close;
+    close.set_session_token(link->session_.session_token());
+    v1::CloseSessionResponse closed;
+    (void)link->stub_->CloseSession(&close_context, close, &closed);
+    return absl::FailedPreconditionError(
+        common::ProtocolMismatch(DELTAD_VERSION, common::kProtocolVersion,
+                                 link->session_.daemon_version(), spoken));
   }
 
   // The slabs' descriptors come over the side socket.

@@ -8,8 +8,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/protocol_version.h"
 #include "daemon/request_parser.h"
 #include "grpc/grpc.h"
+
+#ifndef DELTAD_VERSION
+#define DELTAD_VERSION "0.0.0"
+#endif
 
 namespace deltad::daemon {
 
@@ -253,9 +258,19 @@ grpc::Status MemoryManagerService::OpenSession(
     return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                         "deltad is shutting down and opens no new sessions");
   }
+  if (const uint32_t spoken =
+          common::SpokenProtocol(request->protocol_version());
+      spoken != common::kProtocolVersion) {
+    return grpc::Status(
+        grpc::StatusCode::FAILED_PRECONDITION,
+        common::ProtocolMismatch(request->client_version(), spoken,
+                                 DELTAD_VERSION, common::kProtocolVersion));
+  }
   auto opened = node_.OpenSession(request->peer_token(), *request);
   if (!opened.ok()) return ToGrpc(opened.status());
   *response = std::move(opened->response);
+  response->set_daemon_version(DELTAD_VERSION);
+  response->set_protocol_version(common::kProtocolVersion);
   Deliver(opened->others);
   return grpc::Status::OK;
 }

@@ -7,6 +7,8 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
+#include "common/protocol_version.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -126,6 +128,41 @@ TEST_F(ServiceTest, OpeningWithoutAPeerTokenIsUnauthenticated) {
   const grpc::Status s = stub_->OpenSession(&ctx, req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_THAT(s.error_message(), HasSubstr("side socket"));
+}
+
+TEST_F(ServiceTest, AClientOfAnotherProtocolIsRefusedNamingBothVersions) {
+  grpc::ClientContext ctx;
+  v1::OpenSessionRequest req;
+  req.set_peer_token(PeerToken(100));
+  req.set_client_version("9.0.0");
+  req.set_protocol_version(common::kProtocolVersion + 1);
+  v1::OpenSessionResponse resp;
+  const grpc::Status s = stub_->OpenSession(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr(absl::StrCat("the client library 9.0.0 speaks "
+                                     "protocol ",
+                                     common::kProtocolVersion + 1)));
+  EXPECT_THAT(
+      s.error_message(),
+      HasSubstr(absl::StrCat("deltad ", DELTAD_VERSION, " speaks protocol ",
+                             common::kProtocolVersion)));
+  EXPECT_EQ(Status().sessions_size(), 0);  // nothing was opened
+}
+
+TEST_F(ServiceTest, ClientsOfThisProtocolOrBeforeTheFieldAreServed) {
+  for (uint32_t protocol : {0u, common::kProtocolVersion}) {
+    SCOPED_TRACE(protocol);
+    grpc::ClientContext ctx;
+    v1::OpenSessionRequest req;
+    req.set_peer_token(PeerToken(100 + static_cast<int>(protocol)));
+    req.set_protocol_version(protocol);
+    v1::OpenSessionResponse resp;
+    const grpc::Status s = stub_->OpenSession(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(resp.protocol_version(), common::kProtocolVersion);
+    EXPECT_EQ(resp.daemon_version(), DELTAD_VERSION);
+  }
 }
 
 TEST_F(ServiceTest, AStreamCarriesBatchesInAndOrdersOut) {
