@@ -69,6 +69,11 @@ int64_t ArenaDevice::chunk_bytes_free() const {
   return arena == nullptr ? 0 : arena->free_bytes();
 }
 
+int64_t ArenaDevice::chunk_bytes() const {
+  const ChunkArena* arena = arena_ptr_.load(std::memory_order_acquire);
+  return arena == nullptr ? local_chunk_bytes_ : arena->chunk_bytes();
+}
+
 absl::Status ArenaDevice::AddLocalChunks(int64_t bytes) {
   auto arena = ArenaFor(local_chunk_bytes_);
   if (!arena.ok()) return arena.status();

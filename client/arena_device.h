@@ -38,6 +38,7 @@ class ArenaDevice : public Device {
   std::vector<uint64_t> ShrinkChunksTo(int64_t bytes) override;
   int64_t chunk_bytes_held() const override;
   int64_t chunk_bytes_free() const override;
+  int64_t chunk_bytes() const override;
   // Chunks of the daemon's size once one came, else local_chunk_bytes.
   absl::Status AddLocalChunks(int64_t bytes) override;
 

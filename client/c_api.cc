@@ -54,6 +54,8 @@ void deltad_client_options_init(deltad_client_options* o) {
   o->sim_d2h_bytes_per_second = 25e9;
   o->sim_h2d_bytes_per_second = 25e9;
   o->cuda_device = 0;
+  o->admission_wait_ms = kDefaults.admission_wait_ms;
+  o->require_session = kDefaults.require_session ? 1 : 0;
 }
 
 int deltad_client_connect(const deltad_client_options* o,
@@ -101,12 +103,19 @@ int deltad_client_connect(const deltad_client_options* o,
   options.use_daemon = o->use_daemon != 0;
   options.fallback_budget_bytes = o->fallback_budget_bytes;
   options.fallback_host_bytes = o->fallback_host_bytes;
+  options.link.min_budget_bytes = o->min_budget_bytes;
+  options.admission_wait_ms = o->admission_wait_ms;
+  options.require_session = o->require_session != 0;
   auto impl =
       deltad::client::Client::Connect(std::move(options), std::move(device));
   if (!impl.ok()) return Report(impl.status());
   made.impl = std::move(*impl);
   *client = new deltad_client(std::move(made));
   return 0;
+}
+
+void deltad_iteration_done(deltad_client* client) {
+  if (client != nullptr) client->impl->IterationDone();
 }
 
 void deltad_client_close(deltad_client* client) {

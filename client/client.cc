@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -71,11 +72,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
   }
   if (options.fallback_budget_bytes <= 0 || options.batch_events <= 0 ||
       options.flush_interval_ms <= 0 || options.reconnect_interval_ms < 0 ||
-      options.max_reconnect_interval_ms < options.reconnect_interval_ms) {
+      options.max_reconnect_interval_ms < options.reconnect_interval_ms ||
+      options.admission_wait_ms < 0 || options.link.min_budget_bytes < 0) {
     return absl::InvalidArgumentError(
         "client options: the fallback budget, batch size and flush interval "
         "must be positive, the reconnect interval not negative nor above its "
-        "maximum");
+        "maximum, the admission wait and minimum budget not negative");
   }
   if (options.link.gpu < 0 && options.link.gpu_uuid.empty()) {
     options.link.gpu_uuid = device->gpu_uuid();
@@ -84,9 +86,37 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
       new Client(std::move(options), std::move(device)));
   client->executor_ = std::thread([c = client.get()] { c->ExecutorLoop(); });
   if (client->options_.use_daemon) {
+    absl::Status first = client->TryConnect();
+    const auto deadline =
+        std::chrono::steady_clock::now() +
+        std::chrono::milliseconds(client->options_.admission_wait_ms);
+    auto wait = std::chrono::milliseconds(50);
+    if (absl::IsResourceExhausted(first) &&
+        std::chrono::steady_clock::now() < deadline) {
+      std::fprintf(stderr,
+                   "deltad client: deltad refused the session (%s); asking "
+                   "again for up to %d ms\n",
+                   std::string(first.message()).c_str(),
+                   client->options_.admission_wait_ms);
+    }
+    while (absl::IsResourceExhausted(first) &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(
+          wait, deadline - std::chrono::steady_clock::now()));
+      wait = std::min(2 * wait, std::chrono::milliseconds(2000));
+      first = client->TryConnect();
+    }
+    if (!first.ok() && client->options_.require_session) {
+      // Fail closed: the caller asked to stop rather than train unmanaged.
+      return absl::Status(
+          first.code(),
+          absl::StrCat("no session with deltad (require_session is set, so "
+                       "the job does not train on in-process decisions): ",
+                       first.message()));
+    }
     // Not reaching the daemon is not an error: training goes on without
     // it, and the keeper attaches when it answers.
-    client->keeper_.Start(client->TryConnect());
+    client->keeper_.Start(first);
   }
   return client;
 }
@@ -117,7 +147,8 @@ void Client::FlushIfDue(bool force) {
   v1::EventBatch batch;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const int waiting = pending_.created_size() + pending_.events_size();
+    const int waiting = pending_.created_size() + pending_.events_size() +
+                        (pending_.iteration_peak_bytes() > 0 ? 1 : 0);
     if (waiting == 0 || (!force && waiting < options_.batch_events)) return;
     if (link_ == nullptr || !stats_.connected) {
       // Nobody to tell; a new session gets the whole state replayed.
@@ -132,6 +163,19 @@ void Client::FlushIfDue(bool force) {
 }
 
 void Client::Flush() { FlushIfDue(/*force=*/true); }
+
+void Client::NotePeakLocked() {
+  stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, device_bytes_);
+  iteration_peak_ = std::max(iteration_peak_, device_bytes_);
+}
+
+void Client::IterationDone() {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Streamed with the next batch (flush_interval_ms at most); while no
+  // session is open it is dropped with the batch.
+  pending_.set_iteration_peak_bytes(std::max<int64_t>(iteration_peak_, 1));
+  iteration_peak_ = device_bytes_;
+}
 
 // --- public API --------------------------------------------------------------
 
@@ -513,7 +557,7 @@ absl::Status Client::Reload(uint64_t id, Need need) {
     --prefetching_;
   }
   stats_.reloaded_bytes += bytes;
-  stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, device_bytes_);
+  NotePeakLocked();
   changed_.notify_all();
   return absl::OkStatus();
 }
@@ -728,8 +772,7 @@ void* Client::TryAllocateWithinBudget(int64_t bytes, bool raw) {
     }
     device_bytes_ += bytes;
     if (raw) raw_bytes_ += bytes;
-    stats_.peak_device_bytes =
-        std::max(stats_.peak_device_bytes, device_bytes_);
+    NotePeakLocked();
   }
   // Outside mu_: the device has a lock of its own, and a chunk-backed one
   // may map memory.
@@ -764,8 +807,7 @@ absl::StatusOr<void*> Client::AllocateDeviceSlow(int64_t bytes) {
       }
       if (granted || device_bytes_ + bytes <= budget_bytes_) {
         device_bytes_ += bytes;
-        stats_.peak_device_bytes =
-            std::max(stats_.peak_device_bytes, device_bytes_);
+        NotePeakLocked();
         reserved = true;
       } else if (round >= kRounds) {
         return absl::ResourceExhaustedError(absl::StrCat(
@@ -817,7 +859,10 @@ absl::StatusOr<void*> Client::AllocateDeviceSlow(int64_t bytes) {
       --round;
       continue;
     }
-    if (round >= kRounds) return device.status();
+    if (round >= kRounds) {
+      if (link == nullptr && MapPastBudgetInProcess(bytes)) continue;
+      return device.status();
+    }
     // Short of chunks: the budget's may not all have come yet, or the
     // daemon made room beyond the budget, which takes more chunks; others
     // may still be giving theirs back (see ExecutorLoop).
@@ -863,10 +908,44 @@ absl::StatusOr<void*> Client::AllocateDeviceSlow(int64_t bytes) {
     // quota short of them; then `bytes` alone, as much as can be.)
     if (over > bytes && ReleaseInProcess(over, NowNs()).ok()) continue;
     if (absl::Status s = ReleaseInProcess(bytes, NowNs()); !s.ok()) {
+      if (link == nullptr && MapPastBudgetInProcess(bytes)) continue;
       return absl::ResourceExhaustedError(
           absl::StrCat(device.status().message(), "; ", s.message()));
     }
   }
+}
+
+bool Client::MapPastBudgetInProcess(int64_t bytes) {
+  // No daemon: the budget is the caller's target in bytes, and the chunks
+  // full of rounding (pages of small blocks partly empty, a tensor of a
+  // chunk and a bit taking two) hold nothing a release could free whole.
+  // A daemon lends such room while the GPU has it; in-process the device's
+  // own memory is the limit, so the step runs rather than fail, and the
+  // overshoot is counted and said once.
+  const int64_t held = device_->chunk_bytes_held();
+  const int64_t chunk = std::max<int64_t>(1, device_->chunk_bytes());
+  const int64_t want = held + (bytes + chunk - 1) / chunk * chunk;
+  if (!device_->AddLocalChunks(want).ok()) return false;
+  const int64_t now = device_->chunk_bytes_held();
+  if (now <= held) return false;  // the device itself is full
+  bool first = false;
+  int64_t budget = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    first = stats_.past_budget_bytes == 0;
+    budget = budget_bytes_;
+    stats_.past_budget_bytes =
+        std::max(stats_.past_budget_bytes, now - budget / chunk * chunk);
+  }
+  if (first) {
+    std::fprintf(stderr,
+                 "deltad client: without a daemon, mapped device chunks past "
+                 "the budget of %lld bytes (now %lld bytes of chunks): what "
+                 "rounding to %lld-byte chunks takes cannot be released\n",
+                 static_cast<long long>(budget), static_cast<long long>(now),
+                 static_cast<long long>(chunk));
+  }
+  return true;
 }
 
 bool Client::WaitForOwedChunks(const std::shared_ptr<DaemonLink>& link,

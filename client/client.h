@@ -66,6 +66,14 @@ struct ClientOptions {
   // process (its budget covers them, but other sessions have yet to give
   // them back) before it fails with RESOURCE_EXHAUSTED.
   int owed_chunks_wait_ms = 10000;
+  // A daemon that refuses the session because the GPU's running jobs keep
+  // their floors (RESOURCE_EXHAUSTED at admission) is asked again, with
+  // backoff, for up to this long before Connect returns; 0: not waited for
+  // (the keeper still tries in the background).
+  int admission_wait_ms = 0;
+  // Fail closed: Connect fails when no session could be opened (within
+  // admission_wait_ms), instead of training on in-process decisions.
+  bool require_session = false;
   // The in-process policy: the daemon's defaults (delta_cost, sampled).
   policy::FilterOptions local_filter = DefaultLocalFilter();
 
@@ -101,6 +109,10 @@ struct ClientStats {
   int64_t local_decisions = 0;  // releases chosen in-process
   int64_t local_refused = 0;    // of them, not carried out
   int64_t reconnects = 0;       // sessions opened after the first
+  // Without a daemon: the most chunk bytes mapped past the budget's whole
+  // chunks, for what rounding took (see MapPastBudgetInProcess). The
+  // budget in bytes is never passed.
+  int64_t past_budget_bytes = 0;
   // Sessions that ended without this process closing them (the stream
   // broke, a call failed, the daemon refused a batch): each was ended on
   // both sides and a new one sought.
@@ -186,6 +198,11 @@ class Client {
   bool connected() const;
   // Sends the waiting events now.
   void Flush();
+  // A training iteration completed: the most device bytes held during it
+  // go to the daemon with the next batch, and become the session's floor
+  // there (no later admission cuts its budget below it). Streamed, not a
+  // round trip.
+  void IterationDone();
 
  private:
   enum class Where {
@@ -248,6 +265,10 @@ class Client {
   void AddEventLocked(v1::TensorEvent::Kind kind, uint64_t id);
   v1::EventBatch TakeBatchLocked();
   void FlushIfDue(bool force);  // mu_ not held
+  void NotePeakLocked();        // device_bytes_ grew
+  // No daemon, chunks full of rounding, nothing releasable frees one: maps
+  // local chunks past the budget for `bytes`. False when the device is full.
+  bool MapPastBudgetInProcess(int64_t bytes);
 
   // --- byte work; mu_ not held on entry
   absl::Status Offload(uint64_t id, Origin origin);
@@ -304,6 +325,7 @@ class Client {
   std::unordered_map<uint64_t, std::unique_ptr<Record>> records_;
   LocalPolicy local_;
   int64_t device_bytes_ = 0;      // reserved or held on the device
+  int64_t iteration_peak_ = 0;    // most device_bytes_ since IterationDone
   int64_t offloading_bytes_ = 0;  // of tensors whose copy out is in flight
   int64_t queued_releases_ = 0;   // the daemon's release orders not yet run
   int prefetching_ = 0;           // prefetches between claim and copy done

@@ -101,6 +101,7 @@ absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
   request.set_priority(options.priority);
   request.set_label(options.label);
   request.set_peer_token(hello->payload);
+  request.set_min_budget_bytes(options.min_budget_bytes);
   request.set_client_version(DELTAD_VERSION);
   request.set_protocol_version(common::kProtocolVersion);
   grpc::ClientContext context;

@@ -28,6 +28,9 @@ struct LinkOptions {
   std::string gpu_uuid;
   int64_t requested_budget_bytes = 0;  // 0: a fair share
   int64_t requested_host_bytes = 0;    // 0: the daemon's default
+  // What the process cannot run without (0: none declared): no later
+  // admission cuts its budget below it; refused if it does not fit.
+  int64_t min_budget_bytes = 0;
   uint32_t priority = 1;
   std::string label;
   // How long a connect or a synchronous call may take before the daemon

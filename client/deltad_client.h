@@ -40,6 +40,13 @@ typedef struct {
   double sim_d2h_bytes_per_second; /* default 25e9 */
   double sim_h2d_bytes_per_second; /* default 25e9 */
   int32_t cuda_device;             /* CUDA ordinal; default 0 */
+  /* Device memory the job cannot run without (0: none): no later admission
+   * cuts its budget below it, nor below its last iteration's peak (see
+   * deltad_iteration_done); a daemon that cannot keep it refuses the
+   * session. */
+  int64_t min_budget_bytes;
+  int32_t admission_wait_ms; /* ask a refusing daemon again this long */
+  int32_t require_session;   /* 1: connect fails without a session */
 } deltad_client_options;
 
 typedef struct {
@@ -91,6 +98,9 @@ typedef int (*deltad_recompute_fn)(void* user_data, uint64_t id, void* out);
 void deltad_client_options_init(deltad_client_options* options);
 int deltad_client_connect(const deltad_client_options* options,
                           deltad_client** client);
+/* A training iteration completed: its peak device bytes go to the daemon
+ * (streamed), which keeps them as the session's floor. */
+void deltad_iteration_done(deltad_client* client);
 /* Ends the session and frees everything, `client` included. */
 void deltad_client_close(deltad_client* client);
 

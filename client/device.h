@@ -60,6 +60,8 @@ class Device {
   virtual int64_t chunk_bytes_held() const { return 0; }
   // Chunks held and not mapped by any allocation, in bytes.
   virtual int64_t chunk_bytes_free() const { return 0; }
+  // The size of the chunks it maps (0: none).
+  virtual int64_t chunk_bytes() const { return 0; }
   // No daemon grants chunks (none reachable): makes chunks in-process until
   // `bytes` are held, so the training still runs.
   virtual absl::Status AddLocalChunks(int64_t /*bytes*/) {

@@ -22,8 +22,10 @@ absl::StatusOr<GpuArbiter> GpuArbiter::Create(int gpu, int64_t budget_bytes,
 }
 
 int64_t GpuArbiter::Floor(const Entry& e) const {
-  return e.requested > 0 ? std::min(e.requested, min_session_bytes_)
-                         : min_session_bytes_;
+  const int64_t guaranteed = e.requested > 0
+                                 ? std::min(e.requested, min_session_bytes_)
+                                 : min_session_bytes_;
+  return std::max({guaranteed, e.declared_floor, e.iteration_peak});
 }
 
 int64_t GpuArbiter::granted_bytes() const {
@@ -33,7 +35,8 @@ int64_t GpuArbiter::granted_bytes() const {
 }
 
 absl::StatusOr<std::vector<BudgetChange>> GpuArbiter::AddSession(
-    SessionId session, uint32_t weight, int64_t requested) {
+    SessionId session, uint32_t weight, int64_t requested,
+    int64_t declared_floor) {
   if (sessions_.contains(session)) {
     return absl::AlreadyExistsError(
         absl::StrCat("session ", session, " is already on GPU ", gpu_));
@@ -42,16 +45,31 @@ absl::StatusOr<std::vector<BudgetChange>> GpuArbiter::AddSession(
     return absl::InvalidArgumentError(
         absl::StrCat("requested budget must not be negative, got ", requested));
   }
+  if (declared_floor < 0 || declared_floor > budget_bytes_ ||
+      (requested > 0 && declared_floor > requested)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "min_budget_bytes must be within 0..", budget_bytes_, " (GPU ", gpu_,
+        "'s budget) and not above requested_budget_bytes (", requested,
+        "), got ", declared_floor));
+  }
   Entry entry;
   entry.weight = std::max<uint32_t>(1, weight);
   entry.requested = requested;
-  int64_t floors = Floor(entry);
-  for (const auto& [id, e] : sessions_) floors += Floor(e);
-  if (floors > budget_bytes_) {
+  entry.declared_floor = declared_floor;
+  int64_t running = 0;
+  for (const auto& [id, e] : sessions_) running += Floor(e);
+  if (running + Floor(entry) > budget_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "GPU ", gpu_, " cannot take another session: its budget of ",
-        budget_bytes_, " bytes would not cover the guaranteed minimum of ",
-        min_session_bytes_, " bytes for ", sessions_.size() + 1, " sessions"));
+        "GPU ", gpu_,
+        " cannot admit this session without cutting a running "
+        "job below its floor: of its budget of ",
+        budget_bytes_, " bytes, ", running, " are the floors of ",
+        sessions_.size(),
+        " running sessions (each its declared minimum, its last iteration's "
+        "peak or the guaranteed minimum of ",
+        min_session_bytes_, " bytes, whichever is largest), ",
+        budget_bytes_ - running, " are left and this session needs ",
+        Floor(entry), "; try again when a job ends"));
   }
   sessions_.emplace(session, entry);
   std::vector<BudgetChange> changes = Rebalance();
@@ -74,6 +92,23 @@ absl::StatusOr<std::vector<BudgetChange>> GpuArbiter::RemoveSession(
         absl::StrCat("session ", session, " is not on GPU ", gpu_));
   }
   return Rebalance();
+}
+
+absl::Status GpuArbiter::SetIterationPeak(SessionId session,
+                                          int64_t peak_bytes) {
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " is not on GPU ", gpu_));
+  }
+  it->second.iteration_peak =
+      std::clamp<int64_t>(peak_bytes, 0, it->second.budget);
+  return absl::OkStatus();
+}
+
+int64_t GpuArbiter::FloorOf(SessionId session) const {
+  auto it = sessions_.find(session);
+  return it == sessions_.end() ? 0 : Floor(it->second);
 }
 
 int64_t GpuArbiter::BudgetOf(SessionId session) const {

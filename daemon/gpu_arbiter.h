@@ -15,14 +15,21 @@ struct BudgetChange {
   int64_t budget_bytes = 0;
 };
 
-// Splits one GPU's budget among the sessions on it: weighted fair share with
-// a guaranteed minimum, rebalanced whenever a session comes or goes.
+// Splits one GPU's budget among the sessions on it: weighted fair share above
+// per-session floors, rebalanced whenever a session comes or goes.
 //
-// Each session first gets its floor, min(demand, guaranteed minimum); what
-// is left is shared by weight among the sessions that want more, capped at
-// each one's request, the surplus of a capped session flowing to the others
-// (water-filling). A session is admitted only if every floor still fits, so
-// no admission can push an existing session below its guaranteed minimum.
+// A session's floor is what it cannot run without, the largest of
+//  - min(demand, the guaranteed minimum),
+//  - what it declared when it opened (OpenSessionRequest.min_budget_bytes),
+//  - the peak device bytes of its last completed iteration, as it reported
+//    it (EventBatch.iteration_peak_bytes), counted up to the budget it had
+//    then: memory lent past its budget is not kept as a floor.
+// Each session first gets its floor; what is left is shared by weight among
+// the sessions that want more, capped at each one's request, the surplus of
+// a capped session flowing to the others (water-filling). A session is
+// admitted only if every floor, its own included, still fits: admitting a
+// newcomer never cuts a running job below its floor, so the newcomer is
+// refused instead (and may try again when a job ends or its peak falls).
 //
 // Not thread safe: the daemon serialises calls per GPU.
 class GpuArbiter {
@@ -32,18 +39,27 @@ class GpuArbiter {
                                            int64_t min_session_bytes);
 
   // Admits a session. `requested` 0 asks for as much as fairness gives;
-  // weight 0 counts as 1. Returns every session's new budget that changed,
-  // the new session's first. RESOURCE_EXHAUSTED when the floors would not
-  // fit; ALREADY_EXISTS for a known session.
-  absl::StatusOr<std::vector<BudgetChange>> AddSession(SessionId session,
-                                                       uint32_t weight,
-                                                       int64_t requested);
+  // weight 0 counts as 1; `declared_floor` is what the session says it
+  // cannot run without (0: none). Returns every session's new budget that
+  // changed, the new session's first. RESOURCE_EXHAUSTED, naming the
+  // floors, when they would not fit; INVALID_ARGUMENT for a declared floor
+  // above the request or the GPU's budget; ALREADY_EXISTS for a known
+  // session.
+  absl::StatusOr<std::vector<BudgetChange>> AddSession(
+      SessionId session, uint32_t weight, int64_t requested,
+      int64_t declared_floor = 0);
+  // The session completed an iteration whose peak was `peak_bytes`: its
+  // floor from now on, up to its budget. Budgets do not change (the floor
+  // is within the session's budget); it counts at the next admission.
+  // NOT_FOUND when unknown.
+  absl::Status SetIterationPeak(SessionId session, int64_t peak_bytes);
   // Removes a session and returns the budgets that grew. NOT_FOUND when
   // unknown.
   absl::StatusOr<std::vector<BudgetChange>> RemoveSession(SessionId session);
 
   // 0 for an unknown session.
   int64_t BudgetOf(SessionId session) const;
+  int64_t FloorOf(SessionId session) const;
   int64_t budget_bytes() const { return budget_bytes_; }
   int64_t granted_bytes() const;
   size_t sessions() const { return sessions_.size(); }
@@ -53,6 +69,8 @@ class GpuArbiter {
     uint32_t weight = 1;
     int64_t requested = 0;  // 0: unbounded
     int64_t budget = 0;
+    int64_t declared_floor = 0;
+    int64_t iteration_peak = 0;  // the last one, capped at the budget then
   };
 
   GpuArbiter(int gpu, int64_t budget, int64_t min_session)

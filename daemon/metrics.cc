@@ -74,12 +74,16 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                             "Client requests and streams refused at a limit, "
                             "by the limit: invalid_request (did not parse, or "
                             "a field past its limit), max_queued_order_bytes "
-                            "(a stream left unread, ended).")
+                            "(a stream left unread, ended), admission (a "
+                            "session whose floor would not fit beside the "
+                            "running sessions' floors).")
                         .Register(r);
     m->refusals_[static_cast<size_t>(Refusal::kInvalidRequest)] =
         &refused.Add({{"limit", "invalid_request"}});
     m->refusals_[static_cast<size_t>(Refusal::kQueuedOrderBytes)] =
         &refused.Add({{"limit", "max_queued_order_bytes"}});
+    m->refusals_[static_cast<size_t>(Refusal::kAdmission)] =
+        &refused.Add({{"limit", "admission"}});
 
     auto& ended = prometheus::BuildCounter()
                       .Name("deltad_sessions_ended_total")

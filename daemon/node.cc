@@ -113,7 +113,7 @@ absl::StatusOr<Node::Opened> Node::OpenSession(
                      static_cast<int>(gpus_.size()) - 1, ")"));
   }
   if (request.requested_budget_bytes() < 0 ||
-      request.requested_host_bytes() < 0) {
+      request.requested_host_bytes() < 0 || request.min_budget_bytes() < 0) {
     return absl::InvalidArgumentError("requested sizes must not be negative");
   }
   if (request.requested_host_bytes() > options_.max_host_quota_bytes) {
@@ -134,9 +134,13 @@ absl::StatusOr<Node::Opened> Node::OpenSession(
   {
     std::lock_guard<std::mutex> lock(gpu.mu);
     auto changes = gpu.arbiter.AddSession(session->id, session->priority,
-                                          request.requested_budget_bytes());
+                                          request.requested_budget_bytes(),
+                                          request.min_budget_bytes());
     if (!changes.ok()) {
       (void)registry_.Close(session->token);
+      if (metrics_ != nullptr && absl::IsResourceExhausted(changes.status())) {
+        metrics_->AddRefusal(Refusal::kAdmission);
+      }
       return changes.status();
     }
     const int64_t budget = gpu.arbiter.BudgetOf(session->id);
@@ -300,12 +304,9 @@ absl::StatusOr<OrdersBySession> Node::Apply(absl::string_view token,
   Gpu& gpu = *gpus_[session->gpu];
   std::lock_guard<std::mutex> lock(gpu.mu);
   const int64_t now = NowNs();
-  AppliedCounts applied;
-  if (absl::Status s = gpu.policy->Apply(session->id, batch, now, &applied);
-      !s.ok()) {
+  if (absl::Status s = ApplyBatch(*session, gpu, batch, now); !s.ok()) {
     return s;
   }
-  CountApplied(metrics_, session->gpu, applied);
   const auto start = std::chrono::steady_clock::now();
   std::map<SessionId, v1::Orders> orders = gpu.policy->Plan(session->id, now);
   if (metrics_ != nullptr) {
@@ -317,6 +318,27 @@ absl::StatusOr<OrdersBySession> Node::Apply(absl::string_view token,
   }
   UpdateGpuMetrics(session->gpu, gpu);
   return OrdersBySession(orders.begin(), orders.end());
+}
+
+absl::Status Node::ApplyBatch(const SessionInfo& session, Gpu& gpu,
+                              const v1::EventBatch& batch, int64_t now) {
+  if (batch.iteration_peak_bytes() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("EventBatch.iteration_peak_bytes must not be negative, "
+                     "got ",
+                     batch.iteration_peak_bytes()));
+  }
+  AppliedCounts applied;
+  if (absl::Status s = gpu.policy->Apply(session.id, batch, now, &applied);
+      !s.ok()) {
+    return s;
+  }
+  CountApplied(metrics_, session.gpu, applied);
+  if (batch.iteration_peak_bytes() > 0) {
+    return gpu.arbiter.SetIterationPeak(session.id,
+                                        batch.iteration_peak_bytes());
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Node::Released> Node::Release(
@@ -339,13 +361,10 @@ absl::StatusOr<Node::Released> Node::Release(
   }
   const int64_t now = NowNs();
   if (request.has_batch()) {
-    AppliedCounts applied;
-    if (absl::Status s =
-            gpu.policy->Apply(session->id, request.batch(), now, &applied);
+    if (absl::Status s = ApplyBatch(*session, gpu, request.batch(), now);
         !s.ok()) {
       return s;
     }
-    CountApplied(metrics_, session->gpu, applied);
   }
   const auto start = std::chrono::steady_clock::now();
   auto orders = gpu.policy->MakeRoom(session->id, request.bytes(), now);
@@ -481,6 +500,7 @@ v1::NodeStatusResponse Node::Status() const {
       out.set_uid(session.peer.uid);
       out.set_label(session.label);
       out.set_chunk_bytes(chunks_.held_bytes(session.id));
+      out.set_floor_bytes(gpu.arbiter.FloorOf(session.id));
       if (usage.ok()) {
         out.set_budget_bytes(usage->budget_bytes);
         out.set_device_bytes(usage->device_bytes);

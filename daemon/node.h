@@ -157,6 +157,10 @@ class Node {
   void AddBudgetOrders(const std::vector<BudgetChange>& changes,
                        SessionId except, Gpu& gpu, OrdersBySession& out);
   void UpdateGpuMetrics(int gpu_index, Gpu& gpu);
+  // A session's batch applied to its GPU (whose lock is held): events to the
+  // policy, an iteration's peak to the arbiter. Nothing changes if refused.
+  absl::Status ApplyBatch(const SessionInfo& session, Gpu& gpu,
+                          const v1::EventBatch& batch, int64_t now);
 
   DeviceBackend& backend_;
   HostPool& pool_;

@@ -187,6 +187,7 @@ int Sessions(const Daemon& daemon) {
            {"UID", A::kRight},
            {"LABEL", A::kLeft},
            {"BUDGET", A::kRight},
+           {"FLOOR", A::kRight},
            {"DEVICE", A::kRight},
            {"CHUNKS", A::kRight},
            {"HOST", A::kRight},
@@ -196,9 +197,10 @@ int Sessions(const Daemon& daemon) {
     t.AddRow({absl::StrCat(s.session_id()), absl::StrCat(s.gpu()),
               absl::StrCat(s.pid()), absl::StrCat(s.uid()),
               s.label().empty() ? "-" : Printable(s.label()),
-              FormatBytes(s.budget_bytes()), FormatBytes(s.device_bytes()),
-              FormatBytes(s.chunk_bytes()), FormatBytes(s.host_bytes()),
-              absl::StrCat(s.tensors()), absl::StrCat(s.releases())});
+              FormatBytes(s.budget_bytes()), FormatBytes(s.floor_bytes()),
+              FormatBytes(s.device_bytes()), FormatBytes(s.chunk_bytes()),
+              FormatBytes(s.host_bytes()), absl::StrCat(s.tensors()),
+              absl::StrCat(s.releases())});
   }
   std::fputs(t.Render().c_str(), stdout);
   if (r.sessions_omitted() > 0) {

@@ -131,5 +131,22 @@ TEST(Trainers, WithoutADaemonAJobTrainsWithTheInProcessPolicy) {
   EXPECT_THAT(out, HasSubstr(" 0 bad"));
 }
 
+// Small tensors share chunks by size class and a tensor of a chunk and a
+// bit takes two: ResNet-50 at batch 2 needs more chunks than its peak in
+// bytes, and at that moment nothing releasable frees a whole one. Without a
+// daemon to lend them, the client failed the step ("device memory is
+// full"); it now maps chunks past the budget for what rounding takes.
+TEST(Trainers, WithoutADaemonAJobGivenItsWholePeakTrainsDespiteRounding) {
+  const std::string dir = ::testing::TempDir();
+  Job a = StartTrainer(dir, dir + "/nothing-here.sock", "rounding", 0,
+                       {"--model=resnet50", "--batch=2", "--budget=1.0"}, 2);
+  ASSERT_NE(a.process, nullptr);
+  const ExitStatus exit = a.process->WaitOrKill(absl::Seconds(120));
+  const std::string out = ReadFileOrEmpty(a.output);
+  EXPECT_TRUE(exit.ok()) << exit.ToString() << "\n" << out;
+  EXPECT_THAT(out, HasSubstr(" 0 bad"));
+  EXPECT_THAT(out, HasSubstr("past the budget for rounding"));
+}
+
 }  // namespace
 }  // namespace deltad::testing_util

@@ -4,6 +4,7 @@ client's side too, and the client keeps serving its tensors alone while it
 tries to attach again."""
 
 import os
+import subprocess
 import sys
 import time
 import unittest
@@ -67,6 +68,48 @@ class SessionStatsTest(unittest.TestCase):
                 client.free(tensor)
         finally:
             daemon.__exit__()
+
+    def test_require_session_fails_closed_without_a_daemon(self):
+        with self.assertRaises(deltad.DeltadError) as e:
+            deltad.Client(socket="/nonexistent/deltad.sock",
+                          budget_bytes=BUDGET, require_session=True)
+        self.assertIn("require_session is set", str(e.exception))
+        os.environ["DELTAD_REQUIRE_SESSION"] = "1"
+        try:
+            with self.assertRaises(deltad.DeltadError):
+                deltad.Client(socket="/nonexistent/deltad.sock",
+                              budget_bytes=BUDGET)
+        finally:
+            del os.environ["DELTAD_REQUIRE_SESSION"]
+        # Without it the job goes on, on in-process decisions.
+        with deltad.Client(socket="/nonexistent/deltad.sock",
+                           budget_bytes=BUDGET) as client:
+            self.assertFalse(client.session_stats().connected)
+
+    def test_a_newcomer_that_would_cut_a_declared_floor_is_refused(self):
+        with SimDaemon(self.binary, 64 << 20,
+                       prefix="deltad-sessions-") as socket:
+            with deltad.Client(socket=socket, budget_bytes=24 << 20,
+                               min_budget_bytes=24 << 20,
+                               device_memory_bytes=24 << 20) as client:
+                self.assertTrue(client.session_stats().connected)
+                client.iteration_done()  # streamed; the session carries on
+                # Another process: one session per process and GPU.
+                other = subprocess.run(
+                    [sys.executable, "-c",
+                     "import deltad, sys\n"
+                     "try:\n"
+                     f"    deltad.Client(socket={socket!r}, "
+                     "budget_bytes=16 << 20, min_budget_bytes=16 << 20, "
+                     "require_session=True)\n"
+                     "except deltad.DeltadError as e:\n"
+                     "    print(e); sys.exit(3)\n"],
+                    capture_output=True, text=True, timeout=60)
+                self.assertEqual(other.returncode, 3, other.stderr)
+                self.assertIn("RESOURCE_EXHAUSTED", other.stdout)
+                self.assertIn("without cutting a running job below its "
+                              "floor", other.stdout)
+                self.assertTrue(client.session_stats().connected)
 
 
 if __name__ == "__main__":

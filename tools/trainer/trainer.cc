@@ -54,6 +54,15 @@ ABSL_FLAG(double, budget, 0.6,
 ABSL_FLAG(int, iterations, 3, "training iterations");
 ABSL_FLAG(std::string, label, "", "job name (default: model)");
 ABSL_FLAG(int, priority, 1, "weight in the GPU's fair share");
+ABSL_FLAG(double, min_budget, 0,
+          "the floor to declare, as a fraction of the requested budget: no "
+          "later admission cuts the job below it (0: none; the peak of each "
+          "iteration is reported either way)");
+ABSL_FLAG(int, admission_wait_ms, 0,
+          "how long to ask a daemon that refuses the session again");
+ABSL_FLAG(bool, require_session, false,
+          "fail closed: exit when no session with deltad could be opened "
+          "instead of training on the in-process policy");
 
 namespace {
 
@@ -313,6 +322,10 @@ int main(int argc, char** argv) {
   options.link.requested_host_bytes = peak;
   options.link.priority = static_cast<uint32_t>(absl::GetFlag(FLAGS_priority));
   options.link.label = label;
+  options.link.min_budget_bytes =
+      static_cast<int64_t>(budget * absl::GetFlag(FLAGS_min_budget));
+  options.admission_wait_ms = absl::GetFlag(FLAGS_admission_wait_ms);
+  options.require_session = absl::GetFlag(FLAGS_require_session);
   options.fallback_budget_bytes = budget;
   options.fallback_host_bytes = peak;
   // The device is the real one scaled: full memory, link slowed by `scale`
@@ -369,6 +382,7 @@ int main(int argc, char** argv) {
                                   s.ToString()));
     }
     verified += replay.verified();
+    c.IterationDone();  // its peak: the job's floor at the daemon
     const deltad::client::ClientStats st = c.Stats();
     std::printf(
         "[%s] iteration %d/%d  %.2f s  peak %s / budget %s  offloaded %s  "
@@ -390,6 +404,10 @@ int main(int argc, char** argv) {
   const int64_t ordered = st.orders_received;
   std::string decided;
   if (st.reconnects > 0) decided = "(reconnected) ";
+  if (st.past_budget_bytes > 0) {
+    decided += absl::StrCat("(", Human(st.past_budget_bytes),
+                            " of chunks past the budget for rounding) ");
+  }
   if (st.local_decisions > 0) {
     decided += absl::StrCat("(", st.local_decisions, " of ",
                             st.local_decisions + ordered,

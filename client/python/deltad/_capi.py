@@ -25,6 +25,9 @@ class Options(ctypes.Structure):
         ("sim_d2h_bytes_per_second", ctypes.c_double),
         ("sim_h2d_bytes_per_second", ctypes.c_double),
         ("cuda_device", ctypes.c_int32),
+        ("min_budget_bytes", ctypes.c_int64),
+        ("admission_wait_ms", ctypes.c_int32),
+        ("require_session", ctypes.c_int32),
     ]
 
 
@@ -151,6 +154,9 @@ def load():
         lib.deltad_session_stats.argtypes = [ctypes.c_void_p,
                                              ctypes.POINTER(SessionStats)]
         lib.deltad_session_stats.restype = ctypes.c_int
+    if hasattr(lib, "deltad_iteration_done"):
+        lib.deltad_iteration_done.argtypes = [ctypes.c_void_p]
+        lib.deltad_iteration_done.restype = None
     lib.deltad_prefetch.argtypes = [ctypes.c_void_p,
                                     ctypes.POINTER(ctypes.c_uint64),
                                     ctypes.c_size_t]

@@ -3,6 +3,7 @@ in-process policy when no daemon answers) for this process's tensors."""
 
 import ctypes
 import dataclasses
+import os
 import threading
 
 from deltad import _capi
@@ -81,13 +82,23 @@ class Client:
     at `link_bytes_per_second`, 0 for memcpy speed), or "cuda", the GPU
     `cuda_device` (addresses are then device pointers). `gpu` is the
     daemon's index of the GPU (default: 0).
+
+    min_budget_bytes: what the job cannot run without; the daemon never
+    cuts its budget below it (nor below the peak of its last iteration,
+    see iteration_done) to admit another job, and refuses this session if
+    it cannot keep it beside the running jobs' floors. admission_wait_s:
+    how long to ask a refusing daemon again before going on.
+    require_session: fail closed, raising DeltadError when no session could
+    be opened instead of training on in-process decisions (default: the
+    environment variable DELTAD_REQUIRE_SESSION=1).
     """
 
     def __init__(self, socket=DEFAULT_SOCKET, budget_bytes=0,
                  host_bytes=0, gpu=None, label="python", priority=None,
                  fallback_budget_bytes=None, fallback_host_bytes=None,
                  device_memory_bytes=80 << 30, link_bytes_per_second=0.0,
-                 device="sim", cuda_device=0):
+                 device="sim", cuda_device=0, min_budget_bytes=0,
+                 admission_wait_s=0.0, require_session=None):
         self._handle = None  # until connected: close() has nothing to do
         lib = _library()
         o = _capi.Options()
@@ -114,6 +125,11 @@ class Client:
             o.fallback_budget_bytes = budget_bytes
         if fallback_host_bytes is not None:
             o.fallback_host_bytes = fallback_host_bytes
+        o.min_budget_bytes = min_budget_bytes
+        o.admission_wait_ms = int(admission_wait_s * 1000)
+        if require_session is None:
+            require_session = os.environ.get("DELTAD_REQUIRE_SESSION") == "1"
+        o.require_session = int(bool(require_session))
         o.sim_memory_bytes = device_memory_bytes
         # <= 0 copies at memcpy speed: this is the CPU.
         o.sim_d2h_bytes_per_second = link_bytes_per_second
@@ -191,6 +207,12 @@ class Client:
             self._handle, ctypes.byref(info), callback, None,
             ctypes.byref(out)))
         return out.value
+
+    def iteration_done(self):
+        """A training iteration completed: the most device memory held
+        during it goes to the daemon (streamed, no round trip), which keeps
+        it as this job's floor until the next one."""
+        self._lib.deltad_iteration_done(self._open())
 
     def _open(self):
         if not self._handle:

@@ -231,6 +231,9 @@ class Manager:
         budget = self.requested_budget
         if self.client is not None:
             try:
+                if self.iterations > 1 or self.plan.unpack_order:
+                    # The last one's peak becomes the job's floor (streamed).
+                    self.client.iteration_done()
                 granted = self.client.stats().budget_bytes  # local, no RPC
             except DeltadError:
                 # Closed: a block with other settings (nested in this one)

@@ -1,6 +1,8 @@
 #include "daemon/gpu_arbiter.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <map>
 #include <random>
 #include <vector>
@@ -95,6 +97,53 @@ TEST(GpuArbiter, RefusesASessionWhoseFloorWouldNotFit) {
   EXPECT_TRUE(a.AddSession(4, 1, kGiB).ok());
 }
 
+TEST(GpuArbiter, ANewcomerIsRefusedRatherThanCutARunningJobsDeclaredFloor) {
+  GpuArbiter a = Make(10 * kGiB, kGiB);
+  ASSERT_TRUE(a.AddSession(1, 1, 0, 6 * kGiB).ok());
+  auto refused = a.AddSession(2, 1, 0, 5 * kGiB);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("without cutting a running job below its floor"));
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("this session needs 5368709120"));
+  EXPECT_EQ(a.BudgetOf(1), 10 * kGiB);  // nothing changed
+  ASSERT_TRUE(a.AddSession(2, 100, 0, 4 * kGiB).ok());
+  // Weight 100 would take nearly all of it; the floor holds.
+  EXPECT_EQ(a.BudgetOf(1), 6 * kGiB);
+  EXPECT_EQ(a.BudgetOf(2), 4 * kGiB);
+}
+
+TEST(GpuArbiter, ALastIterationsPeakIsKeptAsTheFloorUpToTheBudget) {
+  GpuArbiter a = Make(10 * kGiB, kGiB);
+  ASSERT_TRUE(a.AddSession(1, 1, 0).ok());
+  ASSERT_TRUE(a.SetIterationPeak(1, 7 * kGiB).ok());
+  EXPECT_EQ(a.FloorOf(1), 7 * kGiB);
+  // A newcomer of the same weight would halve it; it gets what is left.
+  ASSERT_TRUE(a.AddSession(2, 1, 0).ok());
+  EXPECT_EQ(a.BudgetOf(1), 7 * kGiB + kGiB);
+  EXPECT_EQ(a.BudgetOf(2), kGiB + kGiB);
+  EXPECT_EQ(a.AddSession(3, 1, 0, 3 * kGiB).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  // The last iteration counts, not the largest: a smaller peak lowers it.
+  ASSERT_TRUE(a.SetIterationPeak(1, 3 * kGiB).ok());
+  EXPECT_EQ(a.FloorOf(1), 3 * kGiB);
+  // Memory lent past the budget is not kept as a floor.
+  ASSERT_TRUE(a.SetIterationPeak(1, 20 * kGiB).ok());
+  EXPECT_EQ(a.FloorOf(1), a.BudgetOf(1));
+  EXPECT_EQ(a.SetIterationPeak(9, kGiB).code(), absl::StatusCode::kNotFound);
+}
+
+TEST(GpuArbiter, ADeclaredFloorAboveTheRequestOrTheGpuIsInvalid) {
+  GpuArbiter a = Make(10 * kGiB, kGiB);
+  EXPECT_EQ(a.AddSession(1, 1, 2 * kGiB, 3 * kGiB).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.AddSession(1, 1, 0, 11 * kGiB).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.AddSession(1, 1, 0, -1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.sessions(), 0u);
+}
+
 TEST(GpuArbiter, RemovingASessionGivesItsShareBack) {
   GpuArbiter a = Make(90 * kGiB, kGiB);
   for (SessionId s : {1, 2, 3}) ASSERT_TRUE(a.AddSession(s, 1, 0).ok());
@@ -116,31 +165,46 @@ TEST(GpuArbiter, RejectsDuplicateAndNegativeRequests) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// Random admissions and departures: the grants never exceed the budget,
-// every floor holds, no session gets more than it asked, and when some
-// session is left wanting the whole budget is handed out.
+// Random admissions, departures and iteration peaks: the grants never
+// exceed the budget, every floor (declared, peak or guaranteed) holds, no
+// session gets more than it asked, and when some session is left wanting the
+// whole budget is handed out.
 TEST(GpuArbiter, RandomChurnKeepsEveryInvariant) {
   std::mt19937_64 rng(7);
   const int64_t budget = 64 * kGiB;
   const int64_t min = 2 * kGiB;
   GpuArbiter a = Make(budget, min);
   std::map<SessionId, int64_t> requested;
+  std::map<SessionId, int64_t> floors;  // declared or guaranteed
   for (int step = 0; step < 2000; ++step) {
     const SessionId id = rng() % 40;
     if (requested.contains(id)) {
       ASSERT_TRUE(a.RemoveSession(id).ok());
       requested.erase(id);
+      floors.erase(id);
     } else {
       const int64_t req = rng() % 3 == 0 ? 0 : int64_t(rng() % (40 * kGiB));
-      if (a.AddSession(id, 1 + rng() % 8, req).ok()) requested[id] = req;
+      const int64_t declared =
+          rng() % 4 == 0 ? int64_t(rng() % (req > 0 ? req : 8 * kGiB)) : 0;
+      if (a.AddSession(id, 1 + rng() % 8, req, declared).ok()) {
+        requested[id] = req;
+        floors[id] = std::max(declared, req > 0 ? std::min(req, min) : min);
+      }
+    }
+    if (!requested.empty() && rng() % 2 == 0) {
+      // A running session reports an iteration's peak.
+      auto it = requested.begin();
+      std::advance(it, rng() % requested.size());
+      ASSERT_TRUE(
+          a.SetIterationPeak(it->first, int64_t(rng() % (12 * kGiB))).ok());
     }
     int64_t sum = 0;
     bool someone_wants_more = false;
     for (const auto& [s, req] : requested) {
       const int64_t b = a.BudgetOf(s);
       sum += b;
-      const int64_t floor = req > 0 ? std::min(req, min) : min;
-      ASSERT_GE(b, floor) << "step " << step;
+      ASSERT_GE(a.FloorOf(s), floors[s]) << "step " << step;
+      ASSERT_GE(b, a.FloorOf(s)) << "step " << step;
       if (req > 0) {
         ASSERT_LE(b, req) << "step " << step;
       }
