@@ -60,6 +60,8 @@ struct GpuPolicy::BatchPlan {
   // EVICTED events that confirm an evict order: the table already shows
   // them, so they make no step, but the device memory was freed now.
   int64_t confirmed_evictions = 0;
+  // What the batch adds to the session's committed device bytes.
+  int64_t committed_delta = 0;
 };
 
 GpuPolicy::GpuPolicy(int gpu, int64_t gpu_budget_bytes,
@@ -179,6 +181,21 @@ absl::Status GpuPolicy::Apply(SessionId session, const v1::EventBatch& batch,
   BatchPlan plan;
   DELTAD_RETURN_IF_ERROR(PlanCreations(session, s, batch, plan));
   DELTAD_RETURN_IF_ERROR(PlanEvents(session, s, batch, plan));
+  // Sizes are checked one tensor at a time above; their sum is what a
+  // session claims to hold, and no process confined to the GPU's budget
+  // can hold more than all of it. Counted as the batch leaves it, since
+  // creations apply before the frees of the same batch. A batch that
+  // lowers the claim always passes, so a session past the limit can get
+  // back under it.
+  const int64_t held =
+      table_.SessionStats(session).committed_bytes() + plan.committed_delta;
+  if (plan.committed_delta > 0 && held > gpu_budget_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session ", session, " would hold ", held, " bytes on GPU ", gpu_,
+        " after this batch (its resident tensors, EventBatch.created and "
+        "events); the limit is the GPU's whole budget of ",
+        gpu_budget_bytes_, " bytes"));
+  }
   return ApplyPlan(s, plan, now_ns, counts);
 }
 
@@ -248,6 +265,7 @@ absl::Status GpuPolicy::PlanCreations(SessionId session, const Session& s,
     spec.flags.uncomputable = c.flags().uncomputable();
     spec.compute_cost_ns = c.compute_cost_ns();
     spec.stable_key = c.stable_key();
+    plan.committed_delta += spec.bytes;
     plan.specs.push_back(std::move(spec));
     plan.spec_locals.push_back(own);
   }
@@ -326,8 +344,17 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
     TensorState state;
     bool evicted_from_device;
     policy::TensorFlags flags;
+    int64_t bytes;
+    TensorState before;  // resident for a tensor created by the batch
     // Still in the state the table had before this batch.
     bool untouched = true;
+  };
+  // The bytes a tensor in `state` commits on the device (see
+  // MemoryStats::committed_bytes).
+  auto committed = [](TensorState state, int64_t bytes) -> int64_t {
+    return state == TensorState::kResident || state == TensorState::kReloading
+               ? bytes
+               : 0;
   };
   absl::flat_hash_map<TensorId, Sim> sim;
   absl::flat_hash_set<uint64_t> freed_here;
@@ -358,9 +385,10 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
                    "it was freed earlier in this batch");
     }
     if (auto c = plan.created.find(own); c != plan.created.end()) {
-      id = plan.specs[c->second].id;
-      sim.try_emplace(
-          id, Sim{TensorState::kResident, false, plan.specs[c->second].flags});
+      const policy::TensorSpec& spec = plan.specs[c->second];
+      id = spec.id;
+      sim.try_emplace(id, Sim{TensorState::kResident, false, spec.flags,
+                              spec.bytes, TensorState::kResident});
     } else {
       auto known = s.ids.find(own);
       const Tensor* t =
@@ -374,7 +402,8 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
         return error(absl::StatusCode::kNotFound, "it was freed");
       }
       id = known->second;
-      sim.try_emplace(id, Sim{t->state, t->evicted_from_device, t->flags});
+      sim.try_emplace(id, Sim{t->state, t->evicted_from_device, t->flags,
+                              t->bytes, t->state});
     }
     Sim& t = sim.at(id);
     const TensorState from = t.state;
@@ -489,6 +518,10 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
       default:
         return error(absl::StatusCode::kInvalidArgument, "unknown event kind");
     }
+  }
+  for (const auto& [id, t] : sim) {
+    plan.committed_delta +=
+        committed(t.state, t.bytes) - committed(t.before, t.bytes);
   }
   return absl::OkStatus();
 }
@@ -609,6 +642,23 @@ absl::Status GpuPolicy::FreeAndForget(Session& s, TensorId id) {
 int64_t GpuPolicy::HostLeft(SessionId session, const Session& s) const {
   return std::max<int64_t>(
       0, s.host_quota_bytes - table_.SessionStats(session).host_bytes);
+}
+
+int64_t GpuPolicy::AccountableBytes(SessionId session) const {
+  int64_t sum = 0;
+  for (const auto& [id, s] : sessions_) {
+    const int64_t held = table_.SessionStats(id).committed_bytes();
+    sum += id == session ? held : std::min(held, s.budget_bytes);
+  }
+  return sum;
+}
+
+void GpuPolicy::Count(const policy::ReleaseOrder& order, SessionId requester,
+                      Shortage& shortage) const {
+  shortage.freed += order.bytes;
+  if (table_.Find(order.id)->session == requester) {
+    shortage.own_freed += order.bytes;
+  }
 }
 
 absl::flat_hash_map<SessionId, GpuPolicy::Victim> GpuPolicy::Victims(
@@ -739,33 +789,38 @@ GpuPolicy::MakeRoom(SessionId session, int64_t bytes, int64_t now_ns) {
         gpu_, "'s whole budget of ", gpu_budget_bytes_,
         " bytes; no release can make that much room"));
   }
-  // The rule: release exactly what the GPU lacks, max(0, committed bytes of
-  // the GPU + bytes - GPU budget). Below the budget nothing is released even
-  // when the session passes its share; a session's share only decides who
-  // loses tensors (see Victims). The requester's own excess is not added:
-  // when it is over its share it is among the first victims anyway, and
-  // adding its excess would release memory nobody asked for.
-  const int64_t need =
+  // The rule: release what the GPU lacks, max(0, committed bytes of the GPU
+  // + bytes - GPU budget). Below the budget nothing is released even when
+  // the session passes its share; a session's share only decides who loses
+  // tensors (see Victims). The requester's own excess is not added: when it
+  // is over its share it is among the first victims anyway, and adding its
+  // excess would release memory nobody asked for.
+  Shortage shortage;
+  shortage.gpu =
       table_.GpuStats(gpu_).committed_bytes() + bytes - gpu_budget_bytes_;
   std::map<SessionId, std::vector<v1::ReleaseOrder>> out;
-  if (need <= 0) return out;
+  if (shortage.gpu <= 0) return out;
+  // Others' claims beyond their shares are theirs to release: what of them
+  // stays (pinned, or never real) must cost the requester nothing.
+  shortage.own = AccountableBytes(session) + bytes - gpu_budget_bytes_;
 
   std::vector<policy::ReleaseOrder> chosen;
-  int64_t freed = 0;
   absl::Status failure;
   for (Tier tier : {Tier::kOverShare, Tier::kRequester}) {
-    while (freed < need && failure.ok()) {
+    while (shortage.Wants(tier) && failure.ok()) {
       absl::StatusOr<policy::ReleaseOrder> order =
           ReleaseOne(session, bytes, tier, now_ns);
       if (!order.ok()) {
         if (!NothingToRelease(order.status())) failure = order.status();
         break;
       }
-      freed += order->bytes;
+      Count(*order, session, shortage);
       chosen.push_back(*order);
     }
   }
-  if (freed < need || !failure.ok()) {
+  // Others release only down to their shares, so the requester's part is
+  // met whenever the whole lack is.
+  if (shortage.own_freed < shortage.own || !failure.ok()) {
     // All or nothing: undo in reverse so the table ends as it began.
     for (auto it = chosen.rbegin(); it != chosen.rend(); ++it) {
       DELTAD_RETURN_IF_ERROR(table_.CancelRelease(it->id));
@@ -773,10 +828,14 @@ GpuPolicy::MakeRoom(SessionId session, int64_t bytes, int64_t now_ns) {
     if (!failure.ok()) return failure;
     return absl::ResourceExhaustedError(absl::StrCat(
         "session ", session, " asks room for ", bytes, " bytes: GPU ", gpu_,
-        " must release ", need, " bytes; can free at most ", freed,
-        " bytes (victims may come only from sessions above their share and "
-        "from the asking session; the rest is within other sessions' shares, "
-        "pinned, or needs host memory their quotas lack)"));
+        " must release ", shortage.gpu, " bytes, ", shortage.own,
+        " of them from the asking session (its own bytes, and other "
+        "sessions' up to their shares); can free at most ",
+        shortage.freed, " bytes, ", shortage.own_freed,
+        " of them the asking session's (victims may come only from sessions "
+        "above their share and from the asking session; the rest is within "
+        "other sessions' shares, pinned, or needs host memory their quotas "
+        "lack)"));
   }
   for (const policy::ReleaseOrder& o : chosen) {
     // The asking session gets its own orders in the answer; the others'
@@ -856,16 +915,21 @@ std::map<SessionId, v1::Orders> GpuPolicy::Plan(SessionId session,
   // DELTA's early start, over the GPU: above the high watermark, offload
   // down to the low one, from the same victims as MakeRoom, so that copies
   // overlap compute instead of an allocation waiting for them later.
+  // The session's own tensors go only toward its own part, as in MakeRoom.
   absl::StatusOr<int64_t> to_free = watermarks_.BytesToFree(
       table_.GpuStats(gpu_).committed_bytes(), 0, gpu_budget_bytes_);
-  if (to_free.ok() && *to_free > 0) {
-    int64_t freed = 0;
+  absl::StatusOr<int64_t> own_to_free =
+      watermarks_.BytesToFree(AccountableBytes(session), 0, gpu_budget_bytes_);
+  if (to_free.ok() && *to_free > 0 && own_to_free.ok()) {
+    Shortage shortage;
+    shortage.gpu = *to_free;
+    shortage.own = *own_to_free;
     for (Tier tier : {Tier::kOverShare, Tier::kRequester}) {
-      while (freed < *to_free) {
+      while (shortage.Wants(tier)) {
         std::optional<policy::ReleaseOrder> order =
             OffloadOneAhead(session, tier, now_ns);
         if (!order) break;
-        freed += order->bytes;
+        Count(*order, session, shortage);
         // Every one on a stream, the session's own included.
         auto [owner, wire] = Order(*order, /*on_stream_unless=*/0);
         *out[owner].add_release() = std::move(wire);
