@@ -273,6 +273,11 @@ class GpuPolicy {
   // bench/soak: hundreds of thousands of orders a minute for one pinned
   // session).
   static constexpr int64_t kRefusalBackoffNs = 20'000'000;
+  // The most compute cost one tensor may report. Costs are summed over
+  // evicted components (a session's tensors, at most
+  // max_tensors_per_session of them): bounded per tensor, those sums stay
+  // far from int64 overflow. 1e12 ns is a quarter of an hour for one op.
+  static constexpr int64_t kMaxComputeCostNs = 1'000'000'000'000;
   absl::flat_hash_map<policy::TensorId, int64_t> refused_at_;
 };
 
