@@ -65,6 +65,13 @@ struct SessionUsage {
 // the requesting session itself. A session within its share never loses
 // tensors to another.
 //
+// What a session reports is not backed by anything the daemon can check,
+// so what it claims beyond its share is accounted against itself alone:
+// when another session asks for room, it counts only up to its share, and
+// what of it cannot be released (pinned, or never real) neither fails that
+// Release nor costs the asking session its own tensors. A session within
+// its share therefore gets its Release met whatever another one claims.
+//
 // Not thread safe: the service serialises calls per GPU.
 class GpuPolicy {
  public:
@@ -84,7 +91,8 @@ class GpuPolicy {
   // and what was wrong. INVALID_ARGUMENT for malformed input (sizes, unknown
   // event kinds, cycles), NOT_FOUND for unknown ids, FAILED_PRECONDITION for
   // an event the tensor's state does not allow, RESOURCE_EXHAUSTED past the
-  // batch or tensor limits.
+  // batch or tensor limits, or when the batch would leave the session
+  // holding more bytes on the device than the GPU's whole budget.
   // `counts`, when given, receives what the batch reported having done.
   absl::Status Apply(SessionId session, const v1::EventBatch& batch,
                      int64_t now_ns, AppliedCounts* counts = nullptr);
@@ -94,14 +102,16 @@ class GpuPolicy {
   // session's own). RESOURCE_EXHAUSTED "can free at most N bytes" when the
   // allowed victims cannot cover it; nothing changes then.
   //
-  // Releases exactly what the GPU lacks, max(0, GPU committed bytes + bytes -
-  // GPU budget): an empty map means the allocation fits as it is, even past
-  // the session's share. Victims, one at a time in the Filter's order over
-  // the GPU: first tensors of sessions above their budget (`session`
-  // included, counting `bytes`), each only while it stays above; then
-  // `session`'s own. Offloads fit the owner's host quota, else evict.
-  // Bytes above the GPU budget: RESOURCE_EXHAUSTED; negative:
-  // INVALID_ARGUMENT.
+  // Releases what the GPU lacks, max(0, GPU committed bytes + bytes - GPU
+  // budget): an empty map means the allocation fits as it is, even past the
+  // session's share. Victims, one at a time in the Filter's order over the
+  // GPU: first tensors of sessions above their budget (`session` included,
+  // counting `bytes`), each only while it stays above; then `session`'s
+  // own, but only toward its own part of the lack: what it would be were
+  // every other session counted only up to its share (see the class
+  // comment). Room is made once that part is freed, even if others' excess
+  // is not. Offloads fit the owner's host quota, else evict. Bytes above
+  // the GPU budget: RESOURCE_EXHAUSTED; negative: INVALID_ARGUMENT.
   absl::StatusOr<std::map<SessionId, std::vector<v1::ReleaseOrder>>> MakeRoom(
       SessionId session, int64_t bytes, int64_t now_ns);
 
@@ -110,7 +120,8 @@ class GpuPolicy {
   // tensors. Orders for other sessions are keyed by their id.
   //
   // Early releases are offloads only (ReleasePlanner::OffloadAhead), down to
-  // the low watermark, from the same victims as MakeRoom. Prefetched tensors
+  // the low watermark, from the same victims as MakeRoom, `session`'s own
+  // again only toward its own part. Prefetched tensors
   // become kReloading (they count as device bytes) until RELOADED, or
   // OFFLOADED / RELEASE_FAILED when the reload did not happen. Empty for an
   // unknown session.
@@ -189,6 +200,24 @@ class GpuPolicy {
   // last live child it is, transitively. Read before freeing.
   std::vector<policy::TensorId> RetiredByFree(policy::TensorId id) const;
 
+  // The GPU's committed bytes as `session` answers for them: its own, and
+  // each other session's only up to that session's share.
+  int64_t AccountableBytes(SessionId session) const;
+  // How far a round of releases has got: the over-share tier works toward
+  // the GPU's whole lack, the requester's own tier only toward its part.
+  struct Shortage {
+    int64_t gpu = 0;  // what the GPU lacks
+    int64_t own = 0;  // the part the requester answers for
+    int64_t freed = 0;
+    int64_t own_freed = 0;  // by the requester's own tensors
+    bool Wants(Tier tier) const {
+      return tier == Tier::kOverShare ? freed < gpu : own_freed < own;
+    }
+  };
+  // Counts `order` in `shortage`, as the requester's own when it is.
+  void Count(const policy::ReleaseOrder& order, SessionId requester,
+             Shortage& shortage) const;
+
   // Sessions whose tensors `tier` allows as victims, with the host bytes
   // each has left for offloads. `incoming` counts as already held by
   // `requester`.
@@ -244,6 +273,11 @@ class GpuPolicy {
   // bench/soak: hundreds of thousands of orders a minute for one pinned
   // session).
   static constexpr int64_t kRefusalBackoffNs = 20'000'000;
+  // The most compute cost one tensor may report. Costs are summed over
+  // evicted components (a session's tensors, at most
+  // max_tensors_per_session of them): bounded per tensor, those sums stay
+  // far from int64 overflow. 1e12 ns is a quarter of an hour for one op.
+  static constexpr int64_t kMaxComputeCostNs = 1'000'000'000'000;
   absl::flat_hash_map<policy::TensorId, int64_t> refused_at_;
 };
 

@@ -280,5 +280,37 @@ TEST_F(HostileClientTest, AStreamNeverReadIsEndedWithResourceExhausted) {
                                  "order_bytes\"} 1"));
 }
 
+// The attack of issue #17: processes report pinned tensors they never
+// allocated. One session may claim no more than the GPU's whole budget;
+// two such sessions claim twice the GPU, and the honest session, within its
+// share, still gets its Release and keeps its tensor.
+TEST_F(HostileClientTest, ClaimsBeyondTheGpuNeverFailAnHonestRelease) {
+  const int64_t budget = Status().gpus(0).budget_bytes();
+  std::vector<std::unique_ptr<PeerProcess>> others;
+  std::vector<std::unique_ptr<SessionStream>> streams;
+  for (int i = 0; i < 2; ++i) {
+    auto other = PeerProcess::Start(daemon_->side_socket_path());
+    ASSERT_TRUE(other.ok()) << other.status();
+    others.push_back(std::move(*other));
+    const v1::OpenSessionResponse mine = MustOpen(others.back()->token(), 0);
+    streams.push_back(
+        std::make_unique<SessionStream>(*stub_, mine.session_token()));
+    v1::EventBatch claim = Created({1}, budget);
+    claim.mutable_created(0)->mutable_flags()->set_evict_pinned(true);
+    claim.mutable_created(0)->mutable_flags()->set_offload_pinned(true);
+    ASSERT_TRUE(streams.back()->Send(claim));
+    ASSERT_TRUE(WaitForTensors(mine.session_id(), 1));
+    // A byte more than the GPU is refused whole.
+    ASSERT_TRUE(streams.back()->Send(Created({2}, 1)));
+    const std::string refused = streams.back()->NextRejection();
+    EXPECT_THAT(refused, HasSubstr(absl::StrCat("session ", mine.session_id(),
+                                                " would hold ", budget + 1)));
+    EXPECT_THAT(refused, HasSubstr("EventBatch.created"));
+    EXPECT_THAT(refused, HasSubstr(absl::StrCat("whole budget of ", budget)));
+    EXPECT_EQ(SessionOf(mine.session_id()).tensors(), 1u);
+  }
+  ExpectHonestSessionUnaffected();
+}
+
 }  // namespace
 }  // namespace deltad::testing_util

@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/unit/daemon/gpu_policy_fixture.h"
 
 namespace deltad::daemon {
 namespace {
@@ -30,150 +31,6 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::UnorderedElementsAre;
-
-using Kind = v1::TensorEvent::Kind;
-constexpr Kind kAccessed = v1::TensorEvent::ACCESSED;
-constexpr Kind kFreed = v1::TensorEvent::FREED;
-constexpr Kind kOffloaded = v1::TensorEvent::OFFLOADED;
-constexpr Kind kReloaded = v1::TensorEvent::RELOADED;
-constexpr Kind kEvicted = v1::TensorEvent::EVICTED;
-constexpr Kind kRecomputed = v1::TensorEvent::RECOMPUTED;
-constexpr Kind kReleaseFailed = v1::TensorEvent::RELEASE_FAILED;
-
-constexpr SessionId kA = 1;
-constexpr SessionId kB = 2;
-constexpr SessionId kC = 3;
-constexpr int64_t kPlentyHost = int64_t{1} << 40;
-
-// With 1 GB/s each way a swap of b bytes costs about 2b ns: compute cost 0
-// makes a tensor an eviction, 100 ns per byte an offload.
-enum class Cost { kCheap, kCostly };
-
-struct Flags {
-  bool evict_pinned = false;
-  bool offload_pinned = false;
-  bool uncomputable = false;
-};
-
-void AddCreated(v1::EventBatch& batch, uint64_t id, int64_t bytes,
-                Cost cost = Cost::kCheap, std::vector<uint64_t> parents = {},
-                Flags flags = {}) {
-  v1::TensorCreated* c = batch.add_created();
-  c->set_tensor_id(id);
-  c->set_bytes(bytes);
-  c->set_compute_cost_ns(cost == Cost::kCheap ? 0 : 100 * bytes);
-  for (uint64_t p : parents) c->add_parent_ids(p);
-  c->mutable_flags()->set_evict_pinned(flags.evict_pinned);
-  c->mutable_flags()->set_offload_pinned(flags.offload_pinned);
-  c->mutable_flags()->set_uncomputable(flags.uncomputable);
-}
-
-void AddEvent(v1::EventBatch& batch, int kind, uint64_t id) {
-  v1::TensorEvent* e = batch.add_events();
-  e->set_kind(static_cast<Kind>(kind));
-  e->set_tensor_id(id);
-}
-
-v1::EventBatch Events(std::initializer_list<std::pair<Kind, uint64_t>> list) {
-  v1::EventBatch batch;
-  for (const auto& [kind, id] : list) AddEvent(batch, kind, id);
-  return batch;
-}
-
-std::string UsageString(const SessionUsage& u) {
-  return absl::StrCat("budget=", u.budget_bytes, " quota=", u.host_quota_bytes,
-                      " device=", u.device_bytes, " host=", u.host_bytes,
-                      " tensors=", u.tensors, " releases=", u.releases_ordered);
-}
-
-std::vector<uint64_t> Ids(const std::vector<v1::ReleaseOrder>& orders) {
-  std::vector<uint64_t> ids;
-  for (const v1::ReleaseOrder& o : orders) ids.push_back(o.tensor_id());
-  return ids;
-}
-
-std::vector<uint64_t> Ids(const v1::Orders& orders) {
-  std::vector<uint64_t> ids;
-  for (const v1::ReleaseOrder& o : orders.release()) {
-    ids.push_back(o.tensor_id());
-  }
-  return ids;
-}
-
-int64_t Bytes(const std::vector<v1::ReleaseOrder>& orders) {
-  int64_t sum = 0;
-  for (const v1::ReleaseOrder& o : orders) sum += o.bytes();
-  return sum;
-}
-
-std::vector<SessionId> Keys(
-    const std::map<SessionId, std::vector<v1::ReleaseOrder>>& orders) {
-  std::vector<SessionId> keys;
-  for (const auto& [id, list] : orders) keys.push_back(id);
-  return keys;
-}
-
-GpuPolicyOptions Options() {
-  GpuPolicyOptions o;
-  o.link = {1e9, 1e9};
-  return o;
-}
-
-class GpuPolicyTest : public ::testing::Test {
- protected:
-  void Make(int64_t gpu_budget, GpuPolicyOptions options = Options()) {
-    auto p = GpuPolicy::Create(0, gpu_budget, options);
-    ASSERT_TRUE(p.ok()) << p.status();
-    policy_ = std::move(*p);
-  }
-  void AddSession(SessionId s, int64_t budget, int64_t host = kPlentyHost) {
-    const absl::Status status = policy_->AddSession(s, budget, host);
-    ASSERT_TRUE(status.ok()) << status;
-    // As if its stream were open: orders can reach it.
-    ASSERT_TRUE(policy_->SetReachable(s, true).ok());
-  }
-  absl::Status Apply(SessionId s, const v1::EventBatch& batch) {
-    now_ += 10;
-    return policy_->Apply(s, batch, now_);
-  }
-  // `count` tensors with ids first, first+1, ..., one batch each so that
-  // each is staler than the next.
-  void Fill(SessionId s, uint64_t first, int count, int64_t bytes,
-            Cost cost = Cost::kCheap, Flags flags = {}) {
-    for (int i = 0; i < count; ++i) {
-      v1::EventBatch batch;
-      AddCreated(batch, first + static_cast<uint64_t>(i), bytes, cost, {},
-                 flags);
-      const absl::Status status = Apply(s, batch);
-      ASSERT_TRUE(status.ok()) << status;
-    }
-  }
-  SessionUsage U(SessionId s) const {
-    auto u = policy_->Usage(s);
-    EXPECT_TRUE(u.ok()) << u.status();
-    return u.ok() ? *u : SessionUsage{};
-  }
-  std::string AllUsage() const {
-    std::string out = absl::StrCat("gpu=", policy_->device_bytes());
-    for (SessionId s : {kA, kB, kC}) {
-      auto u = policy_->Usage(s);
-      if (u.ok()) absl::StrAppend(&out, " | ", s, ": ", UsageString(*u));
-    }
-    return out;
-  }
-  absl::StatusOr<std::map<SessionId, std::vector<v1::ReleaseOrder>>> MakeRoom(
-      SessionId s, int64_t bytes) {
-    now_ += 10;
-    return policy_->MakeRoom(s, bytes, now_);
-  }
-  std::map<SessionId, v1::Orders> Plan(SessionId s) {
-    now_ += 10;
-    return policy_->Plan(s, now_);
-  }
-
-  std::unique_ptr<GpuPolicy> policy_;
-  int64_t now_ = 1000;
-};
 
 // --- Configuration and sessions -------------------------------------------
 
@@ -631,9 +488,11 @@ TEST_F(GpuPolicyTest, MakeRoomTakesOverShareSessionsFirstThenTheRequester) {
   Fill(kA, 1, 6, 100, Cost::kCheap, pinned);  // 200 above its share...
   Fill(kA, 7, 1, 100);                        // ...100 of it releasable
   const std::string c_before = UsageString(U(kC));
-  // B will hold 500, its share: the GPU lacks 200. A gives what it can,
-  // then B itself; C, at its share, nothing.
-  auto orders = MakeRoom(kB, 300);
+  // B will hold 550: the GPU lacks 250. B's excess of 50 is smaller than
+  // any of its tensors, so A gives first what it can, then B a whole
+  // tensor for its 50; C, at its share, nothing. The 100 of A's pinned
+  // excess are A's: B loses no second tensor for them.
+  auto orders = MakeRoom(kB, 350);
   ASSERT_TRUE(orders.ok()) << orders.status();
   ASSERT_THAT(Keys(*orders), ElementsAre(kA, kB));
   EXPECT_THAT(Ids((*orders)[kA]), ElementsAre(7));
@@ -828,11 +687,11 @@ TEST_F(GpuPolicyTest, PlanOffloadsAheadFromOverShareSessionsKeyedByOwner) {
   Fill(kB, 1, 2, 100, Cost::kCostly);  // stalest, within its share
   Fill(kA, 1, 6, 100, Cost::kCostly);  // 100 above its share
   std::map<SessionId, v1::Orders> orders = Plan(kB);  // 800 > 750
-  // A gives down to its share: 100. B, asking, gives the other 50 needed.
-  ASSERT_EQ(orders.size(), 2u);
+  // A gives down to its share: 100. B, asking, would hold 700 with A at
+  // its share, below the mark: A's excess costs it nothing.
+  ASSERT_EQ(orders.size(), 1u);
   EXPECT_THAT(Ids(orders[kA]), ElementsAre(1));
-  EXPECT_THAT(Ids(orders[kB]), ElementsAre(1));
-  EXPECT_EQ(policy_->device_bytes(), 600);
+  EXPECT_EQ(policy_->device_bytes(), 700);
   // Planning for A instead: B, within its share, loses nothing.
   Make(1000);
   AddSession(kA, 500);
@@ -1288,9 +1147,14 @@ TEST_F(GpuPolicyTest, ASessionWithoutAStreamIsNeverAVictimOfAnother) {
   v1::EventBatch a;
   AddCreated(a, 1, 490);
   ASSERT_TRUE(Apply(1, a).ok());
+  // Within its share, 1 answers for none of 2's excess.
   auto orders = policy_->MakeRoom(1, 10, now_);
   ASSERT_TRUE(orders.ok()) << orders.status();
-  EXPECT_FALSE(orders->contains(2));  // the requester pays itself
+  EXPECT_THAT(*orders, IsEmpty());
+  // Past it, the requester pays itself.
+  orders = policy_->MakeRoom(1, 20, now_);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_FALSE(orders->contains(2));
   EXPECT_TRUE(orders->contains(1));
   EXPECT_EQ(policy_->SetReachable(9, true).code(), absl::StatusCode::kNotFound);
 }
