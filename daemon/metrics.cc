@@ -76,7 +76,9 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                             "a field past its limit), max_queued_order_bytes "
                             "(a stream left unread, ended), admission (a "
                             "session whose floor would not fit beside the "
-                            "running sessions' floors).")
+                            "running sessions' floors), max_sessions_per_uid "
+                            "and max_sessions_per_gpu (a session past either "
+                            "limit).")
                         .Register(r);
     m->refusals_[static_cast<size_t>(Refusal::kInvalidRequest)] =
         &refused.Add({{"limit", "invalid_request"}});
@@ -84,6 +86,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
         &refused.Add({{"limit", "max_queued_order_bytes"}});
     m->refusals_[static_cast<size_t>(Refusal::kAdmission)] =
         &refused.Add({{"limit", "admission"}});
+    m->refusals_[static_cast<size_t>(Refusal::kSessionsPerUid)] =
+        &refused.Add({{"limit", "max_sessions_per_uid"}});
+    m->refusals_[static_cast<size_t>(Refusal::kSessionsPerGpu)] =
+        &refused.Add({{"limit", "max_sessions_per_gpu"}});
 
     auto& ended = prometheus::BuildCounter()
                       .Name("deltad_sessions_ended_total")

@@ -126,9 +126,17 @@ absl::StatusOr<Node::Opened> Node::OpenSession(
     return absl::InvalidArgumentError(
         absl::StrCat("priority must be at most 100, got ", request.priority()));
   }
-  auto session =
-      registry_.Open(peer_token, g, request.priority(), request.label());
-  if (!session.ok()) return session.status();
+  SessionLimit refused_at = SessionLimit::kNone;
+  auto session = registry_.Open(peer_token, g, request.priority(),
+                                request.label(), &refused_at);
+  if (!session.ok()) {
+    if (metrics_ != nullptr && refused_at != SessionLimit::kNone) {
+      metrics_->AddRefusal(refused_at == SessionLimit::kPerUid
+                               ? Refusal::kSessionsPerUid
+                               : Refusal::kSessionsPerGpu);
+    }
+    return session.status();
+  }
   Gpu& gpu = *gpus_[g];
   Opened opened;
   {

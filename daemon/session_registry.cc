@@ -69,7 +69,8 @@ absl::StatusOr<std::string> SessionRegistry::RegisterPeer(
 
 absl::StatusOr<SessionInfo> SessionRegistry::Open(absl::string_view peer_token,
                                                   int gpu, uint32_t priority,
-                                                  std::string label) {
+                                                  std::string label,
+                                                  SessionLimit* refused_at) {
   auto token = NewToken();
   if (!token.ok()) return token.status();
   std::lock_guard<std::mutex> lock(mu_);
@@ -91,11 +92,13 @@ absl::StatusOr<SessionInfo> SessionRegistry::Open(absl::string_view peer_token,
   }
   // One user's processes must not take every session of the node.
   if (of_uid >= static_cast<size_t>(max_sessions_per_uid_)) {
+    if (refused_at != nullptr) *refused_at = SessionLimit::kPerUid;
     return absl::ResourceExhaustedError(absl::StrCat(
         "uid ", peer->second.uid, " already has the maximum of ",
         max_sessions_per_uid_, " sessions (limits.max_sessions_per_uid)"));
   }
   if (on_gpu >= static_cast<size_t>(max_sessions_per_gpu_)) {
+    if (refused_at != nullptr) *refused_at = SessionLimit::kPerGpu;
     return absl::ResourceExhaustedError(
         absl::StrCat("GPU ", gpu, " already has the maximum of ",
                      max_sessions_per_gpu_, " sessions"));

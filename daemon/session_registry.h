@@ -31,6 +31,9 @@ struct SessionInfo {
   std::string label;
 };
 
+// The session limit an Open was refused at, for the refusal metrics.
+enum class SessionLimit { kNone, kPerGpu, kPerUid };
+
 // Which process owns which session, and the secrets that prove it.
 //
 // gRPC on a Unix socket does not tell the daemon who is calling, so identity
@@ -58,7 +61,8 @@ class SessionRegistry {
   // the per-user one (the peer's uid, on all GPUs);
   // ALREADY_EXISTS when the process already has a session on that GPU.
   absl::StatusOr<SessionInfo> Open(absl::string_view peer_token, int gpu,
-                                   uint32_t priority, std::string label);
+                                   uint32_t priority, std::string label,
+                                   SessionLimit* refused_at = nullptr);
   // The session a token authorises; UNAUTHENTICATED when none.
   absl::StatusOr<SessionInfo> Authorize(absl::string_view session_token) const;
   // As Authorize, and the session must belong to the process holding

@@ -286,10 +286,20 @@ TEST(Metrics, RefusalsAreCountedByTheLimitFromTheStart) {
   EXPECT_EQ(Value(m->Scrape(), "deltad_refused_total",
                   {{"limit", "max_queued_order_bytes"}}),
             0.0);
+  for (const char* limit :
+       {"admission", "max_sessions_per_uid", "max_sessions_per_gpu"}) {
+    EXPECT_EQ(Value(m->Scrape(), "deltad_refused_total", {{"limit", limit}}),
+              0.0)
+        << limit;
+  }
   m->AddRefusal(Refusal::kInvalidRequest);
   m->AddRefusal(Refusal::kInvalidRequest);
   m->AddRefusal(Refusal::kQueuedOrderBytes);
+  m->AddRefusal(Refusal::kSessionsPerUid);
   const std::string scrape = m->Scrape();
+  EXPECT_EQ(Value(scrape, "deltad_refused_total",
+                  {{"limit", "max_sessions_per_uid"}}),
+            1.0);
   EXPECT_EQ(
       Value(scrape, "deltad_refused_total", {{"limit", "invalid_request"}}),
       2.0);

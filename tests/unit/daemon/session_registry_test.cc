@@ -85,9 +85,11 @@ TEST(SessionRegistry, TheSessionLimitPerGpuIsEnforced) {
   SessionRegistry r(2);
   ASSERT_TRUE(r.Open(Register(r, 1), 0, 1, "").ok());
   ASSERT_TRUE(r.Open(Register(r, 2), 0, 1, "").ok());
-  auto third = r.Open(Register(r, 3), 0, 1, "");
+  SessionLimit refused_at = SessionLimit::kNone;
+  auto third = r.Open(Register(r, 3), 0, 1, "", &refused_at);
   EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(third.status().message(), HasSubstr("maximum of 2"));
+  EXPECT_EQ(refused_at, SessionLimit::kPerGpu);
   EXPECT_TRUE(r.Open(Register(r, 4), 1, 1, "").ok());
 }
 
@@ -96,10 +98,13 @@ TEST(SessionRegistry, TheSessionLimitPerUidIsEnforcedOnAllGpus) {
   const std::string p1 = Register(r, 1);
   ASSERT_TRUE(r.Open(p1, 0, 1, "").ok());
   ASSERT_TRUE(r.Open(p1, 1, 1, "").ok());
-  auto third = r.Open(Register(r, 2), 2, 1, "");  // same uid, other process
+  SessionLimit refused_at = SessionLimit::kNone;
+  auto third = r.Open(Register(r, 2), 2, 1, "",  // same uid, other process
+                      &refused_at);
   EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(third.status().message(),
               HasSubstr("limits.max_sessions_per_uid"));
+  EXPECT_EQ(refused_at, SessionLimit::kPerUid);  // counted under its name
   PeerIdentity other = Peer(3);
   other.uid += 1;
   auto token = r.RegisterPeer(other);
