@@ -61,6 +61,7 @@ v1::LimitsConfig DefaultRequestLimits() {
   l.set_max_status_sessions(d.max_status_sessions);
   l.set_max_queued_order_bytes(d.max_queued_order_bytes);
   l.set_max_sessions_per_uid(d.max_sessions_per_uid);
+  l.set_max_side_connections_per_uid(d.max_side_connections_per_uid);
   l.set_grpc_memory_bytes(d.grpc_memory_bytes);
   l.set_grpc_max_threads(d.grpc_max_threads);
   l.set_max_concurrent_streams(d.max_concurrent_streams);
@@ -231,6 +232,7 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
       {"limits.max_status_sessions", l.max_status_sessions()},
       {"limits.max_queued_order_bytes", l.max_queued_order_bytes()},
       {"limits.max_sessions_per_uid", l.max_sessions_per_uid()},
+      {"limits.max_side_connections_per_uid", l.max_side_connections_per_uid()},
       {"limits.grpc_memory_bytes", l.grpc_memory_bytes()},
       {"limits.grpc_max_threads", l.grpc_max_threads()},
       {"limits.max_concurrent_streams", l.max_concurrent_streams()},

@@ -78,7 +78,9 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                             "session whose floor would not fit beside the "
                             "running sessions' floors), max_sessions_per_uid "
                             "and max_sessions_per_gpu (a session past either "
-                            "limit).")
+                            "limit), max_side_connections and "
+                            "max_side_connections_per_uid (a side-socket "
+                            "connection past either).")
                         .Register(r);
     m->refusals_[static_cast<size_t>(Refusal::kInvalidRequest)] =
         &refused.Add({{"limit", "invalid_request"}});
@@ -90,6 +92,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
         &refused.Add({{"limit", "max_sessions_per_uid"}});
     m->refusals_[static_cast<size_t>(Refusal::kSessionsPerGpu)] =
         &refused.Add({{"limit", "max_sessions_per_gpu"}});
+    m->refusals_[static_cast<size_t>(Refusal::kSideConnections)] =
+        &refused.Add({{"limit", "max_side_connections"}});
+    m->refusals_[static_cast<size_t>(Refusal::kSideConnectionsPerUid)] =
+        &refused.Add({{"limit", "max_side_connections_per_uid"}});
 
     auto& ended = prometheus::BuildCounter()
                       .Name("deltad_sessions_ended_total")

@@ -48,8 +48,10 @@ enum class Refusal {
   kQueuedOrderBytes,  // "max_queued_order_bytes": a stream left unread
   kAdmission,  // "admission": a session whose floor would not fit beside the
                // running sessions' floors
-  kSessionsPerUid,  // "max_sessions_per_uid"
-  kSessionsPerGpu,  // "max_sessions_per_gpu"
+  kSessionsPerUid,         // "max_sessions_per_uid"
+  kSessionsPerGpu,         // "max_sessions_per_gpu"
+  kSideConnections,        // "max_side_connections": the side socket's
+  kSideConnectionsPerUid,  // "max_side_connections_per_uid": and per user
 };
 
 // Why a session ended, label `reason` of deltad_sessions_ended_total.
@@ -136,7 +138,7 @@ class Metrics {
   absl::flat_hash_map<int, GpuMetrics> gpus_;  // immutable after Create
   prometheus::Gauge* host_free_ = nullptr;
   prometheus::Gauge* host_granted_ = nullptr;
-  std::array<prometheus::Counter*, 5> refusals_{};        // indexed by Refusal
+  std::array<prometheus::Counter*, 7> refusals_{};        // indexed by Refusal
   std::array<prometheus::Counter*, 3> sessions_ended_{};  // by SessionEnd
 };
 

@@ -26,6 +26,10 @@ struct RequestLimits {
   int64_t max_queued_order_bytes = int64_t{1} << 20;
   // Sessions of one user (uid), on all GPUs together.
   int32_t max_sessions_per_uid = 256;
+  // Side-socket connections of one user (one per training process, each
+  // holding a thread), so one user cannot take every connection the
+  // daemon serves (4096 in all).
+  int32_t max_side_connections_per_uid = 256;
 
   // --- Replies.
   // Sessions listed in one NodeStatus reply; the rest are counted in

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -223,9 +224,17 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
         errno, absl::StrCat("setting the mode of ", s->socket_path_));
   }
   MemoryManagerService* service = s->service_.get();
+  Metrics* counted = s->metrics_.get();
   auto side = SideChannel::Start(
       s->side_path_, config.socket_mode(), *s->node_,
-      [service](const OrdersBySession& orders) { service->Deliver(orders); });
+      [service](const OrdersBySession& orders) { service->Deliver(orders); },
+      /*max_connections=*/4096,
+      static_cast<size_t>(config.limits().max_side_connections_per_uid()),
+      [counted](const char* limit) {
+        counted->AddRefusal(std::string_view(limit) == "max_side_connections"
+                                ? Refusal::kSideConnections
+                                : Refusal::kSideConnectionsPerUid);
+      });
   if (!side.ok()) return side.status();
   s->side_ = std::move(*side);
   return s;

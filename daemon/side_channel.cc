@@ -16,11 +16,12 @@ namespace side = common::side;
 
 absl::StatusOr<std::unique_ptr<SideChannel>> SideChannel::Start(
     const std::string& path, mode_t mode, Node& node, DeliverFn deliver,
-    size_t max_connections) {
+    size_t max_connections, size_t max_per_uid, RefusedFn refused) {
   auto listener = common::ListenUnix(path, mode);
   if (!listener.ok()) return listener.status();
-  std::unique_ptr<SideChannel> channel(new SideChannel(
-      path, node, std::move(deliver), max_connections, std::move(*listener)));
+  std::unique_ptr<SideChannel> channel(
+      new SideChannel(path, node, std::move(deliver), max_connections,
+                      max_per_uid, std::move(refused), std::move(*listener)));
   channel->acceptor_ = std::thread([c = channel.get()] { c->AcceptLoop(); });
   return channel;
 }
@@ -78,22 +79,42 @@ void SideChannel::AcceptLoop() {
       continue;
     }
     JoinFinished();
+    // Read here, before a thread is spent on it.
+    auto cred = common::PeerCredentials(fd.get());
+    const int64_t uid = cred.ok() ? static_cast<int64_t>(cred->uid) : -1;
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;
     if (connections_.size() >= max_connections_) {
-      (void)common::SendFds(
-          fd.get(), side::kError, {},
-          absl::StrCat("deltad serves at most ", max_connections_,
-                       " processes at a time"));
+      Refuse(fd.get(), "max_side_connections",
+             absl::StrCat("deltad serves at most ", max_connections_,
+                          " processes at a time"));
+      continue;
+    }
+    size_t of_uid = 0;
+    for (const auto& [other, c] : connections_) {
+      if (!c->done && c->uid == uid) ++of_uid;
+    }
+    if (uid >= 0 && of_uid >= max_per_uid_) {
+      Refuse(fd.get(), "max_side_connections_per_uid",
+             absl::StrCat("uid ", uid, " already has the maximum of ",
+                          max_per_uid_,
+                          " side-socket connections open "
+                          "(limits.max_side_connections_per_uid)"));
       continue;
     }
     const uint64_t id = next_id_++;
     auto c = std::make_unique<Connection>();
     c->fd = std::move(fd);
+    c->uid = uid;
     const int raw = c->fd.get();
     c->thread = std::thread([this, id, raw] { Serve(id, raw); });
     connections_[id] = std::move(c);
   }
+}
+
+void SideChannel::Refuse(int fd, const char* limit, const std::string& why) {
+  (void)common::SendFds(fd, side::kError, {}, why);
+  if (refused_) refused_(limit);
 }
 
 void SideChannel::Serve(uint64_t id, int fd) {

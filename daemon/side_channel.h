@@ -31,12 +31,18 @@ class SideChannel {
  public:
   using DeliverFn = std::function<void(const OrdersBySession&)>;
 
+  // Called once for each connection refused at a limit, with the limit's
+  // name ("max_side_connections", "max_side_connections_per_uid").
+  using RefusedFn = std::function<void(const char* limit)>;
+
   // Listens at `path` with file mode `mode` (see common::ListenUnix) and
-  // starts accepting. At most `max_connections` at a time; more are closed
-  // at once, with an error message.
+  // starts accepting. At most `max_connections` at a time, and
+  // `max_per_uid` of one user; more are closed at once, with an error
+  // message naming the limit.
   static absl::StatusOr<std::unique_ptr<SideChannel>> Start(
       const std::string& path, mode_t mode, Node& node, DeliverFn deliver,
-      size_t max_connections = 4096);
+      size_t max_connections = 4096, size_t max_per_uid = 256,
+      RefusedFn refused = nullptr);
 
   SideChannel(const SideChannel&) = delete;
   SideChannel& operator=(const SideChannel&) = delete;
@@ -52,16 +58,22 @@ class SideChannel {
     std::thread thread;
     bool done = false;
     pid_t pid = 0;           // once it has a peer token
+    int64_t uid = -1;        // from SO_PEERCRED at accept; -1 unknown
     std::string peer_token;  // secret; empty until sent
   };
 
   SideChannel(std::string path, Node& node, DeliverFn deliver,
-              size_t max_connections, common::UniqueFd listener)
+              size_t max_connections, size_t max_per_uid, RefusedFn refused,
+              common::UniqueFd listener)
       : path_(std::move(path)),
         node_(node),
         deliver_(std::move(deliver)),
         max_connections_(max_connections),
+        max_per_uid_(max_per_uid),
+        refused_(std::move(refused)),
         listener_(std::move(listener)) {}
+  // Closes `fd` with an error message; counts the refusal.
+  void Refuse(int fd, const char* limit, const std::string& why);
   void AcceptLoop();
   void Serve(uint64_t id, int fd);
   // Answers one request; false when the connection should close.
@@ -79,6 +91,8 @@ class SideChannel {
   Node& node_;
   const DeliverFn deliver_;
   const size_t max_connections_;
+  const size_t max_per_uid_;
+  const RefusedFn refused_;
   common::UniqueFd listener_;
   std::thread acceptor_;
 

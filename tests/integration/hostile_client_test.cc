@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/impl/client_unary_call.h"
@@ -29,6 +31,9 @@ constexpr int kMaxLabelBytes = 64;
 constexpr int kMaxBatchEvents = 16;
 constexpr int kMaxStatusSessions = 3;
 constexpr int kMaxQueuedOrderBytes = 64 * 1024;
+// This process's own connection and the other processes the tests start
+// (at most three) fit; the test of this limit opens more.
+constexpr int kMaxSideConnectionsPerUid = 5;
 // What a flood may add to the daemon's resident memory (the issue's target
 // for every flood).
 constexpr int64_t kFloodRssBound = 64 * kMiB;
@@ -64,7 +69,8 @@ class HostileClientTest : public DaemonTest {
     StartDaemonWithLimits(absl::StrCat(
         "max_label_bytes: ", kMaxLabelBytes, " max_batch_events: ",
         kMaxBatchEvents, " max_status_sessions: ", kMaxStatusSessions,
-        " max_queued_order_bytes: ", kMaxQueuedOrderBytes));
+        " max_queued_order_bytes: ", kMaxQueuedOrderBytes,
+        " max_side_connections_per_uid: ", kMaxSideConnectionsPerUid));
     // The honest session: a tensor on GPU 0, on a stream that reads.
     honest_ = MustOpen(peer_->token(), 0);
     honest_stream_ =
@@ -278,6 +284,34 @@ TEST_F(HostileClientTest, AStreamNeverReadIsEndedWithResourceExhausted) {
       Http(MetricsPort(daemon_->Output()), "GET", "/metrics").second;
   EXPECT_THAT(metrics, HasSubstr("deltad_refused_total{limit=\"max_queued_"
                                  "order_bytes\"} 1"));
+}
+
+// Every side-socket connection holds a thread: one user may hold only so
+// many, and the next one is closed with the limit's name, not served.
+TEST_F(HostileClientTest, SideConnectionsOfOneUserAreBoundedAndNamed) {
+  std::vector<Peer> held;  // beside peer_, the fixture's own
+  for (int i = 1; i < kMaxSideConnectionsPerUid; ++i) {
+    auto p = Peer::Connect(daemon_->side_socket_path());
+    ASSERT_TRUE(p.ok()) << p.status();
+    held.push_back(std::move(*p));
+  }
+  auto refused = Peer::Connect(daemon_->side_socket_path());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("limits.max_side_connections_per_uid"));
+  // One let go, another is served (once the daemon has seen the close).
+  held.pop_back();
+  absl::StatusOr<Peer> again = absl::UnavailableError("not tried");
+  for (int i = 0; i < 100 && !again.ok(); ++i) {
+    again = Peer::Connect(daemon_->side_socket_path());
+    if (!again.ok()) absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(again.ok()) << again.status();
+  const std::string metrics =
+      Http(MetricsPort(daemon_->Output()), "GET", "/metrics").second;
+  EXPECT_THAT(metrics, ::testing::ContainsRegex(
+                           "deltad_refused_total\\{limit=\"max_side_"
+                           "connections_per_uid\"\\} [1-9]"));
 }
 
 // The attack of issue #17: processes report pinned tensors they never

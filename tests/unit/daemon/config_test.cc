@@ -87,6 +87,8 @@ TEST(Config, EachBadValueIsRefusedNamingTheField) {
       {"limits { max_queued_order_bytes: -1 }",
        "limits.max_queued_order_bytes"},
       {"limits { max_sessions_per_uid: 0 }", "limits.max_sessions_per_uid"},
+      {"limits { max_side_connections_per_uid: 0 }",
+       "limits.max_side_connections_per_uid"},
       {"limits { grpc_max_threads: 0 }", "limits.grpc_max_threads"},
       {"limits { max_ping_strikes: 0 }", "limits.max_ping_strikes"},
       {"default_host_quota_bytes: 2048 limits { max_host_quota_bytes: 1024 }",
