@@ -102,8 +102,11 @@ absl::StatusOr<HostArena::Block> HostArena::Allocate(int64_t bytes) {
   }
   // 64 MiB pieces, or what is left of a smaller allowance: an allowance
   // below one piece still holds offloads.
-  const int64_t region_bytes =
-      std::max(need, std::min(kHeapRegionBytes, heap_allowance_ - heap_bytes_));
+  // Whole units of kAlign: aligned_alloc takes no other size (glibc
+  // forgives it, AddressSanitizer does not).
+  const int64_t region_bytes = std::max(
+      need, std::min(kHeapRegionBytes,
+                     (heap_allowance_ - heap_bytes_) / kAlign * kAlign));
   if (heap_bytes_ + region_bytes <= heap_allowance_) {
     void* p = std::aligned_alloc(kAlign, static_cast<size_t>(region_bytes));
     if (p != nullptr) {

@@ -68,6 +68,18 @@ TEST(HostArena, AnAllowanceBelowOneHeapRegionIsUsedWhole) {
   arena.Free(*b);
 }
 
+// An allowance that is no whole number of 256-byte units (a budget's bytes,
+// as the trainer gives) made a heap region of that odd size, which
+// aligned_alloc does not take (AddressSanitizer aborted on it).
+TEST(HostArena, AHeapRegionIsAWholeNumberOfAlignmentUnits) {
+  HostArena arena;
+  arena.SetHeapAllowance((int64_t{8} << 20) + 100);
+  auto a = arena.Allocate(int64_t{3} << 20);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(arena.capacity_bytes(), int64_t{8} << 20);
+  arena.Free(*a);
+}
+
 // A client that reaches a daemon lowers its heap allowance to zero with
 // heap already taken (offloads made while the daemon was away). What is
 // left free in that heap is still offered, and no more heap is taken: an
