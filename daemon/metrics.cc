@@ -82,20 +82,18 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                             "max_side_connections_per_uid (a side-socket "
                             "connection past either).")
                         .Register(r);
-    m->refusals_[static_cast<size_t>(Refusal::kInvalidRequest)] =
-        &refused.Add({{"limit", "invalid_request"}});
-    m->refusals_[static_cast<size_t>(Refusal::kQueuedOrderBytes)] =
-        &refused.Add({{"limit", "max_queued_order_bytes"}});
-    m->refusals_[static_cast<size_t>(Refusal::kAdmission)] =
-        &refused.Add({{"limit", "admission"}});
-    m->refusals_[static_cast<size_t>(Refusal::kSessionsPerUid)] =
-        &refused.Add({{"limit", "max_sessions_per_uid"}});
-    m->refusals_[static_cast<size_t>(Refusal::kSessionsPerGpu)] =
-        &refused.Add({{"limit", "max_sessions_per_gpu"}});
-    m->refusals_[static_cast<size_t>(Refusal::kSideConnections)] =
-        &refused.Add({{"limit", "max_side_connections"}});
-    m->refusals_[static_cast<size_t>(Refusal::kSideConnectionsPerUid)] =
-        &refused.Add({{"limit", "max_side_connections_per_uid"}});
+    for (const auto& [refusal, limit] :
+         {std::pair{Refusal::kInvalidRequest, "invalid_request"},
+          std::pair{Refusal::kQueuedOrderBytes, "max_queued_order_bytes"},
+          std::pair{Refusal::kAdmission, "admission"},
+          std::pair{Refusal::kSessionsPerUid, "max_sessions_per_uid"},
+          std::pair{Refusal::kSessionsPerGpu, "max_sessions_per_gpu"},
+          std::pair{Refusal::kSideConnections, "max_side_connections"},
+          std::pair{Refusal::kSideConnectionsPerUid,
+                    "max_side_connections_per_uid"}}) {
+      m->refusals_[static_cast<size_t>(refusal)] =
+          &refused.Add({{"limit", limit}});
+    }
 
     auto& ended = prometheus::BuildCounter()
                       .Name("deltad_sessions_ended_total")
