@@ -364,6 +364,7 @@ ClientStats Client::Stats() const {
   s.raw_bytes = raw_bytes_;
   s.budget_bytes = budget_bytes_;
   s.host_bytes = arena_.used_bytes();
+  s.chunk_bytes = device_->chunk_bytes_held();
   const SessionKeeper::Stats kept = keeper_.stats();
   s.sessions_lost = kept.sessions_lost;
   s.attach_failures = kept.attach_failures;
@@ -388,19 +389,35 @@ void Client::Close() {
     lost = std::move(lost_link_);
     stats_.connected = false;
   }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, r] : records_) {
+      if (r->device != nullptr) device_->Free(r->device, r->info.bytes);
+      if (r->host.data != nullptr) arena_.Free(r->host);
+    }
+    records_.clear();
+    // AllocateRaw's blocks stay mapped, and FreeRaw may still come for
+    // them.
+    device_bytes_ = raw_bytes_;
+  }
+  // The chunks that emptied go back before the session ends: the daemon
+  // counts what a live process still maps after its session as in use
+  // (left mapped) until the process is gone.
+  {
+    std::lock_guard<std::mutex> lock(chunk_mu_);
+    std::vector<uint64_t> ids;
+    for (uint64_t key : device_->ShrinkChunksTo(0)) {
+      auto it = daemon_chunk_.find(key);
+      if (it == daemon_chunk_.end()) continue;
+      ids.push_back(it->second);
+      daemon_chunk_.erase(it);
+    }
+    if (link != nullptr && chunk_link_ == link.get() && !ids.empty()) {
+      (void)link->ReturnChunks(ids);
+    }
+  }
   if (link != nullptr) link->Close();
   if (lost != nullptr) lost->Close();
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [id, r] : records_) {
-    if (r->device != nullptr) device_->Free(r->device, r->info.bytes);
-    if (r->host.data != nullptr) arena_.Free(r->host);
-  }
-  records_.clear();
-  // AllocateRaw's blocks stay mapped, and FreeRaw may still come for them.
-  device_bytes_ = raw_bytes_;
-  // Imported chunks keep their memory alive until dropped, whatever the
-  // daemon's accounting says once the session is gone.
-  (void)device_->ShrinkChunksTo(0);
 }
 
 }  // namespace deltad::client

@@ -21,6 +21,7 @@
 #include "client/host_arena.h"
 #include "client/local_policy.h"
 #include "client/session_keeper.h"
+#include "common/log_limit.h"
 #include "deltad/v1/memory_manager.pb.h"
 
 namespace deltad::client {
@@ -113,6 +114,8 @@ struct ClientStats {
   // chunks, for what rounding took (see MapPastBudgetInProcess). The
   // budget in bytes is never passed.
   int64_t past_budget_bytes = 0;
+  // Device chunk bytes this process maps now (a chunk-backed device).
+  int64_t chunk_bytes = 0;
   // Sessions that ended without this process closing them (the stream
   // broke, a call failed, the daemon refused a batch): each was ended on
   // both sides and a new one sought.
@@ -283,6 +286,10 @@ class Client {
   void* TryAllocateWithinBudget(int64_t bytes, bool raw);
   // The rest of AllocateDevice: releases, chunks from the daemon, waits.
   absl::StatusOr<void*> AllocateDeviceSlow(int64_t bytes);
+  absl::StatusOr<void*> AllocateDeviceInRounds(int64_t bytes);
+  // Device chunk bytes mapped beside those `link`'s session granted
+  // (SessionMessage.unlisted_chunk_bytes); -1 when the chunks are busy.
+  int64_t UnlistedChunkBytes(const DaemonLink& link);
   // Releases so that `bytes` more fit, and `extra` beyond them (device
   // memory lost to rounding, which the byte counts miss): true when the
   // daemon made room on the GPU for it (possibly beyond this session's
@@ -337,6 +344,10 @@ class Client {
   // and unknown to the daemon, which sees tensors only.
   int64_t raw_bytes_ = 0;
   int64_t budget_bytes_ = 0;
+  // Why the daemon last changed the budget, when it said
+  // (Orders.budget_note): another session stopped answering.
+  std::string budget_note_;
+  common::LogLimit budget_note_log_{4, std::chrono::seconds(60)};
   ClientStats stats_;
   v1::EventBatch pending_;
   std::unordered_set<uint64_t> pending_freed_;  // ids FREED in pending_

@@ -172,6 +172,16 @@ void* Client::TryAllocateWithinBudget(int64_t bytes, bool raw) {
 }
 
 absl::StatusOr<void*> Client::AllocateDeviceSlow(int64_t bytes) {
+  absl::StatusOr<void*> p = AllocateDeviceInRounds(bytes);
+  if (p.ok() || !absl::IsResourceExhausted(p.status())) return p;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (budget_note_.empty()) return p;
+  // The reason the room is not there is another process: say which.
+  return absl::ResourceExhaustedError(
+      absl::StrCat(p.status().message(), "; ", budget_note_));
+}
+
+absl::StatusOr<void*> Client::AllocateDeviceInRounds(int64_t bytes) {
   // A few rounds: a release can be undone by a concurrent allocation, an
   // order can be refused (its tensor just got pinned), and a chunk-backed
   // device can be short of what the byte count says (chunks not fetched

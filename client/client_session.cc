@@ -3,6 +3,7 @@
 // Apart from client.cc, which holds the tensors' life cycle; the
 // SessionKeeper decides when these run (on its own thread, for all but the
 // first attach).
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -40,7 +41,21 @@ void Client::CheckLink() {
     link->Cancel(absl::StrCat("a write on the session stream waited over ",
                               options_.link.rpc_timeout_ms,
                               " ms (the daemon stopped reading)"));
+    return;
   }
+  if (link != nullptr) link->Heartbeat(UnlistedChunkBytes(*link));
+}
+
+int64_t Client::UnlistedChunkBytes(const DaemonLink& link) {
+  // Held for a whole fetch at times (a side-socket round trip): the
+  // figure waits for the next check rather than the keeper for the lock.
+  std::unique_lock<std::mutex> lock(chunk_mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return -1;
+  const int64_t granted = &link == chunk_link_
+                              ? static_cast<int64_t>(daemon_chunk_.size()) *
+                                    link.session().chunk_bytes()
+                              : 0;
+  return std::max<int64_t>(0, device_->chunk_bytes_held() - granted);
 }
 
 absl::Status Client::TryConnect() {
@@ -204,6 +219,20 @@ void Client::OnOrders(const DaemonLink* from, const v1::Orders& orders) {
     if (orders.new_budget_bytes() > 0) {
       budget_bytes_ = orders.new_budget_bytes();
       chunks_due_ = true;
+      if (orders.budget_note() != budget_note_) {
+        const bool was_short = !budget_note_.empty();
+        budget_note_ = orders.budget_note();
+        int64_t held_back = 0;
+        if ((was_short || !budget_note_.empty()) &&
+            budget_note_log_.Allow(&held_back)) {
+          std::fprintf(stderr, "deltad client: budget now %lld bytes: %s\n",
+                       static_cast<long long>(budget_bytes_),
+                       budget_note_.empty()
+                           ? "memory held by a session that stopped "
+                             "answering is counted on again"
+                           : budget_note_.c_str());
+        }
+      }
     }
     if (!orders.rejected_batch().empty() && current) {
       // Nothing of that batch was applied: the daemon's view and ours now
@@ -245,6 +274,7 @@ void Client::OnLost(const DaemonLink* from, const std::string& why) {
 
 void Client::DetachLocked() {
   stats_.connected = false;
+  budget_note_.clear();
   DropOrdersLocked();  // the daemon's state went with it
   arena_.SetHeapAllowance(options_.fallback_host_bytes);
   // Kept open until the keeper ends it: its slabs may hold offloaded bytes

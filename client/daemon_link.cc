@@ -143,6 +143,10 @@ absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
   link->stream_ = link->stub_->Session(&link->stream_context_);
   v1::SessionMessage first;
   first.set_session_token(link->session_.session_token());
+  // Heartbeat() runs on the session keeper's thread, never the training
+  // one, so a process is silent only when it is stopped or stuck.
+  first.set_heartbeats(true);
+  link->last_write_ns_.store(SteadyNs());
   if (!link->stream_->Write(first)) {
     return absl::UnavailableError("the session stream closed at once");
   }
@@ -236,8 +240,29 @@ absl::Status DaemonLink::Send(const v1::EventBatch& batch) {
   write_since_ns_.store(SteadyNs());
   const bool written = stream_->Write(message);
   write_since_ns_.store(0);
+  last_write_ns_.store(SteadyNs());
   if (!written) return absl::UnavailableError("the session stream is closed");
   return absl::OkStatus();
+}
+
+void DaemonLink::Heartbeat(int64_t unlisted_chunk_bytes) {
+  if (!alive_.load()) return;
+  const int64_t lease_ms = session_.lease_ms();
+  const bool due = lease_ms > 0 &&
+                   SteadyNs() - last_write_ns_.load() >= lease_ms * 1000000 / 4;
+  const bool changed =
+      unlisted_chunk_bytes >= 0 && unlisted_chunk_bytes != unlisted_sent_;
+  if (!due && !changed) return;
+  // A write under way says as much; one stuck is WriteStalled's to find.
+  std::unique_lock<std::mutex> lock(write_mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return;
+  v1::SessionMessage message;
+  if (changed) message.set_unlisted_chunk_bytes(unlisted_chunk_bytes);
+  write_since_ns_.store(SteadyNs());
+  const bool written = stream_->Write(message);
+  write_since_ns_.store(0);
+  last_write_ns_.store(SteadyNs());
+  if (written && changed) unlisted_sent_ = unlisted_chunk_bytes;
 }
 
 bool DaemonLink::WriteStalled() const {

@@ -84,6 +84,14 @@ class DaemonLink {
   // the reader thread; `on_lost` does not run for a Close.
   void Close();
 
+  // Sends a message on the stream when nothing was written for a quarter
+  // of the session's lease (OpenSessionResponse.lease_ms), so the daemon
+  // knows the process still answers, or when `unlisted_chunk_bytes` (what
+  // the process maps beside this session's chunks; -1: unknown now)
+  // differs from what it last sent. Skipped while another write is under
+  // way. Called from the session keeper's thread only.
+  void Heartbeat(int64_t unlisted_chunk_bytes = -1);
+
   bool alive() const { return alive_.load(); }
   // Whether a write on the stream has waited past the RPC timeout: the
   // daemon stopped reading (stalled), and gRPC's writes have no deadline.
@@ -116,6 +124,8 @@ class DaemonLink {
       stream_;
   std::mutex write_mu_;  // one writer at a time on the stream
   std::atomic<int64_t> write_since_ns_{0};  // 0: no write under way
+  std::atomic<int64_t> last_write_ns_{0};   // when the last one ended
+  int64_t unlisted_sent_ = 0;               // the keeper's thread only
   std::mutex cancel_mu_;
   std::string cancelled_for_;  // guarded by cancel_mu_
   std::thread reader_;

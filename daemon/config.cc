@@ -140,6 +140,11 @@ v1::DaemonConfig WithDefaults(const v1::DaemonConfig& in) {
   if (!limits->has_max_host_quota_bytes()) {
     limits->set_max_host_quota_bytes(64 * kGiB);
   }
+  v1::LeaseConfig* lease = c.mutable_lease();
+  if (!lease->has_lease_ms()) lease->set_lease_ms(5000);
+  if (!lease->has_end_unresponsive_after_ms()) {
+    lease->set_end_unresponsive_after_ms(0);
+  }
   // The file's fields over request_limits.h's defaults.
   v1::LimitsConfig merged = DefaultRequestLimits();
   merged.MergeFrom(*limits);
@@ -245,6 +250,18 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
     if (value <= 0) {
       return Invalid(field, absl::StrCat("must be positive, got ", value));
     }
+  }
+  // Clients heartbeat every quarter lease, but at most every 250 ms: a
+  // shorter lease would expire processes that answer. Over an hour, a
+  // frozen process would hold its memory unseen for that long.
+  if (c.lease().lease_ms() < 1000 || c.lease().lease_ms() > 3600000) {
+    return Invalid("lease.lease_ms", absl::StrCat("must be 1000..3600000, got ",
+                                                  c.lease().lease_ms()));
+  }
+  if (c.lease().end_unresponsive_after_ms() < 0) {
+    return Invalid("lease.end_unresponsive_after_ms",
+                   absl::StrCat("must be 0 (never) or positive, got ",
+                                c.lease().end_unresponsive_after_ms()));
   }
   // Otherwise every session that takes the default would be refused.
   if (c.default_host_quota_bytes() > l.max_host_quota_bytes()) {

@@ -56,18 +56,26 @@ absl::StatusOr<std::vector<BudgetChange>> GpuArbiter::AddSession(
   entry.weight = std::max<uint32_t>(1, weight);
   entry.requested = requested;
   entry.declared_floor = declared_floor;
-  int64_t running = 0;
-  for (const auto& [id, e] : sessions_) running += Floor(e);
+  int64_t running = outside_bytes_;
+  for (const auto& [id, e] : sessions_) {
+    // An unresponsive session keeps what it holds, floor or not.
+    running += std::max(Floor(e), e.frozen_at);
+  }
   if (running + Floor(entry) > budget_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "GPU ", gpu_,
         " cannot admit this session without cutting a running "
         "job below its floor: of its budget of ",
-        budget_bytes_, " bytes, ", running, " are the floors of ",
-        sessions_.size(),
+        budget_bytes_, " bytes, ", running - outside_bytes_,
+        " are the floors of ", sessions_.size(),
         " running sessions (each its declared minimum, its last iteration's "
         "peak or the guaranteed minimum of ",
         min_session_bytes_, " bytes, whichever is largest), ",
+        outside_bytes_ > 0
+            ? absl::StrCat(outside_bytes_,
+                           " are chunks still mapped by processes whose "
+                           "sessions ended, ")
+            : "",
         budget_bytes_ - running, " are left and this session needs ",
         Floor(entry), "; try again when a job ends"));
   }
@@ -92,6 +100,38 @@ absl::StatusOr<std::vector<BudgetChange>> GpuArbiter::RemoveSession(
         absl::StrCat("session ", session, " is not on GPU ", gpu_));
   }
   return Rebalance();
+}
+
+absl::StatusOr<std::vector<BudgetChange>> GpuArbiter::Freeze(
+    SessionId session, int64_t held_bytes) {
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " is not on GPU ", gpu_));
+  }
+  it->second.frozen_at = std::max<int64_t>(0, held_bytes);
+  return Rebalance();
+}
+
+absl::StatusOr<std::vector<BudgetChange>> GpuArbiter::Thaw(SessionId session) {
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " is not on GPU ", gpu_));
+  }
+  if (it->second.frozen_at < 0) return std::vector<BudgetChange>{};
+  it->second.frozen_at = -1;
+  return Rebalance();
+}
+
+std::vector<BudgetChange> GpuArbiter::SetOutside(int64_t bytes) {
+  outside_bytes_ = std::max<int64_t>(0, bytes);
+  return Rebalance();
+}
+
+bool GpuArbiter::Frozen(SessionId session) const {
+  auto it = sessions_.find(session);
+  return it != sessions_.end() && it->second.frozen_at >= 0;
 }
 
 absl::Status GpuArbiter::SetIterationPeak(SessionId session,
@@ -120,9 +160,28 @@ std::vector<BudgetChange> GpuArbiter::Rebalance() {
   constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max();
   std::map<SessionId, int64_t> grant;
   std::map<SessionId, int64_t> want;  // beyond the floor
-  int64_t left = budget_bytes_;
+  int64_t left = budget_bytes_ - outside_bytes_;
+  int64_t floors = 0;  // of the sessions that answer
   for (const auto& [id, e] : sessions_) {
-    grant[id] = Floor(e);
+    if (e.frozen_at >= 0) {
+      grant[id] = e.frozen_at;
+      want[id] = 0;
+      left -= e.frozen_at;
+    } else {
+      floors += Floor(e);
+    }
+  }
+  // What unresponsive sessions hold is not there to give: the floors are
+  // cut in proportion when the rest cannot hold them.
+  const double cut = floors > std::max<int64_t>(0, left)
+                         ? static_cast<double>(std::max<int64_t>(0, left)) /
+                               static_cast<double>(floors)
+                         : 1.0;
+  for (const auto& [id, e] : sessions_) {
+    if (e.frozen_at >= 0) continue;
+    grant[id] = cut < 1.0
+                    ? static_cast<int64_t>(static_cast<double>(Floor(e)) * cut)
+                    : Floor(e);
     left -= grant[id];
     want[id] = e.requested > 0 ? e.requested - grant[id] : kUnbounded;
   }
@@ -148,7 +207,7 @@ std::vector<BudgetChange> GpuArbiter::Rebalance() {
     }
     if (capped) {
       // Recompute what is left after the capped ones took their fill.
-      left = budget_bytes_;
+      left = budget_bytes_ - outside_bytes_;
       for (const auto& [id, g] : grant) left -= g;
       for (SessionId id : active) {
         if (std::find(still.begin(), still.end(), id) == still.end()) {

@@ -53,6 +53,23 @@ class GpuArbiter {
   // is within the session's budget); it counts at the next admission.
   // NOT_FOUND when unknown.
   absl::Status SetIterationPeak(SessionId session, int64_t peak_bytes);
+  // The session stopped answering while holding `held_bytes`: its budget
+  // is what it holds, which nobody else can have until it answers or
+  // exits, and the others share the rest. Their floors are kept while the
+  // rest holds them; when it does not, each is cut in proportion to its
+  // floor (the memory is not there to give). Returns the budgets that
+  // changed, the frozen session's included. NOT_FOUND when unknown.
+  absl::StatusOr<std::vector<BudgetChange>> Freeze(SessionId session,
+                                                   int64_t held_bytes);
+  // It answers again: shared as before. NOT_FOUND when unknown; no change
+  // for a session not frozen.
+  absl::StatusOr<std::vector<BudgetChange>> Thaw(SessionId session);
+  bool Frozen(SessionId session) const;
+  // Memory in use on the GPU that no session's budget covers (chunks that
+  // processes still map after their sessions ended): the sessions share
+  // what is left. Returns the budgets that changed.
+  std::vector<BudgetChange> SetOutside(int64_t bytes);
+  int64_t outside_bytes() const { return outside_bytes_; }
   // Removes a session and returns the budgets that grew. NOT_FOUND when
   // unknown.
   absl::StatusOr<std::vector<BudgetChange>> RemoveSession(SessionId session);
@@ -71,6 +88,7 @@ class GpuArbiter {
     int64_t budget = 0;
     int64_t declared_floor = 0;
     int64_t iteration_peak = 0;  // the last one, capped at the budget then
+    int64_t frozen_at = -1;      // >= 0: unresponsive, holding this much
   };
 
   GpuArbiter(int gpu, int64_t budget, int64_t min_session)
@@ -82,6 +100,7 @@ class GpuArbiter {
   int gpu_;
   int64_t budget_bytes_;
   int64_t min_session_bytes_;
+  int64_t outside_bytes_ = 0;
   std::map<SessionId, Entry> sessions_;  // ordered: deterministic splits
 };
 

@@ -23,6 +23,12 @@ namespace {
 // stream has ended, before the call is cancelled to unblock it.
 constexpr std::chrono::seconds kWriterGrace{2};
 
+int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 // Parses a request off the wire (see ParseRequest).
 absl::Status ParseBuffer(const grpc::ByteBuffer& buffer,
                          google::protobuf::Message& message) {
@@ -189,11 +195,14 @@ void MemoryManagerService::AddUnary(
 }
 
 MemoryManagerService::MemoryManagerService(Node& node, RequestLimits limits,
-                                           Metrics* metrics)
+                                           Metrics* metrics,
+                                           LeaseOptions leases)
     : node_(node),
       limits_(limits),
       metrics_(metrics),
-      mailboxes_(limits.max_queued_order_bytes) {
+      mailboxes_(limits.max_queued_order_bytes),
+      leases_(leases) {
+  lease_thread_ = std::thread([this] { WatchLeases(); });
   // The names of proto/deltad/v1/memory_manager.proto's service, which the
   // generated stubs call.
   AddUnary("/deltad.v1.MemoryManager/OpenSession",
@@ -215,6 +224,40 @@ MemoryManagerService::MemoryManagerService(Node& node, RequestLimits limits,
            &MemoryManagerService::NodeStatus);
   AddUnary("/deltad.v1.MemoryManager/ListTensors",
            &MemoryManagerService::ListTensors);
+}
+
+MemoryManagerService::~MemoryManagerService() {
+  {
+    std::lock_guard<std::mutex> lock(lease_mu_);
+    lease_stop_ = true;
+  }
+  lease_cv_.notify_all();
+  lease_thread_.join();
+}
+
+void MemoryManagerService::WatchLeases() {
+  // Ten ticks a lease, at most ten a second: a silence is seen within a
+  // tenth of the lease past it.
+  const auto tick = std::chrono::nanoseconds(std::clamp<int64_t>(
+      leases_.options().lease_ns / 10, 10000000, 100000000));
+  std::unique_lock<std::mutex> lock(lease_mu_);
+  while (!lease_stop_) {
+    lease_cv_.wait_for(lock, tick);
+    if (lease_stop_) break;
+    for (const SessionLeases::Change& c : leases_.Tick(SteadyNs())) {
+      switch (c.kind) {
+        case SessionLeases::Change::kUnresponsive:
+          Deliver(node_.MarkUnresponsive(c.session, c.silent_ns));
+          break;
+        case SessionLeases::Change::kAnswered:
+          Deliver(node_.MarkAnswered(c.session, c.silent_ns));
+          break;
+        case SessionLeases::Change::kEnd:
+          (void)node_.EndUnresponsive(c.session, c.silent_ns);
+          break;
+      }
+    }
+  }
 }
 
 bool MemoryManagerService::ReadMessage(
@@ -271,6 +314,8 @@ grpc::Status MemoryManagerService::OpenSession(
   *response = std::move(opened->response);
   response->set_daemon_version(DELTAD_VERSION);
   response->set_protocol_version(common::kProtocolVersion);
+  response->set_lease_ms(
+      static_cast<int32_t>(leases_.options().lease_ns / 1000000));
   Deliver(opened->others);
   return grpc::Status::OK;
 }
@@ -306,6 +351,7 @@ grpc::Status MemoryManagerService::Session(
   // The only writer of this stream: orders from every source go through the
   // session's mailbox.
   node_.SetReachable(id, true);
+  if (message.heartbeats()) leases_.Add(id, SteadyNs());
   std::promise<void> writer_done;
   std::future<void> writer_finished = writer_done.get_future();
   std::thread writer([this, id, stream, &writer_done] {
@@ -317,6 +363,13 @@ grpc::Status MemoryManagerService::Session(
   });
   absl::Status end;  // what the stream ends with
   do {
+    leases_.Heard(id);
+    if (message.has_unlisted_chunk_bytes()) {
+      // A figure out of range is dropped: the rest of the message stands.
+      if (!node_.SetUnlisted(token, message.unlisted_chunk_bytes()).ok()) {
+        CountInvalid();
+      }
+    }
     if (!message.session_token().empty() && message.session_token() != token) {
       mailboxes_.Post(id, Rejected(absl::InvalidArgumentError(
                               "a stream carries one session's batches")));
@@ -349,6 +402,10 @@ grpc::Status MemoryManagerService::Session(
   // close. Anything else (a cut connection, the process cancelling a
   // stream it gave up on) broke the stream.
   const bool cancelled = context->IsCancelled();
+  {
+    std::lock_guard<std::mutex> lock(lease_mu_);
+    leases_.Remove(id);
+  }
   node_.SetReachable(id, false);
   mailboxes_.Close(id);
   const bool stuck =

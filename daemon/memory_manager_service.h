@@ -9,10 +9,12 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "daemon/node.h"
 #include "daemon/request_limits.h"
+#include "daemon/session_leases.h"
 #include "deltad/v1/memory_manager.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
@@ -95,9 +97,12 @@ grpc::Status ToGrpc(const absl::Status& status);
 // else happens. The methods below take them parsed and checked.
 class MemoryManagerService final : public grpc::Service {
  public:
-  // `metrics` may be null; it must outlive the service.
+  // `metrics` may be null; it must outlive the service. A thread of the
+  // service watches the sessions' leases (`leases`) until it is destroyed.
   explicit MemoryManagerService(Node& node, RequestLimits limits = {},
-                                Metrics* metrics = nullptr);
+                                Metrics* metrics = nullptr,
+                                LeaseOptions leases = {});
+  ~MemoryManagerService() override;
 
   grpc::Status OpenSession(grpc::ServerContext* context,
                            const v1::OpenSessionRequest* request,
@@ -147,12 +152,23 @@ class MemoryManagerService final : public grpc::Service {
       grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream,
       v1::SessionMessage* message, absl::Status* unparsed);
 
+  // Ticks the leases and carries out what changed (Node::MarkUnresponsive
+  // and the others), until the service is destroyed.
+  void WatchLeases();
+
   Node& node_;
   const RequestLimits limits_;
   Metrics* const metrics_;
   Mailboxes mailboxes_;
   BatchCounter batches_;
   std::atomic<bool> draining_{false};
+  SessionLeases leases_;
+  // Held while lease changes are carried out, and while a stream gives up
+  // its lease, so that no change lands on a session whose stream ended.
+  std::mutex lease_mu_;
+  std::condition_variable lease_cv_;
+  bool lease_stop_ = false;  // guarded by lease_mu_
+  std::thread lease_thread_;
 };
 
 }  // namespace deltad::daemon

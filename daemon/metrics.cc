@@ -111,6 +111,22 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
           &ended.Add({{"reason", reason}});
     }
 
+    auto& lease = prometheus::BuildCounter()
+                      .Name("deltad_unresponsive_total")
+                      .Help(
+                          "Leases: sessions marked unresponsive (silent past "
+                          "lease.lease_ms), sessions that answered again "
+                          "after that, and processes ended for it "
+                          "(lease.end_unresponsive_after_ms).")
+                      .Register(r);
+    for (const auto& [event, name] :
+         {std::pair{LeaseEvent::kMarked, "marked"},
+          std::pair{LeaseEvent::kAnswered, "answered"},
+          std::pair{LeaseEvent::kEnded, "ended"}}) {
+      m->lease_events_[static_cast<size_t>(event)] =
+          &lease.Add({{"event", name}});
+    }
+
     auto& memory = prometheus::BuildGauge()
                        .Name("deltad_gpu_memory_bytes")
                        .Help("Total memory of the GPU.")
@@ -127,6 +143,26 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                          .Name("deltad_sessions")
                          .Help("Sessions on the GPU.")
                          .Register(r);
+    auto& unresponsive =
+        prometheus::BuildGauge()
+            .Name("deltad_unresponsive_sessions")
+            .Help("Sessions on the GPU whose processes stopped answering.")
+            .Register(r);
+    auto& unresponsive_bytes =
+        prometheus::BuildGauge()
+            .Name("deltad_unresponsive_bytes")
+            .Help(
+                "GPU memory in chunks held by sessions that stopped "
+                "answering: the others' budgets do not count on it.")
+            .Register(r);
+    auto& unlisted =
+        prometheus::BuildGauge()
+            .Name("deltad_unlisted_bytes")
+            .Help(
+                "GPU memory in chunks that processes still map after their "
+                "sessions ended (a stall, a restart, a cut stream), which "
+                "the daemon holds no handle of: in use, granted to no one.")
+            .Register(r);
     auto& transferred =
         prometheus::BuildCounter()
             .Name("deltad_transferred_bytes_total")
@@ -175,6 +211,9 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
       g.budget = &budget.Add(labels);
       g.used = &used.Add(labels);
       g.sessions = &sessions.Add(labels);
+      g.unresponsive_sessions = &unresponsive.Add(labels);
+      g.unresponsive_bytes = &unresponsive_bytes.Add(labels);
+      g.unlisted_bytes = &unlisted.Add(labels);
       g.d2h = &transferred.Add(with("direction", "d2h"));
       g.h2d = &transferred.Add(with("direction", "h2d"));
       g.evictions = &evictions.Add(labels);
@@ -220,6 +259,19 @@ void Metrics::SetSessions(int gpu, int64_t sessions) {
   }
 }
 
+void Metrics::SetUnresponsive(int gpu, int64_t sessions, int64_t bytes) {
+  if (const GpuMetrics* g = Find(gpu)) {
+    g->unresponsive_sessions->Set(static_cast<double>(sessions));
+    g->unresponsive_bytes->Set(static_cast<double>(bytes));
+  }
+}
+
+void Metrics::SetUnlisted(int gpu, int64_t bytes) {
+  if (const GpuMetrics* g = Find(gpu)) {
+    g->unlisted_bytes->Set(static_cast<double>(bytes));
+  }
+}
+
 void Metrics::SetHostPool(int64_t free_bytes, int64_t granted_bytes) {
   host_free_->Set(static_cast<double>(free_bytes));
   host_granted_->Set(static_cast<double>(granted_bytes));
@@ -259,6 +311,11 @@ void Metrics::AddRefusal(Refusal refusal) {
 void Metrics::AddSessionEnded(SessionEnd why) {
   const auto k = static_cast<size_t>(why);
   if (k < sessions_ended_.size()) sessions_ended_[k]->Increment();
+}
+
+void Metrics::AddLeaseEvent(LeaseEvent event) {
+  const auto k = static_cast<size_t>(event);
+  if (k < lease_events_.size()) lease_events_[k]->Increment();
 }
 
 void Metrics::ObserveDecision(int gpu, double seconds) {

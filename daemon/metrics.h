@@ -62,6 +62,15 @@ enum class SessionEnd {
                   // the process dropped): "process_gone"
 };
 
+// What happened to a session's lease, label `event` of
+// deltad_unresponsive_total.
+enum class LeaseEvent {
+  kMarked,    // silent past its lease: "marked"
+  kAnswered,  // heard again after that: "answered"
+  kEnded,     // its process sent SIGKILL (lease.end_unresponsive_after_ms):
+              // "ended"
+};
+
 // The daemon's Prometheus metrics. Call sites use the typed methods and never
 // build metric names or labels, which keeps names, units and label sets in
 // one place (and keeps tensor ids, whose number is unbounded, out of labels).
@@ -89,6 +98,11 @@ class Metrics {
   void SetGpuUsed(int gpu, int64_t bytes);
   // Sessions on the GPU.
   void SetSessions(int gpu, int64_t sessions);
+  // Sessions on the GPU that stopped answering, and the chunk bytes they
+  // hold.
+  void SetUnresponsive(int gpu, int64_t sessions, int64_t bytes);
+  // Chunks processes map that the daemon holds no handle of.
+  void SetUnlisted(int gpu, int64_t bytes);
   // The host pool, which is not per GPU.
   void SetHostPool(int64_t free_bytes, int64_t granted_bytes);
 
@@ -103,6 +117,8 @@ class Metrics {
   void AddRefusal(Refusal refusal);
   // Node-wide: one session ended, and why.
   void AddSessionEnded(SessionEnd why);
+  // Node-wide: a lease event.
+  void AddLeaseEvent(LeaseEvent event);
 
   // Latency of one release decision (choosing what to offload or evict).
   void ObserveDecision(int gpu, double seconds);
@@ -119,6 +135,9 @@ class Metrics {
     prometheus::Gauge* budget = nullptr;
     prometheus::Gauge* used = nullptr;
     prometheus::Gauge* sessions = nullptr;
+    prometheus::Gauge* unresponsive_sessions = nullptr;
+    prometheus::Gauge* unresponsive_bytes = nullptr;
+    prometheus::Gauge* unlisted_bytes = nullptr;
     prometheus::Counter* d2h = nullptr;
     prometheus::Counter* h2d = nullptr;
     prometheus::Counter* evictions = nullptr;
@@ -140,6 +159,7 @@ class Metrics {
   prometheus::Gauge* host_granted_ = nullptr;
   std::array<prometheus::Counter*, 7> refusals_{};        // indexed by Refusal
   std::array<prometheus::Counter*, 3> sessions_ended_{};  // by SessionEnd
+  std::array<prometheus::Counter*, 3> lease_events_{};    // by LeaseEvent
 };
 
 // Serves a registry's text exposition over HTTP at /metrics (GET only; any

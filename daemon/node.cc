@@ -100,6 +100,14 @@ void Node::UpdateGpuMetrics(int gpu_index, Gpu& gpu) {
   metrics_->SetGpuUsed(gpu_index, gpu.policy->device_bytes());
   metrics_->SetSessions(gpu_index,
                         static_cast<int64_t>(gpu.arbiter.sessions()));
+  int64_t unresponsive_bytes = 0;
+  for (const auto& [id, silence] : gpu.unresponsive) {
+    unresponsive_bytes += chunks_.held_bytes(id);
+  }
+  metrics_->SetUnresponsive(gpu_index,
+                            static_cast<int64_t>(gpu.unresponsive.size()),
+                            unresponsive_bytes);
+  metrics_->SetUnlisted(gpu_index, gpu.UnlistedTotal());
   const HostPoolStats pool = pool_.Stats();
   metrics_->SetHostPool(pool.free_bytes, pool.granted_bytes);
 }
@@ -208,6 +216,18 @@ absl::StatusOr<Node::Opened> Node::OpenSession(
   return opened;
 }
 
+int64_t Node::Gpu::UnlistedTotal() const {
+  int64_t sum = LeftMappedTotal();
+  for (const auto& [id, bytes] : unlisted) sum += bytes;
+  return sum;
+}
+
+int64_t Node::Gpu::LeftMappedTotal() const {
+  int64_t sum = 0;
+  for (const auto& [peer, bytes] : left_mapped) sum += bytes;
+  return sum;
+}
+
 OrdersBySession Node::Reclaim(const SessionInfo& session, SessionEnd why,
                               absl::string_view detail) {
   OrdersBySession others;
@@ -217,8 +237,24 @@ OrdersBySession Node::Reclaim(const SessionInfo& session, SessionEnd why,
     std::lock_guard<std::mutex> lock(gpu.mu);
     held = gpu.policy->Usage(session.id);
     (void)gpu.policy->RemoveSession(session.id);
+    gpu.unresponsive.erase(session.id);
     auto changes = gpu.arbiter.RemoveSession(session.id);
     if (changes.ok()) AddBudgetOrders(*changes, session.id, gpu, others);
+    // A process that lives on keeps what it maps in use, whatever is
+    // released below: counted until it is gone (PeerGone, which runs
+    // after the registry forgot the peer, under this lock, so the count
+    // cannot outlive it).
+    auto unlisted = gpu.unlisted.find(session.id);
+    const int64_t mapped =
+        chunks_.held_bytes(session.id) +
+        (unlisted == gpu.unlisted.end() ? 0 : unlisted->second);
+    if (unlisted != gpu.unlisted.end()) gpu.unlisted.erase(unlisted);
+    if (why != SessionEnd::kProcessGone && mapped > 0 &&
+        registry_.PeerOf(session.peer_token).ok()) {
+      gpu.left_mapped[session.peer_token] += mapped;
+      AddBudgetOrders(gpu.arbiter.SetOutside(gpu.LeftMappedTotal()), session.id,
+                      gpu, others);
+    }
   }
   // The process has unmapped them, or is gone and its mappings with it; a
   // live process that kept them mapped keeps their memory alive whatever
@@ -262,8 +298,11 @@ absl::StatusOr<Node::Granted> Node::GrantChunks(absl::string_view session_token,
     // Like the policy, which lets a session past its share while the GPU's
     // budget has room (the others then release first when they need it),
     // chunks come beyond the share as long as no one else holds them.
-    const int64_t unheld =
-        gpu.arbiter.budget_bytes() - backend_.allocated_bytes(session->gpu);
+    // Chunks processes map without the daemon holding them are in use
+    // too (a restart, a stall, a stream cut).
+    const int64_t unheld = gpu.arbiter.budget_bytes() -
+                           backend_.allocated_bytes(session->gpu) -
+                           gpu.UnlistedTotal();
     most = std::max(
         gpu.arbiter.BudgetOf(session->id),
         chunks_.held_bytes(session->id) + std::max<int64_t>(0, unheld));
@@ -302,7 +341,39 @@ OrdersBySession Node::PeerGone(absl::string_view peer_token) {
       others[id].MergeFrom(orders);
     }
   }
+  // What its ended sessions left mapped is free now.
+  for (size_t g = 0; g < gpus_.size(); ++g) {
+    Gpu& gpu = *gpus_[g];
+    std::lock_guard<std::mutex> lock(gpu.mu);
+    if (gpu.left_mapped.erase(std::string(peer_token)) == 0) continue;
+    AddBudgetOrders(gpu.arbiter.SetOutside(gpu.LeftMappedTotal()), 0, gpu,
+                    others);
+    UpdateGpuMetrics(static_cast<int>(g), gpu);
+  }
   return others;
+}
+
+absl::Status Node::SetUnlisted(absl::string_view token, int64_t bytes) {
+  auto session = registry_.Authorize(token);
+  if (!session.ok()) return session.status();
+  const int64_t memory = backend_.gpus()[session->gpu].memory_bytes;
+  if (bytes < 0 || bytes > memory) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unlisted_chunk_bytes must be within 0..", memory,
+                     " (the GPU's memory), got ", bytes));
+  }
+  Gpu& gpu = *gpus_[session->gpu];
+  std::lock_guard<std::mutex> lock(gpu.mu);
+  // Between the registry and the GPU adding it, or after a close, the GPU
+  // does not know it: nothing to count.
+  if (!gpu.policy->Usage(session->id).ok()) return absl::OkStatus();
+  if (bytes == 0) {
+    gpu.unlisted.erase(session->id);
+  } else {
+    gpu.unlisted[session->id] = bytes;
+  }
+  UpdateGpuMetrics(session->gpu, gpu);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<OrdersBySession> Node::Apply(absl::string_view token,
@@ -498,6 +569,8 @@ v1::NodeStatusResponse Node::Status() const {
     s->set_h2d_bytes_per_second(info.h2d_bytes_per_s);
     s->set_sessions(static_cast<uint32_t>(gpu.arbiter.sessions()));
     s->set_chunk_bytes(backend_.allocated_bytes(static_cast<int>(g)));
+    s->set_unlisted_bytes(gpu.UnlistedTotal());
+    const int64_t now = NowNs();
     for (const SessionInfo& session : sessions) {
       if (session.gpu != static_cast<int>(g)) continue;
       auto usage = gpu.policy->Usage(session.id);
@@ -509,6 +582,15 @@ v1::NodeStatusResponse Node::Status() const {
       out.set_label(session.label);
       out.set_chunk_bytes(chunks_.held_bytes(session.id));
       out.set_floor_bytes(gpu.arbiter.FloorOf(session.id));
+      if (auto it = gpu.unlisted.find(session.id); it != gpu.unlisted.end()) {
+        out.set_unlisted_bytes(it->second);
+      }
+      if (auto it = gpu.unresponsive.find(session.id);
+          it != gpu.unresponsive.end()) {
+        out.set_unresponsive_ms(
+            (it->second.silent_ns + now - it->second.since_ns) / 1000000);
+        s->set_unresponsive_bytes(s->unresponsive_bytes() + out.chunk_bytes());
+      }
       if (usage.ok()) {
         out.set_budget_bytes(usage->budget_bytes);
         out.set_device_bytes(usage->device_bytes);

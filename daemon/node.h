@@ -2,16 +2,19 @@
 #define DELTAD_DAEMON_NODE_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "common/log_limit.h"
 #include "daemon/backend/device_backend.h"
 #include "daemon/chunk_ledger.h"
 #include "daemon/gpu_arbiter.h"
@@ -126,6 +129,27 @@ class Node {
   absl::StatusOr<v1::ListTensorsResponse> ListTensors(
       const v1::ListTensorsRequest& request) const;
 
+  // Leases (docs/RELIABILITY.md, "Leases"). The session's process has not
+  // been heard from past its lease (`silent_ns`): its budget becomes what
+  // it holds (GpuArbiter::Freeze), its tensors are no longer chosen for
+  // releases, and it is logged, counted and shown
+  // (SessionStatus.unresponsive_ms). Returns the other sessions' budget
+  // changes, each with a note naming it. Nothing for a session unknown or
+  // already marked.
+  OrdersBySession MarkUnresponsive(SessionId session, int64_t silent_ns);
+  // It answers again: shared as before, its own budget included.
+  OrdersBySession MarkAnswered(SessionId session, int64_t silent_ns);
+  // SIGKILL to the process of a session unresponsive for `silent_ns`
+  // (lease.end_unresponsive_after_ms), if it is still the process that
+  // opened it; logged and counted either way. Its memory comes back when
+  // the kernel has torn it down and its side connection closes.
+  absl::Status EndUnresponsive(SessionId session, int64_t silent_ns);
+
+  // What the session's process maps beside its granted chunks
+  // (SessionMessage.unlisted_chunk_bytes). INVALID_ARGUMENT below 0 or
+  // above the GPU's memory; UNAUTHENTICATED for an unknown token.
+  absl::Status SetUnlisted(absl::string_view token, int64_t bytes);
+
   // The session's stream opened (true) or closed (false); see
   // GpuPolicy::SetReachable.
   void SetReachable(SessionId session, bool reachable);
@@ -138,6 +162,23 @@ class Node {
     std::mutex mu;
     GpuArbiter arbiter;
     std::unique_ptr<GpuPolicy> policy;
+    // Sessions marked unresponsive: since when (NowNs), and how long they
+    // had been silent then.
+    struct Silence {
+      int64_t since_ns = 0;
+      int64_t silent_ns = 0;
+    };
+    std::map<SessionId, Silence> unresponsive;
+    // Chunk bytes processes map beside what their sessions hold, as they
+    // report them (SessionMessage.unlisted_chunk_bytes).
+    std::map<SessionId, int64_t> unlisted;
+    // Chunk bytes of sessions that ended while their processes live on
+    // (still mapped, whatever the daemon released), by peer token: until
+    // the process is gone (PeerGone). A new session of the process reports
+    // them itself as unlisted.
+    std::map<std::string, int64_t> left_mapped;
+    int64_t UnlistedTotal() const;
+    int64_t LeftMappedTotal() const;
     explicit Gpu(GpuArbiter a) : arbiter(std::move(a)) {}
   };
 
@@ -157,6 +198,8 @@ class Node {
   void AddBudgetOrders(const std::vector<BudgetChange>& changes,
                        SessionId except, Gpu& gpu, OrdersBySession& out);
   void UpdateGpuMetrics(int gpu_index, Gpu& gpu);
+  // The session with this id, if it is open.
+  std::optional<SessionInfo> Find(SessionId session) const;
   // A session's batch applied to its GPU (whose lock is held): events to the
   // policy, an iteration's peak to the arbiter. Nothing changes if refused.
   absl::Status ApplyBatch(const SessionInfo& session, Gpu& gpu,
@@ -169,6 +212,7 @@ class Node {
   SessionRegistry registry_;
   ChunkLedger chunks_;
   SessionEndLog end_log_;
+  common::LogLimit lease_log_{10, std::chrono::seconds(1)};
   std::vector<std::unique_ptr<Gpu>> gpus_;
   std::atomic<bool> keep_slab_contents_{false};
 };

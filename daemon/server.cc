@@ -182,8 +182,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
       Node::Create(*s->backend_, *s->pool_, s->metrics_.get(), *options);
   if (!node.ok()) return node.status();
   s->node_ = std::move(*node);
+  LeaseOptions leases;
+  leases.lease_ns = int64_t{config.lease().lease_ms()} * 1000000;
+  leases.end_after_ns =
+      int64_t{config.lease().end_unresponsive_after_ms()} * 1000000;
   s->service_ = std::make_unique<MemoryManagerService>(
-      *s->node_, RequestLimitsFrom(config), s->metrics_.get());
+      *s->node_, RequestLimitsFrom(config), s->metrics_.get(), leases);
 
   if (absl::Status claim = ClaimSocketPath(s->socket_path_); !claim.ok()) {
     return claim;

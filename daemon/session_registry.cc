@@ -107,6 +107,7 @@ absl::StatusOr<SessionInfo> SessionRegistry::Open(absl::string_view peer_token,
   info.id = next_id_++;
   info.token = *token;
   info.peer = peer->second;
+  info.peer_token = peer->first;
   info.gpu = gpu;
   info.priority = std::max<uint32_t>(1, priority);
   info.label = std::move(label);

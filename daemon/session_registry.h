@@ -20,12 +20,16 @@ struct PeerIdentity {
   pid_t pid = 0;
   uid_t uid = 0;
   gid_t gid = 0;
+  // When the kernel started it (ProcessStartTime): with the pid, the
+  // process for good. 0 when unknown.
+  uint64_t start_time = 0;
 };
 
 struct SessionInfo {
   SessionId id = 0;
   std::string token;  // secret: authorises the session's gRPC calls
   PeerIdentity peer;
+  std::string peer_token;  // secret: its process's (RegisterPeer)
   int gpu = 0;
   uint32_t priority = 1;
   std::string label;

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/side_protocol.h"
+#include "daemon/process_end.h"
 
 namespace deltad::daemon {
 
@@ -121,8 +122,8 @@ void SideChannel::Serve(uint64_t id, int fd) {
   std::string peer_token;
   if (auto cred = common::PeerCredentials(fd); cred.ok()) {
     ReapClosedConnectionsOf(cred->pid);
-    auto token =
-        node_.registry().RegisterPeer({cred->pid, cred->uid, cred->gid});
+    auto token = node_.registry().RegisterPeer(
+        {cred->pid, cred->uid, cred->gid, ProcessStartTime(cred->pid)});
     if (token.ok()) {
       // Known before the process has it, so that its next connection
       // finds this one.

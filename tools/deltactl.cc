@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "common/side_protocol.h"
 #include "common/unix_socket.h"
@@ -157,6 +158,8 @@ int Status(const Daemon& daemon) {
            {"BUDGET", A::kRight},
            {"USED", A::kRight},
            {"CHUNKS", A::kRight},
+           {"UNLISTED", A::kRight},
+           {"UNRESPONSIVE", A::kRight},
            {"SESSIONS", A::kRight},
            {"D2H GB/s", A::kRight},
            {"H2D GB/s", A::kRight}});
@@ -164,7 +167,9 @@ int Status(const Daemon& daemon) {
     t.AddRow({absl::StrCat(g.gpu()), Printable(g.name()),
               FormatBytes(g.memory_bytes()), FormatBytes(g.budget_bytes()),
               FormatBytes(g.used_bytes()), FormatBytes(g.chunk_bytes()),
-              absl::StrCat(g.sessions()), FormatGBps(g.d2h_bytes_per_second()),
+              FormatBytes(g.unlisted_bytes()),
+              FormatBytes(g.unresponsive_bytes()), absl::StrCat(g.sessions()),
+              FormatGBps(g.d2h_bytes_per_second()),
               FormatGBps(g.h2d_bytes_per_second())});
   }
   std::fputs(t.Render().c_str(), stdout);
@@ -192,15 +197,23 @@ int Sessions(const Daemon& daemon) {
            {"CHUNKS", A::kRight},
            {"HOST", A::kRight},
            {"TENSORS", A::kRight},
-           {"RELEASES", A::kRight}});
+           {"RELEASES", A::kRight},
+           {"STATE", A::kLeft}});
   for (const v1::SessionStatus& s : r.sessions()) {
+    // A process silent past its lease holds its chunks unseen: said here,
+    // with how long, so that an operator can find it.
+    const std::string state =
+        s.unresponsive_ms() > 0
+            ? absl::StrFormat("unresponsive %.1fs",
+                              static_cast<double>(s.unresponsive_ms()) / 1e3)
+            : "ok";
     t.AddRow({absl::StrCat(s.session_id()), absl::StrCat(s.gpu()),
               absl::StrCat(s.pid()), absl::StrCat(s.uid()),
               s.label().empty() ? "-" : Printable(s.label()),
               FormatBytes(s.budget_bytes()), FormatBytes(s.floor_bytes()),
               FormatBytes(s.device_bytes()), FormatBytes(s.chunk_bytes()),
               FormatBytes(s.host_bytes()), absl::StrCat(s.tensors()),
-              absl::StrCat(s.releases())});
+              absl::StrCat(s.releases()), state});
   }
   std::fputs(t.Render().c_str(), stdout);
   if (r.sessions_omitted() > 0) {

@@ -19,79 +19,13 @@
 #include "gtest/gtest.h"
 #include "tests/integration/child_process.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/steady_client.h"
 #include "tests/integration/trainer_jobs.h"
 
 namespace deltad::testing_util {
 namespace {
 
 using ::testing::HasSubstr;
-
-// The steady client's "report" line.
-struct Report {
-  int connected = 0;
-  unsigned long long session = 0;
-  long long device_bytes = 0;
-  long long tensors = 0;
-  long long lost = 0;
-  long long reconnects = 0;
-  long long steps = 0;
-};
-
-struct SteadyClient {
-  std::unique_ptr<ChildProcess> process;
-  std::string errors;  // the file its stderr goes to
-
-  // Sends `command` and reads the report it answers with.
-  absl::StatusOr<Report> Ask(const std::string& command) {
-    const std::string line = command + "\n";
-    if (::write(process->stdin_fd(), line.data(), line.size()) !=
-        static_cast<ssize_t>(line.size())) {
-      return absl::UnavailableError("the client's stdin is closed");
-    }
-    auto answer = LineStarting(*process, "report ", absl::Seconds(30));
-    if (!answer.ok()) return answer.status();
-    Report r;
-    if (std::sscanf(answer->c_str(),
-                    "report connected %d session %llu device_bytes %lld "
-                    "tensors %lld lost %lld reconnects %lld steps %lld",
-                    &r.connected, &r.session, &r.device_bytes, &r.tensors,
-                    &r.lost, &r.reconnects, &r.steps) != 7) {
-      return absl::InternalError("unreadable report: " + *answer);
-    }
-    return r;
-  }
-  // Closes its stdin and waits for its verdict on its tensors' bytes.
-  void ExpectEveryTensorIntact() {
-    process->CloseStdin();
-    auto verified = LineStarting(*process, "verified ", absl::Seconds(60));
-    ASSERT_TRUE(verified.ok()) << verified.status() << "\n"
-                               << ReadFileOrEmpty(errors);
-    EXPECT_THAT(*verified, HasSubstr(" bad 0"));
-    const ExitStatus exit = process->WaitOrKill(absl::Seconds(30));
-    EXPECT_TRUE(exit.ok()) << exit.ToString() << "\n"
-                           << ReadFileOrEmpty(errors);
-  }
-};
-
-// Its stderr goes to <dir>/<name>.err.
-SteadyClient StartSteadyClient(const std::string& dir, const std::string& name,
-                               const std::string& socket) {
-  SteadyClient c;
-  SpawnOptions options;
-  options.pipe_stdout = true;
-  options.pipe_stdin = true;
-  c.errors = dir + "/" + name + ".err";
-  options.output_file = c.errors;
-  auto p = ChildProcess::Spawn(
-      {DELTAD_STEADY_CLIENT_BINARY, "--socket=" + socket}, options);
-  EXPECT_TRUE(p.ok()) << p.status();
-  if (!p.ok()) return c;
-  c.process = std::move(*p);
-  auto started = LineStarting(*c.process, "started", absl::Seconds(60));
-  EXPECT_TRUE(started.ok()) << started.status() << "\n"
-                            << ReadFileOrEmpty(c.errors);
-  return c;
-}
 
 // Waits (up to `timeout`) until the client is attached to a session that
 // `daemon` lists as its only one, holding what the client holds (device
@@ -132,16 +66,27 @@ absl::StatusOr<Report> AttachedWithItsHoldings(DaemonProcess& daemon,
   return absl::DeadlineExceededError("not attached with its holdings: " + last);
 }
 
-// The client has run for `steps` more steps than `from` says.
-bool Progressed(SteadyClient& client, const Report& from, long long steps) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  while (absl::Now() < deadline) {
-    auto r = client.Ask("report");
-    if (!r.ok()) return false;
-    if (r->steps >= from.steps + steps) return true;
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  return false;
+// The daemon's count of the device memory in use on GPU 0 (the chunks it
+// holds and those the processes map beside them) comes to what the client
+// maps, while the client is paused; the client is left running.
+void ExpectChunksAccountedExactly(DaemonProcess& daemon, SteadyClient& client) {
+  auto paused = client.Ask("pause");
+  ASSERT_TRUE(paused.ok()) << paused.status();
+  std::string last;
+  const bool exact = StatusBecomes(
+      daemon,
+      [&](const v1::NodeStatusResponse& s) {
+        auto r = client.Ask("report");
+        if (!r.ok()) return false;
+        last = absl::StrCat("client maps ", r->chunks, "; daemon: chunks ",
+                            s.gpus(0).chunk_bytes(), " + unlisted ",
+                            s.gpus(0).unlisted_bytes());
+        return s.gpus(0).chunk_bytes() + s.gpus(0).unlisted_bytes() ==
+               r->chunks;
+      },
+      absl::Seconds(30), absl::Milliseconds(100));
+  EXPECT_TRUE(exact) << last;
+  ASSERT_TRUE(client.Ask("resume").ok());
 }
 
 TEST(SessionSurvival, ADaemonStalledForThreeSecondsGetsTheClientBack) {
@@ -176,6 +121,7 @@ TEST(SessionSurvival, ADaemonStalledForThreeSecondsGetsTheClientBack) {
               HasSubstr(absl::StrCat("session ", before->session, " (pid ",
                                      client.process->pid())));
   EXPECT_TRUE(Progressed(client, *after, 20));
+  ExpectChunksAccountedExactly(daemon, client);
   client.ExpectEveryTensorIntact();
   EXPECT_TRUE(StatusBecomes(daemon, [](const v1::NodeStatusResponse& s) {
     return s.sessions_size() == 0 && s.host_pool_granted_bytes() == 0 &&
@@ -214,6 +160,7 @@ TEST(SessionSurvival, ADaemonKilledAndRestartedGetsEverythingReportedAgain) {
   EXPECT_GE(after->lost, 1);
   EXPECT_GE(after->reconnects, 1);
   EXPECT_GT(after->tensors, 0);
+  ExpectChunksAccountedExactly(**second, client);
   client.ExpectEveryTensorIntact();
   EXPECT_TRUE(StatusBecomes(**second, [](const v1::NodeStatusResponse& s) {
     return s.sessions_size() == 0 && s.host_pool_granted_bytes() == 0 &&

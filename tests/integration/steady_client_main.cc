@@ -17,8 +17,8 @@
 //           "verified <n> bad <m>" and exits 0 when none was bad.
 // A report line is "report connected <0|1> session <id> device_bytes <n>
 // tensors <n> lost <n> reconnects <n> steps <n> budget <n> sync_releases
-// <n>". It prints "started" once
-// running, and exits 1 on any failure ("error <why>").
+// <n> chunks <n>" (chunks: the device chunk bytes it maps). It prints
+// "started" once running, and exits 1 on any failure ("error <why>").
 #include <unistd.h>
 
 #include <atomic>
@@ -136,7 +136,8 @@ int main(int argc, char** argv) {
                      s.session_id, " device_bytes ", s.device_bytes,
                      " tensors ", live.size(), " lost ", s.sessions_lost,
                      " reconnects ", s.reconnects, " steps ", steps, " budget ",
-                     s.budget_bytes, " sync_releases ", s.sync_releases));
+                     s.budget_bytes, " sync_releases ", s.sync_releases,
+                     " chunks ", s.chunk_bytes));
   };
   Say("started");
   bool paused = false;

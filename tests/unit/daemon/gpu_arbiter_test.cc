@@ -217,5 +217,74 @@ TEST(GpuArbiter, RandomChurnKeepsEveryInvariant) {
   }
 }
 
+int64_t BudgetIn(const std::vector<BudgetChange>& changes, SessionId id) {
+  for (const BudgetChange& c : changes) {
+    if (c.session == id) return c.budget_bytes;
+  }
+  return -1;
+}
+
+TEST(GpuArbiter,
+     AnUnresponsiveSessionKeepsWhatItHoldsAndTheOthersShareTheRest) {
+  GpuArbiter a = Make(90 * kGiB, kGiB);
+  ASSERT_TRUE(a.AddSession(1, 1, 0).ok());
+  ASSERT_TRUE(a.AddSession(2, 1, 0).ok());
+  ASSERT_TRUE(a.AddSession(3, 1, 0).ok());
+  ASSERT_EQ(a.BudgetOf(1), 30 * kGiB);
+  // Session 1 was lent memory past its share and stopped answering.
+  auto frozen = a.Freeze(1, 50 * kGiB);
+  ASSERT_TRUE(frozen.ok()) << frozen.status();
+  EXPECT_TRUE(a.Frozen(1));
+  EXPECT_EQ(a.BudgetOf(1), 50 * kGiB);
+  EXPECT_EQ(a.BudgetOf(2), 20 * kGiB);
+  EXPECT_EQ(a.BudgetOf(3), 20 * kGiB);
+  EXPECT_EQ(BudgetIn(*frozen, 2), 20 * kGiB);
+  EXPECT_EQ(a.granted_bytes(), 90 * kGiB);
+
+  auto thawed = a.Thaw(1);
+  ASSERT_TRUE(thawed.ok()) << thawed.status();
+  EXPECT_FALSE(a.Frozen(1));
+  EXPECT_EQ(BudgetIn(*thawed, 1), 30 * kGiB);
+  EXPECT_EQ(a.BudgetOf(2), 30 * kGiB);
+  EXPECT_EQ(a.BudgetOf(3), 30 * kGiB);
+  // Thawing one that answers changes nothing.
+  auto again = a.Thaw(1);
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->empty());
+}
+
+TEST(GpuArbiter, FloorsTheRestCannotHoldAreCutInProportion) {
+  GpuArbiter a = Make(100 * kGiB, kGiB);
+  ASSERT_TRUE(a.AddSession(1, 1, 0).ok());
+  ASSERT_TRUE(a.AddSession(2, 1, 0, 20 * kGiB).ok());
+  ASSERT_TRUE(a.AddSession(3, 1, 0, 10 * kGiB).ok());
+  ASSERT_TRUE(a.Freeze(1, 85 * kGiB).ok());
+  // 15 GiB left for floors of 20 and 10: two thirds and one third.
+  EXPECT_EQ(a.BudgetOf(2), 10 * kGiB);
+  EXPECT_EQ(a.BudgetOf(3), 5 * kGiB);
+  EXPECT_LE(a.granted_bytes(), 100 * kGiB);
+  // Holding more than the whole budget leaves the others nothing, never
+  // less.
+  ASSERT_TRUE(a.Freeze(1, 120 * kGiB).ok());
+  EXPECT_EQ(a.BudgetOf(2), 0);
+  EXPECT_EQ(a.BudgetOf(3), 0);
+  ASSERT_TRUE(a.Thaw(1).ok());
+  EXPECT_GE(a.BudgetOf(2), 20 * kGiB);
+  EXPECT_GE(a.BudgetOf(3), 10 * kGiB);
+}
+
+TEST(GpuArbiter, ANewcomerIsAdmittedOnlyBesideWhatAnUnresponsiveSessionHolds) {
+  GpuArbiter a = Make(100 * kGiB, kGiB);
+  ASSERT_TRUE(a.AddSession(1, 1, 0).ok());
+  ASSERT_TRUE(a.Freeze(1, 95 * kGiB).ok());
+  auto refused = a.AddSession(2, 1, 0, 10 * kGiB);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  auto admitted = a.AddSession(3, 1, 0, 5 * kGiB);
+  ASSERT_TRUE(admitted.ok()) << admitted.status();
+  EXPECT_EQ(a.BudgetOf(3), 5 * kGiB);
+  EXPECT_EQ(a.Freeze(9, 0).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(a.Thaw(9).status().code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace deltad::daemon

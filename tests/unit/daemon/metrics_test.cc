@@ -119,6 +119,8 @@ void TouchEverything(Metrics& m, int gpu) {
   m.SetGpuBudget(gpu, 1);
   m.SetGpuUsed(gpu, 1);
   m.SetSessions(gpu, 1);
+  m.SetUnresponsive(gpu, 1, 1);
+  m.SetUnlisted(gpu, 1);
   m.SetHostPool(1, 1);
   m.AddTransferred(gpu, Direction::kDeviceToHost, 1);
   m.AddTransferred(gpu, Direction::kHostToDevice, 1);
@@ -148,6 +150,9 @@ TEST(Metrics, EveryFamilyHasHelpTypeAndItsLabels) {
       {"deltad_gpu_budget_bytes", "gauge", per_gpu},
       {"deltad_gpu_used_bytes", "gauge", per_gpu},
       {"deltad_sessions", "gauge", per_gpu},
+      {"deltad_unresponsive_sessions", "gauge", per_gpu},
+      {"deltad_unresponsive_bytes", "gauge", per_gpu},
+      {"deltad_unlisted_bytes", "gauge", per_gpu},
       {"deltad_host_pool_bytes", "gauge", {"state"}},
       {"deltad_transferred_bytes_total",
        "counter",
@@ -160,6 +165,7 @@ TEST(Metrics, EveryFamilyHasHelpTypeAndItsLabels) {
       {"deltad_build_info", "gauge", {"version", "backend"}},
       {"deltad_refused_total", "counter", {"limit"}},
       {"deltad_sessions_ended_total", "counter", {"reason"}},
+      {"deltad_unresponsive_total", "counter", {"event"}},
   };
   const std::vector<Sample> samples = Samples(scrape);
   const std::string lines = "\n" + scrape;  // every line follows a newline
@@ -330,6 +336,33 @@ TEST(Metrics, SessionEndsAreCountedByReasonFromZero) {
             1.0);
 }
 
+TEST(Metrics, LeaseEventsAndUnresponsiveHoldingsAreReported) {
+  auto m = TwoGpus();
+  ASSERT_NE(m, nullptr);
+  EXPECT_EQ(
+      Value(m->Scrape(), "deltad_unresponsive_total", {{"event", "ended"}}),
+      0.0);
+  m->AddLeaseEvent(LeaseEvent::kMarked);
+  m->AddLeaseEvent(LeaseEvent::kMarked);
+  m->AddLeaseEvent(LeaseEvent::kAnswered);
+  m->SetUnresponsive(1, 1, 4096);
+  m->SetUnresponsive(7, 1, 4096);  // no such GPU: ignored
+  const std::string scrape = m->Scrape();
+  EXPECT_EQ(Value(scrape, "deltad_unresponsive_total", {{"event", "marked"}}),
+            2.0);
+  EXPECT_EQ(Value(scrape, "deltad_unresponsive_total", {{"event", "answered"}}),
+            1.0);
+  EXPECT_EQ(Value(scrape, "deltad_unresponsive_sessions",
+                  {{"gpu", "1"}, {"uuid", kUuid1}}),
+            1.0);
+  EXPECT_EQ(Value(scrape, "deltad_unresponsive_bytes",
+                  {{"gpu", "1"}, {"uuid", kUuid1}}),
+            4096.0);
+  EXPECT_EQ(Value(scrape, "deltad_unresponsive_bytes",
+                  {{"gpu", "0"}, {"uuid", kUuid0}}),
+            0.0);
+}
+
 TEST(Metrics, NegativeOrNonFiniteAmountsLeaveCountersAlone) {
   auto m = TwoGpus();
   ASSERT_NE(m, nullptr);
@@ -421,9 +454,10 @@ TEST(Metrics, NoLabelCarriesATensorIdAndSeriesDoNotGrow) {
       EXPECT_THAT(absl::AsciiStrToLower(v), Not(HasSubstr("tensor")));
     }
   }
-  EXPECT_THAT(label_names, IsSubsetOf(std::set<std::string>{
-                               "gpu", "uuid", "direction", "kind", "state",
-                               "le", "version", "backend", "limit", "reason"}));
+  EXPECT_THAT(label_names,
+              IsSubsetOf(std::set<std::string>{
+                  "gpu", "uuid", "direction", "kind", "state", "le", "version",
+                  "backend", "limit", "reason", "event"}));
 }
 
 TEST(Metrics, CreateRejectsRepeatedOrNegativeGpuIndexes) {
