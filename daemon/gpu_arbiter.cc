@@ -8,7 +8,13 @@
 namespace deltad::daemon {
 
 absl::StatusOr<GpuArbiter> GpuArbiter::Create(int gpu, int64_t budget_bytes,
-                                              int64_t min_session_bytes) {
+                                              int64_t min_session_bytes,
+                                              int64_t unit_bytes) {
+  if (unit_bytes < 1 || unit_bytes > budget_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("GPU ", gpu, ": the unit of budgets must be within 1..",
+                     budget_bytes, " bytes, got ", unit_bytes));
+  }
   if (budget_bytes <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "GPU ", gpu, ": budget must be positive, got ", budget_bytes));
@@ -18,7 +24,7 @@ absl::StatusOr<GpuArbiter> GpuArbiter::Create(int gpu, int64_t budget_bytes,
         "GPU ", gpu, ": guaranteed minimum per session must be within 0..",
         budget_bytes, " bytes, got ", min_session_bytes));
   }
-  return GpuArbiter(gpu, budget_bytes, min_session_bytes);
+  return GpuArbiter(gpu, budget_bytes, min_session_bytes, unit_bytes);
 }
 
 int64_t GpuArbiter::Floor(const Entry& e) const {
@@ -56,12 +62,14 @@ absl::StatusOr<std::vector<BudgetChange>> GpuArbiter::AddSession(
   entry.weight = std::max<uint32_t>(1, weight);
   entry.requested = requested;
   entry.declared_floor = declared_floor;
-  int64_t running = outside_bytes_;
+  // In whole units, as Rebalance shares them.
+  int64_t running = RoundUp(outside_bytes_);
   for (const auto& [id, e] : sessions_) {
     // An unresponsive session keeps what it holds, floor or not.
-    running += std::max(Floor(e), e.frozen_at);
+    running += RoundUp(std::max(Floor(e), e.frozen_at));
   }
-  if (running + Floor(entry) > budget_bytes_) {
+  if (running + RoundUp(Floor(entry)) >
+      budget_bytes_ / unit_bytes_ * unit_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "GPU ", gpu_,
         " cannot admit this session without cutting a running "
@@ -77,7 +85,11 @@ absl::StatusOr<std::vector<BudgetChange>> GpuArbiter::AddSession(
                            "sessions ended, ")
             : "",
         budget_bytes_ - running, " are left and this session needs ",
-        Floor(entry), "; try again when a job ends"));
+        RoundUp(Floor(entry)),
+        unit_bytes_ > 1
+            ? absl::StrCat(" (in whole chunks of ", unit_bytes_, " bytes)")
+            : "",
+        "; try again when a job ends"));
   }
   sessions_.emplace(session, entry);
   std::vector<BudgetChange> changes = Rebalance();
@@ -148,7 +160,7 @@ absl::Status GpuArbiter::SetIterationPeak(SessionId session,
 
 int64_t GpuArbiter::FloorOf(SessionId session) const {
   auto it = sessions_.find(session);
-  return it == sessions_.end() ? 0 : Floor(it->second);
+  return it == sessions_.end() ? 0 : RoundUp(Floor(it->second));
 }
 
 int64_t GpuArbiter::BudgetOf(SessionId session) const {
@@ -157,18 +169,21 @@ int64_t GpuArbiter::BudgetOf(SessionId session) const {
 }
 
 std::vector<BudgetChange> GpuArbiter::Rebalance() {
+  // In whole units (the GPU's chunks): a budget is held in chunks, and a
+  // part of one could never be mapped.
   constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max();
   std::map<SessionId, int64_t> grant;
   std::map<SessionId, int64_t> want;  // beyond the floor
-  int64_t left = budget_bytes_ - outside_bytes_;
+  const int64_t total = budget_bytes_ / unit_bytes_;
+  int64_t left = total - Units(outside_bytes_);
   int64_t floors = 0;  // of the sessions that answer
   for (const auto& [id, e] : sessions_) {
     if (e.frozen_at >= 0) {
-      grant[id] = e.frozen_at;
+      grant[id] = Units(e.frozen_at);
       want[id] = 0;
-      left -= e.frozen_at;
+      left -= grant[id];
     } else {
-      floors += Floor(e);
+      floors += Units(Floor(e));
     }
   }
   // What unresponsive sessions hold is not there to give: the floors are
@@ -179,11 +194,12 @@ std::vector<BudgetChange> GpuArbiter::Rebalance() {
                          : 1.0;
   for (const auto& [id, e] : sessions_) {
     if (e.frozen_at >= 0) continue;
+    const int64_t floor = Units(Floor(e));
     grant[id] = cut < 1.0
-                    ? static_cast<int64_t>(static_cast<double>(Floor(e)) * cut)
-                    : Floor(e);
+                    ? static_cast<int64_t>(static_cast<double>(floor) * cut)
+                    : floor;
     left -= grant[id];
-    want[id] = e.requested > 0 ? e.requested - grant[id] : kUnbounded;
+    want[id] = e.requested > 0 ? Units(e.requested) - grant[id] : kUnbounded;
   }
   // Water-filling by weight over what is left.
   std::vector<SessionId> active;
@@ -207,7 +223,7 @@ std::vector<BudgetChange> GpuArbiter::Rebalance() {
     }
     if (capped) {
       // Recompute what is left after the capped ones took their fill.
-      left = budget_bytes_ - outside_bytes_;
+      left = total - Units(outside_bytes_);
       for (const auto& [id, g] : grant) left -= g;
       for (SessionId id : active) {
         if (std::find(still.begin(), still.end(), id) == still.end()) {
@@ -232,8 +248,8 @@ std::vector<BudgetChange> GpuArbiter::Rebalance() {
   }
   std::vector<BudgetChange> changes;
   for (auto& [id, e] : sessions_) {
-    if (e.budget != grant[id]) {
-      e.budget = grant[id];
+    if (e.budget != grant[id] * unit_bytes_) {
+      e.budget = grant[id] * unit_bytes_;
       changes.push_back({id, e.budget});
     }
   }

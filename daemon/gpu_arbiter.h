@@ -34,9 +34,14 @@ struct BudgetChange {
 // Not thread safe: the daemon serialises calls per GPU.
 class GpuArbiter {
  public:
-  // InvalidArgument unless budget > 0 and 0 <= min_session <= budget.
+  // Budgets are whole multiples of `unit_bytes` (the GPU's chunk size:
+  // a budget is held in chunks, and a part of one could never be mapped);
+  // floors and requests count in whole units, rounded up, and the GPU's
+  // budget in whole units, rounded down. InvalidArgument unless budget > 0,
+  // 0 <= min_session <= budget and 1 <= unit <= budget.
   static absl::StatusOr<GpuArbiter> Create(int gpu, int64_t budget_bytes,
-                                           int64_t min_session_bytes);
+                                           int64_t min_session_bytes,
+                                           int64_t unit_bytes = 1);
 
   // Admits a session. `requested` 0 asks for as much as fairness gives;
   // weight 0 counts as 1; `declared_floor` is what the session says it
@@ -76,6 +81,7 @@ class GpuArbiter {
 
   // 0 for an unknown session.
   int64_t BudgetOf(SessionId session) const;
+  // In whole units (see Create).
   int64_t FloorOf(SessionId session) const;
   int64_t budget_bytes() const { return budget_bytes_; }
   int64_t granted_bytes() const;
@@ -91,15 +97,24 @@ class GpuArbiter {
     int64_t frozen_at = -1;      // >= 0: unresponsive, holding this much
   };
 
-  GpuArbiter(int gpu, int64_t budget, int64_t min_session)
-      : gpu_(gpu), budget_bytes_(budget), min_session_bytes_(min_session) {}
+  GpuArbiter(int gpu, int64_t budget, int64_t min_session, int64_t unit)
+      : gpu_(gpu),
+        budget_bytes_(budget),
+        min_session_bytes_(min_session),
+        unit_bytes_(unit) {}
   int64_t Floor(const Entry& e) const;
+  // Whole units that hold `bytes`, and those units in bytes.
+  int64_t Units(int64_t bytes) const {
+    return (bytes + unit_bytes_ - 1) / unit_bytes_;
+  }
+  int64_t RoundUp(int64_t bytes) const { return Units(bytes) * unit_bytes_; }
   // Recomputes every budget; returns those that changed.
   std::vector<BudgetChange> Rebalance();
 
   int gpu_;
   int64_t budget_bytes_;
   int64_t min_session_bytes_;
+  int64_t unit_bytes_;
   int64_t outside_bytes_ = 0;
   std::map<SessionId, Entry> sessions_;  // ordered: deterministic splits
 };

@@ -335,17 +335,20 @@ std::map<SessionId, v1::Orders> GpuPolicy::Plan(SessionId session,
 
   // Prefetch for the session, up to the high watermark of its budget, and
   // never past that of the GPU counting offloads still in flight: a reload
-  // allocates now, and past the mark it would only be offloaded again.
+  // allocates now, and past the mark it would only be offloaded again. The
+  // others count on the GPU up to their budgets, as in MakeRoom: one that
+  // claims more than it was given cannot stop everyone's prefetches (its
+  // excess is the first released when the reloads need the room).
   Session& s = it->second;
   std::erase_if(s.reloading, [&](TensorId id) {
     const Tensor* t = table_.Find(id);
     return t == nullptr || t->state != TensorState::kReloading;
   });
-  const int64_t room =
-      std::min(Fraction(watermarks_.high(), s.budget_bytes) -
-                   table_.SessionStats(session).committed_bytes(),
-               Fraction(watermarks_.high(), gpu_budget_bytes_) -
-                   table_.GpuStats(gpu_).device_bytes);
+  const int64_t room = std::min(
+      Fraction(watermarks_.high(), s.budget_bytes) -
+          table_.SessionStats(session).committed_bytes(),
+      Fraction(watermarks_.high(), gpu_budget_bytes_) -
+          AccountableBytes(session) - table_.GpuStats(gpu_).releasing_bytes);
   if (room > 0) {
     const std::vector<TensorId> ids = s.prefetcher->Plan(
         table_, room, static_cast<int>(s.reloading.size()), nullptr, session);

@@ -67,8 +67,9 @@ absl::StatusOr<std::unique_ptr<Node>> Node::Create(DeviceBackend& backend,
     if (info.chunk_granularity > 0 && budget >= info.chunk_granularity) {
       budget -= budget % info.chunk_granularity;
     }
-    auto arbiter = GpuArbiter::Create(info.index, budget,
-                                      node->options_.min_session_bytes);
+    auto arbiter = GpuArbiter::Create(
+        info.index, budget, node->options_.min_session_bytes,
+        std::clamp<int64_t>(info.chunk_granularity, 1, budget));
     if (!arbiter.ok()) return arbiter.status();
     auto gpu = std::make_unique<Gpu>(std::move(*arbiter));
     GpuPolicyOptions policy = node->options_.policy;

@@ -1,6 +1,7 @@
 #include "daemon/gpu_arbiter.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <iterator>
 #include <map>
@@ -284,6 +285,87 @@ TEST(GpuArbiter, ANewcomerIsAdmittedOnlyBesideWhatAnUnresponsiveSessionHolds) {
   EXPECT_EQ(a.BudgetOf(3), 5 * kGiB);
   EXPECT_EQ(a.Freeze(9, 0).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(a.Thaw(9).status().code(), absl::StatusCode::kNotFound);
+}
+
+constexpr int64_t kChunk = int64_t{2} << 20;
+
+GpuArbiter MakeInChunks(int64_t chunks, int64_t min_session) {
+  auto a = GpuArbiter::Create(0, chunks * kChunk, min_session, kChunk);
+  EXPECT_TRUE(a.ok()) << a.status();
+  return std::move(*a);
+}
+
+TEST(GpuArbiter, BudgetsAreWholeChunksAndTheChunksAreAllGiven) {
+  GpuArbiter a = MakeInChunks(10, kChunk);
+  ASSERT_TRUE(a.AddSession(1, 1, 0).ok());
+  ASSERT_TRUE(a.AddSession(2, 1, 0).ok());
+  ASSERT_TRUE(a.AddSession(3, 1, 0).ok());
+  int64_t sum = 0;
+  for (SessionId id : {1, 2, 3}) {
+    EXPECT_EQ(a.BudgetOf(id) % kChunk, 0) << "session " << id;
+    EXPECT_GE(a.BudgetOf(id), 3 * kChunk);
+    sum += a.BudgetOf(id);
+  }
+  EXPECT_EQ(sum, 10 * kChunk);
+  // Weights and a capped request: still whole chunks, all of them given.
+  ASSERT_TRUE(a.AddSession(4, 3, 0).ok());
+  ASSERT_TRUE(a.AddSession(5, 1, kChunk / 2).ok());  // half a chunk asked
+  sum = 0;
+  for (SessionId id : {1, 2, 3, 4, 5}) {
+    EXPECT_EQ(a.BudgetOf(id) % kChunk, 0) << "session " << id;
+    sum += a.BudgetOf(id);
+  }
+  EXPECT_EQ(a.BudgetOf(5), kChunk);  // the request, in whole chunks
+  EXPECT_EQ(sum, 10 * kChunk);
+}
+
+TEST(GpuArbiter, FloorsCountInWholeChunksAtAdmission) {
+  GpuArbiter a = MakeInChunks(10, 0);
+  // 4.5 and 4.6 chunks: five each.
+  ASSERT_TRUE(a.AddSession(1, 1, 0, 9 * kChunk / 2).ok());
+  ASSERT_TRUE(a.AddSession(2, 1, 0, 46 * kChunk / 10).ok());
+  EXPECT_EQ(a.FloorOf(1), 5 * kChunk);
+  EXPECT_EQ(a.FloorOf(2), 5 * kChunk);
+  // Half a chunk more fits the bytes (9.6 of 10 chunks) but not the chunks.
+  auto refused = a.AddSession(3, 1, 0, kChunk / 2);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.status().message(), HasSubstr("in whole chunks of"));
+  EXPECT_EQ(a.BudgetOf(1), 5 * kChunk);
+  EXPECT_EQ(a.BudgetOf(2), 5 * kChunk);
+}
+
+TEST(GpuArbiter, RandomChurnInChunksKeepsBudgetsWholeAndWithinTheGpu) {
+  GpuArbiter a = MakeInChunks(37, kChunk);
+  std::mt19937_64 rng(7);
+  std::vector<SessionId> live;
+  SessionId next = 1;
+  for (int step = 0; step < 2000; ++step) {
+    if (live.empty() || (live.size() < 12 && rng() % 3 != 0)) {
+      const int64_t requested =
+          rng() % 2 == 0 ? 0 : static_cast<int64_t>(rng() % (20 * kChunk));
+      if (a.AddSession(next, 1 + rng() % 4, requested).ok()) {
+        live.push_back(next);
+      }
+      ++next;
+    } else {
+      const size_t i = rng() % live.size();
+      ASSERT_TRUE(a.RemoveSession(live[i]).ok());
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+    int64_t sum = 0;
+    for (SessionId id : live) {
+      ASSERT_EQ(a.BudgetOf(id) % kChunk, 0) << "step " << step;
+      sum += a.BudgetOf(id);
+    }
+    ASSERT_LE(sum, 37 * kChunk) << "step " << step;
+  }
+}
+
+TEST(GpuArbiter, AUnitOutsideOneToTheBudgetIsRefused) {
+  EXPECT_EQ(GpuArbiter::Create(0, kGiB, 0, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(GpuArbiter::Create(0, kGiB, 0, 2 * kGiB).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

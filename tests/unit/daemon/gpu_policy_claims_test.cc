@@ -140,5 +140,19 @@ TEST_F(GpuPolicyTest, PlanOffloadsNoSessionAheadForAnothersClaims) {
   EXPECT_THAT(Ids(orders[kB]), ElementsAre(1, 2, 3, 4));
 }
 
+TEST_F(GpuPolicyTest, ClaimsBeyondAnothersShareNeverStopAPrefetch) {
+  Make(1000);
+  AddSession(kA, 500);
+  AddSession(kB, 500);
+  Fill(kB, 1, 2, 100);
+  ASSERT_TRUE(Apply(kB, Events({{kOffloaded, 1}, {kOffloaded, 2}})).ok());
+  // A claims 900 bytes, 400 past its share, so the GPU is past its high
+  // watermark only through A's excess.
+  Fill(kA, 1, 9, 100, Cost::kCostly, Pinned());
+  // B holds nothing of its share: its offloaded tensors come back ahead of
+  // use, newest first.
+  EXPECT_THAT(Plan(kB)[kB].prefetch_tensor_ids(), ElementsAre(2, 1));
+}
+
 }  // namespace
 }  // namespace deltad::daemon
