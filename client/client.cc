@@ -390,6 +390,10 @@ void Client::Close() {
     stats_.connected = false;
   }
   {
+    std::lock_guard<std::mutex> beat(beat_mu_);
+    beat_link_.reset();
+  }
+  {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [id, r] : records_) {
       if (r->device != nullptr) device_->Free(r->device, r->info.bytes);

@@ -347,6 +347,10 @@ class Client {
   // Why the daemon last changed the budget, when it said
   // (Orders.budget_note): another session stopped answering.
   std::string budget_note_;
+  // The current session's link for the keeper's checks and heartbeats,
+  // under a lock of its own (set with link_, under mu_).
+  std::mutex beat_mu_;
+  std::shared_ptr<DaemonLink> beat_link_;
   common::LogLimit budget_note_log_{4, std::chrono::seconds(60)};
   ClientStats stats_;
   v1::EventBatch pending_;

@@ -31,8 +31,10 @@ SessionKeeper::Hooks Client::KeeperHooks() {
 void Client::CheckLink() {
   std::shared_ptr<DaemonLink> link;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stats_.connected) link = link_;
+    // Not mu_: the training thread may hold it for a while on a loaded
+    // machine, and the daemon would hear no heartbeat meanwhile.
+    std::lock_guard<std::mutex> beat(beat_mu_);
+    link = beat_link_;
   }
   // A daemon that stopped reading blocks the writer, and whoever waits to
   // send after it (an allocation asking for room): cutting the stream off
@@ -121,6 +123,10 @@ absl::Status Client::TryConnect() {
   }
   old = std::move(link_);
   link_ = std::move(shared);
+  {
+    std::lock_guard<std::mutex> beat(beat_mu_);
+    beat_link_ = link_;
+  }
   had_session_ = true;
   batches_sent_ = 0;
   draining_seen_ = false;
@@ -274,6 +280,10 @@ void Client::OnLost(const DaemonLink* from, const std::string& why) {
 
 void Client::DetachLocked() {
   stats_.connected = false;
+  {
+    std::lock_guard<std::mutex> beat(beat_mu_);
+    beat_link_.reset();
+  }
   budget_note_.clear();
   DropOrdersLocked();  // the daemon's state went with it
   arena_.SetHeapAllowance(options_.fallback_host_bytes);

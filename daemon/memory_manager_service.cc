@@ -244,7 +244,9 @@ void MemoryManagerService::WatchLeases() {
   while (!lease_stop_) {
     lease_cv_.wait_for(lock, tick);
     if (lease_stop_) break;
-    for (const SessionLeases::Change& c : leases_.Tick(SteadyNs())) {
+    for (const SessionLeases::Change& c : leases_.Tick(
+             SteadyNs(),
+             [this](SessionId id) { return node_.ProcessStoppedOf(id); })) {
       switch (c.kind) {
         case SessionLeases::Change::kUnresponsive:
           Deliver(node_.MarkUnresponsive(c.session, c.silent_ns));
@@ -257,6 +259,7 @@ void MemoryManagerService::WatchLeases() {
           break;
       }
     }
+    Deliver(node_.SettleLeftMapped());
   }
 }
 
@@ -362,8 +365,18 @@ grpc::Status MemoryManagerService::Session(
     writer_done.set_value();
   });
   absl::Status end;  // what the stream ends with
+  // Marks the session busy while its message is worked on (see
+  // SessionLeases::Busy), whichever way the loop body is left.
+  struct Working {
+    SessionLeases& leases;
+    SessionId id;
+    Working(SessionLeases& l, SessionId s) : leases(l), id(s) {
+      leases.Busy(id, true);
+    }
+    ~Working() { leases.Busy(id, false); }
+  };
   do {
-    leases_.Heard(id);
+    Working working(leases_, id);
     if (message.has_unlisted_chunk_bytes()) {
       // A figure out of range is dropped: the rest of the message stands.
       if (!node_.SetUnlisted(token, message.unlisted_chunk_bytes()).ok()) {
@@ -427,9 +440,11 @@ grpc::Status MemoryManagerService::Session(
 grpc::Status MemoryManagerService::Release(grpc::ServerContext* context,
                                            const v1::ReleaseRequest* request,
                                            v1::ReleaseResponse* response) {
+  auto session = node_.registry().Authorize(request->session_token());
+  if (!session.ok()) return ToGrpc(session.status());
+  // A process waiting on a call answers, whatever its stream says.
+  leases_.Heard(session->id);
   if (request->stream_batches_sent() > 0) {
-    auto session = node_.registry().Authorize(request->session_token());
-    if (!session.ok()) return ToGrpc(session.status());
     // Without a deadline from the caller, a bounded wait: a stream batch
     // that never comes must not hold the call for ever.
     const auto deadline =

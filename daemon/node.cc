@@ -218,14 +218,17 @@ absl::StatusOr<Node::Opened> Node::OpenSession(
 }
 
 int64_t Node::Gpu::UnlistedTotal() const {
-  int64_t sum = LeftMappedTotal();
+  int64_t sum = 0;
+  for (const auto& [peer, left] : left_mapped) sum += left.bytes;
   for (const auto& [id, bytes] : unlisted) sum += bytes;
   return sum;
 }
 
-int64_t Node::Gpu::LeftMappedTotal() const {
+int64_t Node::Gpu::SettledLeftMapped() const {
   int64_t sum = 0;
-  for (const auto& [peer, bytes] : left_mapped) sum += bytes;
+  for (const auto& [peer, left] : left_mapped) {
+    if (left.settled) sum += left.bytes;
+  }
   return sum;
 }
 
@@ -252,9 +255,9 @@ OrdersBySession Node::Reclaim(const SessionInfo& session, SessionEnd why,
     if (unlisted != gpu.unlisted.end()) gpu.unlisted.erase(unlisted);
     if (why != SessionEnd::kProcessGone && mapped > 0 &&
         registry_.PeerOf(session.peer_token).ok()) {
-      gpu.left_mapped[session.peer_token] += mapped;
-      AddBudgetOrders(gpu.arbiter.SetOutside(gpu.LeftMappedTotal()), session.id,
-                      gpu, others);
+      Gpu::LeftMapped& left = gpu.left_mapped[session.peer_token];
+      left.bytes += mapped;
+      left.since_ns = NowNs();
     }
   }
   // The process has unmapped them, or is gone and its mappings with it; a
@@ -346,12 +349,37 @@ OrdersBySession Node::PeerGone(absl::string_view peer_token) {
   for (size_t g = 0; g < gpus_.size(); ++g) {
     Gpu& gpu = *gpus_[g];
     std::lock_guard<std::mutex> lock(gpu.mu);
-    if (gpu.left_mapped.erase(std::string(peer_token)) == 0) continue;
-    AddBudgetOrders(gpu.arbiter.SetOutside(gpu.LeftMappedTotal()), 0, gpu,
-                    others);
+    auto left = gpu.left_mapped.find(std::string(peer_token));
+    if (left == gpu.left_mapped.end()) continue;
+    const bool settled = left->second.settled;
+    gpu.left_mapped.erase(left);
+    if (settled) {
+      AddBudgetOrders(gpu.arbiter.SetOutside(gpu.SettledLeftMapped()), 0, gpu,
+                      others);
+    }
     UpdateGpuMetrics(static_cast<int>(g), gpu);
   }
   return others;
+}
+
+OrdersBySession Node::SettleLeftMapped(int64_t settle_ns) {
+  OrdersBySession changed;
+  const int64_t now = NowNs();
+  for (size_t g = 0; g < gpus_.size(); ++g) {
+    Gpu& gpu = *gpus_[g];
+    std::lock_guard<std::mutex> lock(gpu.mu);
+    bool settled = false;
+    for (auto& [peer, left] : gpu.left_mapped) {
+      if (!left.settled && now - left.since_ns >= settle_ns) {
+        left.settled = settled = true;
+      }
+    }
+    if (!settled) continue;
+    AddBudgetOrders(gpu.arbiter.SetOutside(gpu.SettledLeftMapped()), 0, gpu,
+                    changed);
+    UpdateGpuMetrics(static_cast<int>(g), gpu);
+  }
+  return changed;
 }
 
 absl::Status Node::SetUnlisted(absl::string_view token, int64_t bytes) {

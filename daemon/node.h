@@ -144,6 +144,13 @@ class Node {
   // opened it; logged and counted either way. Its memory comes back when
   // the kernel has torn it down and its side connection closes.
   absl::Status EndUnresponsive(SessionId session, int64_t silent_ns);
+  // Whether the session's process is stopped (see ProcessStopped).
+  bool ProcessStoppedOf(SessionId session) const;
+
+  // Chunks left mapped by processes whose sessions ended (see
+  // Gpu::left_mapped) for longer than `settle_ns` come out of the budgets
+  // shared; returns the budgets that changed. Called every lease tick.
+  OrdersBySession SettleLeftMapped(int64_t settle_ns = 1000000000);
 
   // What the session's process maps beside its granted chunks
   // (SessionMessage.unlisted_chunk_bytes). INVALID_ARGUMENT below 0 or
@@ -175,10 +182,17 @@ class Node {
     // Chunk bytes of sessions that ended while their processes live on
     // (still mapped, whatever the daemon released), by peer token: until
     // the process is gone (PeerGone). A new session of the process reports
-    // them itself as unlisted.
-    std::map<std::string, int64_t> left_mapped;
+    // them itself as unlisted. Never granted at once; taken out of the
+    // budgets shared only once settled (SettleLeftMapped), since most
+    // processes whose session ends exit a moment later.
+    struct LeftMapped {
+      int64_t bytes = 0;
+      int64_t since_ns = 0;
+      bool settled = false;
+    };
+    std::map<std::string, LeftMapped> left_mapped;
     int64_t UnlistedTotal() const;
-    int64_t LeftMappedTotal() const;
+    int64_t SettledLeftMapped() const;
     explicit Gpu(GpuArbiter a) : arbiter(std::move(a)) {}
   };
 

@@ -104,6 +104,11 @@ OrdersBySession Node::MarkAnswered(SessionId session, int64_t silent_ns) {
   return changed;
 }
 
+bool Node::ProcessStoppedOf(SessionId session) const {
+  const std::optional<SessionInfo> info = Find(session);
+  return info.has_value() && ProcessStopped(info->peer.pid);
+}
+
 absl::Status Node::EndUnresponsive(SessionId session, int64_t silent_ns) {
   const std::optional<SessionInfo> info = Find(session);
   if (!info.has_value()) return absl::NotFoundError("the session ended");

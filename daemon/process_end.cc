@@ -17,11 +17,28 @@
 
 namespace deltad::daemon {
 
-uint64_t ProcessStartTime(pid_t pid) {
+namespace {
+
+std::string Stat(pid_t pid) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
   std::stringstream text;
   text << in.rdbuf();
-  const std::string stat = text.str();
+  return text.str();
+}
+
+}  // namespace
+
+bool ProcessStopped(pid_t pid) {
+  const std::string stat = Stat(pid);
+  // The state (field 3) follows the command name, after its last ')'.
+  const size_t paren = stat.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= stat.size()) return false;
+  const char state = stat[paren + 2];
+  return state == 'T' || state == 't';
+}
+
+uint64_t ProcessStartTime(pid_t pid) {
+  const std::string stat = Stat(pid);
   // The command name (field 2) is in parentheses and may hold anything,
   // spaces and parentheses included: the fields after it start after the
   // last ')'.

@@ -15,6 +15,10 @@ namespace deltad::daemon {
 // be read.
 uint64_t ProcessStartTime(pid_t pid);
 
+// Whether the kernel shows process `pid` stopped (SIGSTOP, or stopped by a
+// debugger): state T or t in /proc/<pid>/stat. False when it cannot be read.
+bool ProcessStopped(pid_t pid);
+
 // Sends SIGKILL to `pid` if it is still the process that started at
 // `start_time`, through a pidfd so that the check and the signal name the
 // same process. FAILED_PRECONDITION when the process is gone or the pid

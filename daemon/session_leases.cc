@@ -23,7 +23,16 @@ void SessionLeases::Heard(SessionId session) {
   if (it != leases_.end()) it->second.heard = true;
 }
 
-std::vector<SessionLeases::Change> SessionLeases::Tick(int64_t now_ns) {
+void SessionLeases::Busy(SessionId session, bool busy) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = leases_.find(session);
+  if (it == leases_.end()) return;
+  it->second.busy = busy;
+  it->second.heard = true;
+}
+
+std::vector<SessionLeases::Change> SessionLeases::Tick(
+    int64_t now_ns, const std::function<bool(SessionId)>& stopped) {
   std::lock_guard<std::mutex> lock(mu_);
   if (last_tick_ns_ >= 0 && now_ns > last_tick_ns_) {
     running_ns_ +=
@@ -33,15 +42,19 @@ std::vector<SessionLeases::Change> SessionLeases::Tick(int64_t now_ns) {
   std::vector<Change> changes;
   for (auto& [id, lease] : leases_) {
     const int64_t silent = running_ns_ - lease.heard_at;
-    if (lease.heard) {
+    if (lease.heard || lease.busy) {
       if (lease.unresponsive) {
         changes.push_back({id, Change::kAnswered, silent});
       }
+      const bool busy = lease.busy;
       lease = Lease{};
       lease.heard_at = running_ns_;
+      lease.busy = busy;
       continue;
     }
-    if (!lease.unresponsive && silent > options_.lease_ns) {
+    if (!lease.unresponsive && silent > options_.lease_ns &&
+        (silent > 3 * options_.lease_ns ||
+         (stopped != nullptr && stopped(id)))) {
       lease.unresponsive = true;
       changes.push_back({id, Change::kUnresponsive, silent});
     }

@@ -2,6 +2,7 @@
 #define DELTAD_DAEMON_SESSION_LEASES_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -41,6 +42,11 @@ class SessionLeases {
   void Remove(SessionId session);
   // Something came from the session's process.
   void Heard(SessionId session);
+  // The daemon is working on what the session sent (true) or done with it
+  // (false, which counts as heard): time the daemon takes, waiting for a
+  // GPU's lock under load, is not the process's silence, and what it sent
+  // meanwhile waits unread behind it.
+  void Busy(SessionId session, bool busy);
 
   struct Change {
     enum Kind {
@@ -54,7 +60,12 @@ class SessionLeases {
   };
   // Advances the running time to `now_ns` and returns what changed since
   // the last tick, in session order. kEnd comes once per silence.
-  std::vector<Change> Tick(int64_t now_ns);
+  // `stopped` says whether a session's process is stopped (SIGSTOP, a
+  // debugger): such a one is unresponsive past its lease, one that looks
+  // alive only past three (on a loaded node a process that runs can go
+  // seconds without a turn). Called for silent sessions only; null: none is.
+  std::vector<Change> Tick(
+      int64_t now_ns, const std::function<bool(SessionId)>& stopped = nullptr);
 
   // Running time the session has not been heard for, when it is marked
   // unresponsive; 0 otherwise (or when it holds no lease).
@@ -65,6 +76,7 @@ class SessionLeases {
   struct Lease {
     int64_t heard_at = 0;  // running time
     bool heard = false;    // since the last tick
+    bool busy = false;     // the daemon is working on its message
     bool unresponsive = false;
     bool end_reported = false;
   };
