@@ -409,15 +409,10 @@ void Client::Close() {
   // (left mapped) until the process is gone.
   {
     std::lock_guard<std::mutex> lock(chunk_mu_);
-    std::vector<uint64_t> ids;
-    for (uint64_t key : device_->ShrinkChunksTo(0)) {
-      auto it = daemon_chunk_.find(key);
-      if (it == daemon_chunk_.end()) continue;
-      ids.push_back(it->second);
-      daemon_chunk_.erase(it);
-    }
-    if (link != nullptr && chunk_link_ == link.get() && !ids.empty()) {
-      (void)link->ReturnChunks(ids);
+    if (link != nullptr) {
+      (void)ShrinkChunksTo(*link, 0);
+    } else {
+      (void)device_->ShrinkChunksTo(0);
     }
   }
   if (link != nullptr) link->Close();

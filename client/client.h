@@ -290,6 +290,9 @@ class Client {
   // Device chunk bytes mapped beside those `link`'s session granted
   // (SessionMessage.unlisted_chunk_bytes); -1 when the chunks are busy.
   int64_t UnlistedChunkBytes(const DaemonLink& link);
+  // Unmaps the empty chunks past `keep` bytes and returns those `link`'s
+  // session granted; chunk_mu_ is held.
+  absl::Status ShrinkChunksTo(DaemonLink& link, int64_t keep);
   // Releases so that `bytes` more fit, and `extra` beyond them (device
   // memory lost to rounding, which the byte counts miss): true when the
   // daemon made room on the GPU for it (possibly beyond this session's

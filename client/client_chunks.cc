@@ -120,17 +120,22 @@ absl::Status Client::SyncChunks(const std::shared_ptr<DaemonLink>& link,
   // Down to the whole chunks that cover `want`, never below it.
   const int64_t chunk = std::max<int64_t>(1, session.chunk_bytes());
   const int64_t keep = (want + chunk - 1) / chunk * chunk;
-  if (device_->chunk_bytes_held() > keep) {
-    std::vector<uint64_t> ids;
-    for (uint64_t key : device_->ShrinkChunksTo(keep)) {
-      auto it = daemon_chunk_.find(key);
-      if (it == daemon_chunk_.end()) continue;
-      ids.push_back(it->second);
-      daemon_chunk_.erase(it);
-    }
-    if (!ids.empty()) return link->ReturnChunks(ids);
-  }
+  if (device_->chunk_bytes_held() > keep) return ShrinkChunksTo(*link, keep);
   return absl::OkStatus();
+}
+
+absl::Status Client::ShrinkChunksTo(DaemonLink& link, int64_t keep) {
+  std::vector<uint64_t> ids;
+  for (uint64_t key : device_->ShrinkChunksTo(keep)) {
+    auto it = daemon_chunk_.find(key);
+    if (it == daemon_chunk_.end()) continue;
+    ids.push_back(it->second);
+    daemon_chunk_.erase(it);
+  }
+  // Chunks of an earlier session are unmapped, not returned: that session
+  // never granted them to this one.
+  if (ids.empty() || &link != chunk_link_) return absl::OkStatus();
+  return link.ReturnChunks(ids);
 }
 
 }  // namespace deltad::client

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/monotonic_clock.h"
 #include "common/protocol_version.h"
 #include "common/side_protocol.h"
 
@@ -16,12 +17,6 @@ namespace deltad::client {
 namespace side = common::side;
 
 namespace {
-
-int64_t SteadyNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 std::chrono::system_clock::time_point Deadline(int ms) {
   return std::chrono::system_clock::now() + std::chrono::milliseconds(ms);
@@ -146,7 +141,7 @@ absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
   // Heartbeat() runs on the session keeper's thread, never the training
   // one, so a process is silent only when it is stopped or stuck.
   first.set_heartbeats(true);
-  link->last_write_ns_.store(SteadyNs());
+  link->last_write_ns_.store(common::MonotonicNs());
   if (!link->stream_->Write(first)) {
     return absl::UnavailableError("the session stream closed at once");
   }
@@ -237,10 +232,10 @@ absl::Status DaemonLink::Send(const v1::EventBatch& batch) {
   v1::SessionMessage message;
   *message.mutable_batch() = batch;
   std::lock_guard<std::mutex> lock(write_mu_);
-  write_since_ns_.store(SteadyNs());
+  write_since_ns_.store(common::MonotonicNs());
   const bool written = stream_->Write(message);
   write_since_ns_.store(0);
-  last_write_ns_.store(SteadyNs());
+  last_write_ns_.store(common::MonotonicNs());
   if (!written) return absl::UnavailableError("the session stream is closed");
   return absl::OkStatus();
 }
@@ -248,8 +243,9 @@ absl::Status DaemonLink::Send(const v1::EventBatch& batch) {
 void DaemonLink::Heartbeat(int64_t unlisted_chunk_bytes) {
   if (!alive_.load()) return;
   const int64_t lease_ms = session_.lease_ms();
-  const bool due = lease_ms > 0 &&
-                   SteadyNs() - last_write_ns_.load() >= lease_ms * 1000000 / 4;
+  const bool due =
+      lease_ms > 0 &&
+      common::MonotonicNs() - last_write_ns_.load() >= lease_ms * 1000000 / 4;
   const bool changed =
       unlisted_chunk_bytes >= 0 && unlisted_chunk_bytes != unlisted_sent_;
   if (!due && !changed) return;
@@ -258,17 +254,17 @@ void DaemonLink::Heartbeat(int64_t unlisted_chunk_bytes) {
   if (!lock.owns_lock()) return;
   v1::SessionMessage message;
   if (changed) message.set_unlisted_chunk_bytes(unlisted_chunk_bytes);
-  write_since_ns_.store(SteadyNs());
+  write_since_ns_.store(common::MonotonicNs());
   const bool written = stream_->Write(message);
   write_since_ns_.store(0);
-  last_write_ns_.store(SteadyNs());
+  last_write_ns_.store(common::MonotonicNs());
   if (written && changed) unlisted_sent_ = unlisted_chunk_bytes;
 }
 
 bool DaemonLink::WriteStalled() const {
   const int64_t since = write_since_ns_.load();
-  return since != 0 &&
-         SteadyNs() - since > int64_t{options_.rpc_timeout_ms} * 1000000;
+  return since != 0 && common::MonotonicNs() - since >
+                           int64_t{options_.rpc_timeout_ms} * 1000000;
 }
 
 void DaemonLink::Cancel(const std::string& why) {

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/monotonic_clock.h"
 #include "common/protocol_version.h"
 #include "daemon/request_parser.h"
 #include "grpc/grpc.h"
@@ -22,12 +23,6 @@ namespace {
 // How long a stream's writer may take to deliver what is queued once the
 // stream has ended, before the call is cancelled to unblock it.
 constexpr std::chrono::seconds kWriterGrace{2};
-
-int64_t SteadyNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // Parses a request off the wire (see ParseRequest).
 absl::Status ParseBuffer(const grpc::ByteBuffer& buffer,
@@ -245,7 +240,7 @@ void MemoryManagerService::WatchLeases() {
     lease_cv_.wait_for(lock, tick);
     if (lease_stop_) break;
     for (const SessionLeases::Change& c : leases_.Tick(
-             SteadyNs(),
+             common::MonotonicNs(),
              [this](SessionId id) { return node_.ProcessStoppedOf(id); })) {
       switch (c.kind) {
         case SessionLeases::Change::kUnresponsive:
@@ -354,7 +349,7 @@ grpc::Status MemoryManagerService::Session(
   // The only writer of this stream: orders from every source go through the
   // session's mailbox.
   node_.SetReachable(id, true);
-  if (message.heartbeats()) leases_.Add(id, SteadyNs());
+  if (message.heartbeats()) leases_.Add(id, common::MonotonicNs());
   std::promise<void> writer_done;
   std::future<void> writer_finished = writer_done.get_future();
   std::thread writer([this, id, stream, &writer_done] {

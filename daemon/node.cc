@@ -7,16 +7,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/monotonic_clock.h"
 
 namespace deltad::daemon {
 
 namespace {
 
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using common::MonotonicNs;
 
 void CountApplied(Metrics* metrics, int gpu, const AppliedCounts& c) {
   if (metrics == nullptr) return;
@@ -257,7 +254,7 @@ OrdersBySession Node::Reclaim(const SessionInfo& session, SessionEnd why,
         registry_.PeerOf(session.peer_token).ok()) {
       Gpu::LeftMapped& left = gpu.left_mapped[session.peer_token];
       left.bytes += mapped;
-      left.since_ns = NowNs();
+      left.since_ns = MonotonicNs();
     }
   }
   // The process has unmapped them, or is gone and its mappings with it; a
@@ -353,18 +350,19 @@ OrdersBySession Node::PeerGone(absl::string_view peer_token) {
     if (left == gpu.left_mapped.end()) continue;
     const bool settled = left->second.settled;
     gpu.left_mapped.erase(left);
-    if (settled) {
-      AddBudgetOrders(gpu.arbiter.SetOutside(gpu.SettledLeftMapped()), 0, gpu,
-                      others);
-    }
+    if (settled) ShareWithoutLeftMapped(gpu, others);
     UpdateGpuMetrics(static_cast<int>(g), gpu);
   }
   return others;
 }
 
+void Node::ShareWithoutLeftMapped(Gpu& gpu, OrdersBySession& out) {
+  AddBudgetOrders(gpu.arbiter.SetOutside(gpu.SettledLeftMapped()), 0, gpu, out);
+}
+
 OrdersBySession Node::SettleLeftMapped(int64_t settle_ns) {
   OrdersBySession changed;
-  const int64_t now = NowNs();
+  const int64_t now = MonotonicNs();
   for (size_t g = 0; g < gpus_.size(); ++g) {
     Gpu& gpu = *gpus_[g];
     std::lock_guard<std::mutex> lock(gpu.mu);
@@ -375,8 +373,7 @@ OrdersBySession Node::SettleLeftMapped(int64_t settle_ns) {
       }
     }
     if (!settled) continue;
-    AddBudgetOrders(gpu.arbiter.SetOutside(gpu.SettledLeftMapped()), 0, gpu,
-                    changed);
+    ShareWithoutLeftMapped(gpu, changed);
     UpdateGpuMetrics(static_cast<int>(g), gpu);
   }
   return changed;
@@ -411,7 +408,7 @@ absl::StatusOr<OrdersBySession> Node::Apply(absl::string_view token,
   if (!session.ok()) return session.status();
   Gpu& gpu = *gpus_[session->gpu];
   std::lock_guard<std::mutex> lock(gpu.mu);
-  const int64_t now = NowNs();
+  const int64_t now = MonotonicNs();
   if (absl::Status s = ApplyBatch(*session, gpu, batch, now); !s.ok()) {
     return s;
   }
@@ -467,7 +464,7 @@ absl::StatusOr<Node::Released> Node::Release(
         session->gpu, "'s whole budget of ", gpu.policy->gpu_budget_bytes(),
         " bytes"));
   }
-  const int64_t now = NowNs();
+  const int64_t now = MonotonicNs();
   if (request.has_batch()) {
     if (absl::Status s = ApplyBatch(*session, gpu, request.batch(), now);
         !s.ok()) {
@@ -518,23 +515,19 @@ absl::StatusOr<Node::Released> Node::Release(
 }
 
 void Node::SetReachable(SessionId session, bool reachable) {
-  for (const SessionInfo& info : registry_.List()) {
-    if (info.id != session) continue;
-    Gpu& gpu = *gpus_[info.gpu];
-    std::lock_guard<std::mutex> lock(gpu.mu);
-    (void)gpu.policy->SetReachable(session, reachable);
-    return;
-  }
+  const std::optional<SessionInfo> info = Find(session);
+  if (!info.has_value()) return;
+  Gpu& gpu = *gpus_[info->gpu];
+  std::lock_guard<std::mutex> lock(gpu.mu);
+  (void)gpu.policy->SetReachable(session, reachable);
 }
 
 void Node::Undeliverable(SessionId session, const v1::Orders& orders) {
-  for (const SessionInfo& info : registry_.List()) {
-    if (info.id != session) continue;
-    Gpu& gpu = *gpus_[info.gpu];
-    std::lock_guard<std::mutex> lock(gpu.mu);
-    gpu.policy->Undeliverable(session, orders);
-    return;
-  }
+  const std::optional<SessionInfo> info = Find(session);
+  if (!info.has_value()) return;
+  Gpu& gpu = *gpus_[info->gpu];
+  std::lock_guard<std::mutex> lock(gpu.mu);
+  gpu.policy->Undeliverable(session, orders);
 }
 
 absl::StatusOr<v1::ListTensorsResponse> Node::ListTensors(
@@ -561,7 +554,7 @@ absl::StatusOr<v1::ListTensorsResponse> Node::ListTensors(
     }
     Gpu& gpu = *gpus_[info.gpu];
     std::lock_guard<std::mutex> lock(gpu.mu);
-    auto tensors = gpu.policy->LargestTensors(info.id, limit, NowNs());
+    auto tensors = gpu.policy->LargestTensors(info.id, limit, MonotonicNs());
     // Between the registry admitting a session and its GPU adding it, or
     // after a concurrent close, the engine does not know it: same answer.
     if (!tensors.ok()) break;
@@ -599,7 +592,7 @@ v1::NodeStatusResponse Node::Status() const {
     s->set_sessions(static_cast<uint32_t>(gpu.arbiter.sessions()));
     s->set_chunk_bytes(backend_.allocated_bytes(static_cast<int>(g)));
     s->set_unlisted_bytes(gpu.UnlistedTotal());
-    const int64_t now = NowNs();
+    const int64_t now = MonotonicNs();
     for (const SessionInfo& session : sessions) {
       if (session.gpu != static_cast<int>(g)) continue;
       auto usage = gpu.policy->Usage(session.id);

@@ -212,6 +212,9 @@ class Node {
   void AddBudgetOrders(const std::vector<BudgetChange>& changes,
                        SessionId except, Gpu& gpu, OrdersBySession& out);
   void UpdateGpuMetrics(int gpu_index, Gpu& gpu);
+  // The budgets shared without the GPU's settled left-mapped chunks, their
+  // changes into `out`; the GPU's lock is held.
+  void ShareWithoutLeftMapped(Gpu& gpu, OrdersBySession& out);
   // The session with this id, if it is open.
   std::optional<SessionInfo> Find(SessionId session) const;
   // A session's batch applied to its GPU (whose lock is held): events to the

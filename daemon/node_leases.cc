@@ -1,22 +1,16 @@
 // The Node's side of leases: a session whose process stopped answering
 // keeps what it holds, and the others stop counting on it.
-#include <chrono>
 #include <cstdio>
 #include <string>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "common/monotonic_clock.h"
 #include "daemon/node.h"
 #include "daemon/process_end.h"
 
 namespace deltad::daemon {
 namespace {
-
-int64_t SteadyNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // "session 3 (pid 812, GPU 0, "rank0")": the label comes from the client,
 // escaped so that it cannot forge lines of its own.
@@ -46,7 +40,7 @@ OrdersBySession Node::MarkUnresponsive(SessionId session, int64_t silent_ns) {
     held = chunks_.held_bytes(session);
     auto changes = gpu.arbiter.Freeze(session, held);
     if (!changes.ok()) return others;  // reclaimed meanwhile
-    gpu.unresponsive[session] = {SteadyNs(), silent_ns};
+    gpu.unresponsive[session] = {common::MonotonicNs(), silent_ns};
     // Orders to it would not be carried out: its tensors are not chosen,
     // and what it was ordered is undone.
     (void)gpu.policy->SetReachable(session, false);
