@@ -323,6 +323,9 @@ bool Client::EndLostSession() {
       chunk_link_ = nullptr;
     }
   }
+  // Cut off, not closed: the daemon must see a broken stream (and log and
+  // count it) rather than a process that ended its session in order.
+  lost->Cancel("the session was lost");
   lost->Close();
   // Those of earlier sessions may have emptied since, too.
   arena_.UnmapRetired();
