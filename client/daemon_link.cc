@@ -283,13 +283,25 @@ absl::StatusOr<v1::ReleaseResponse> DaemonLink::Release(
   request.set_bytes(bytes);
   *request.mutable_batch() = batch;
   request.set_stream_batches_sent(stream_batches_sent);
-  v1::ReleaseResponse response;
-  grpc::ClientContext context;
-  context.set_deadline(Deadline(options_.rpc_timeout_ms));
-  if (grpc::Status s = stub_->Release(&context, request, &response); !s.ok()) {
-    return FromGrpc(s, "Release");
+  std::lock_guard<std::mutex> lock(release_mu_);
+  const bool retries = session_.release_retries();
+  if (retries) request.set_release_seq(++release_seq_);
+  const auto give_up =
+      std::chrono::steady_clock::now() +
+      std::chrono::milliseconds(retries ? std::max(0, options_.release_retry_ms)
+                                        : 0);
+  while (true) {
+    v1::ReleaseResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(Deadline(options_.rpc_timeout_ms));
+    grpc::Status s = stub_->Release(&context, request, &response);
+    if (s.ok()) return response;
+    // Late, not lost: the same call again, which the daemon applies once.
+    if (s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED ||
+        std::chrono::steady_clock::now() >= give_up || !alive_.load()) {
+      return FromGrpc(s, "Release");
+    }
   }
-  return response;
 }
 
 bool DaemonLink::SideClosedByDaemon() const {

@@ -36,6 +36,13 @@ struct LinkOptions {
   // How long a connect or a synchronous call may take before the daemon
   // counts as unreachable (the client then decides by itself).
   int rpc_timeout_ms = 2000;
+  // How long a Release call is sent again, each try bounded by
+  // rpc_timeout_ms, before the session counts as lost: on a busy node the
+  // daemon answers late rather than never, and a lost session costs a new
+  // one and every tensor reported again. Only where the daemon applies a
+  // call once however often it comes (OpenSessionResponse.release_retries).
+  // 0: one try.
+  int release_retry_ms = 8000;
 };
 
 // One session with the daemon: the side-socket connection that proves who
@@ -112,7 +119,9 @@ class DaemonLink {
   OrdersFn on_orders_;
   LostFn on_lost_;
   common::UniqueFd side_;
-  std::mutex side_mu_;  // one request and its answer at a time
+  std::mutex side_mu_;        // one request and its answer at a time
+  std::mutex release_mu_;     // one Release call (and its retries) at a time
+  uint64_t release_seq_ = 0;  // guarded by release_mu_
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::MemoryManager::Stub> stub_;
   v1::OpenSessionResponse session_;

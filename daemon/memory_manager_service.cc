@@ -312,6 +312,7 @@ grpc::Status MemoryManagerService::OpenSession(
   *response = std::move(opened->response);
   response->set_daemon_version(DELTAD_VERSION);
   response->set_protocol_version(common::kProtocolVersion);
+  response->set_release_retries(true);
   response->set_lease_ms(
       static_cast<int32_t>(leases_.options().lease_ns / 1000000));
   Deliver(opened->others);
@@ -422,6 +423,7 @@ grpc::Status MemoryManagerService::Session(
   writer.join();
   mailboxes_.Remove(id);
   batches_.Forget(id);
+  replies_.Forget(id);
   auto others = node_.CloseSession(
       token,
       cancelled || stuck ? SessionEnd::kStreamBroken : SessionEnd::kClosed,
@@ -439,24 +441,30 @@ grpc::Status MemoryManagerService::Release(grpc::ServerContext* context,
   if (!session.ok()) return ToGrpc(session.status());
   // A process waiting on a call answers, whatever its stream says.
   leases_.Heard(session->id);
-  if (request->stream_batches_sent() > 0) {
-    // Without a deadline from the caller, a bounded wait: a stream batch
-    // that never comes must not hold the call for ever.
-    const auto deadline =
-        std::min(context->deadline(),
-                 std::chrono::system_clock::now() + std::chrono::seconds(10));
-    if (!batches_.WaitFor(session->id, request->stream_batches_sent(),
-                          deadline)) {
-      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                          absl::StrCat("the stream has not delivered the ",
-                                       request->stream_batches_sent(),
-                                       " batches this call follows"));
-    }
-  }
-  auto released = node_.Release(*request);
-  if (!released.ok()) return ToGrpc(released.status());
-  *response = std::move(released->response);
-  Deliver(released->others);
+  // Without a deadline from the caller, a bounded wait: a stream batch that
+  // never comes, or an earlier call that never ends, must not hold the call
+  // for ever.
+  const auto deadline =
+      std::min(context->deadline(),
+               std::chrono::system_clock::now() + std::chrono::seconds(10));
+  const SessionId id = session->id;
+  auto answer = replies_.Run(
+      id, request->release_seq(), deadline, [&]() -> ReleaseReplies::Outcome {
+        if (request->stream_batches_sent() > 0 &&
+            !batches_.WaitFor(id, request->stream_batches_sent(), deadline)) {
+          return {absl::DeadlineExceededError(
+                      absl::StrCat("the stream has not delivered the ",
+                                   request->stream_batches_sent(),
+                                   " batches this call follows")),
+                  /*applied=*/false};
+        }
+        auto released = node_.Release(*request);
+        if (!released.ok()) return {released.status()};
+        Deliver(released->others);
+        return {std::move(released->response)};
+      });
+  if (!answer.ok()) return ToGrpc(answer.status());
+  *response = std::move(*answer);
   return grpc::Status::OK;
 }
 

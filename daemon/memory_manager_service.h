@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "daemon/node.h"
+#include "daemon/release_replies.h"
 #include "daemon/request_limits.h"
 #include "daemon/session_leases.h"
 #include "deltad/v1/memory_manager.grpc.pb.h"
@@ -161,6 +162,7 @@ class MemoryManagerService final : public grpc::Service {
   Metrics* const metrics_;
   Mailboxes mailboxes_;
   BatchCounter batches_;
+  ReleaseReplies replies_;
   std::atomic<bool> draining_{false};
   SessionLeases leases_;
   // Held while lease changes are carried out, and while a stream gives up

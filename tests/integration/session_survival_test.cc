@@ -94,8 +94,10 @@ TEST(SessionSurvival, ADaemonStalledForThreeSecondsGetsTheClientBack) {
   auto d = DaemonProcess::Start(SmallNode());
   ASSERT_TRUE(d.ok()) << d.status();
   DaemonProcess& daemon = **d;
-  SteadyClient client =
-      StartSteadyClient(daemon.dir(), "steady", daemon.socket_path());
+  // Calls are not sent again: the first one past its deadline loses the
+  // session (see the next test for a client that waits).
+  SteadyClient client = StartSteadyClient(
+      daemon.dir(), "steady", daemon.socket_path(), {"--release_retry_ms=0"});
   ASSERT_NE(client.process, nullptr);
   auto before = AttachedWithItsHoldings(daemon, client, absl::Seconds(60));
   ASSERT_TRUE(before.ok()) << before.status() << "\n"
@@ -132,6 +134,40 @@ TEST(SessionSurvival, ADaemonStalledForThreeSecondsGetsTheClientBack) {
     return s.sessions_size() == 0 && s.host_pool_granted_bytes() == 0 &&
            s.gpus(0).chunk_bytes() == 0;
   }));
+  const ExitStatus stopped = daemon.Stop();
+  EXPECT_TRUE(stopped.ok()) << stopped.ToString();
+}
+
+// A daemon that answers late (a busy node) is not a lost one: the client
+// sends its call for room again, the daemon applies it once, and the
+// session goes on with its tensors and chunks as they were.
+TEST(SessionSurvival, ADaemonLateForACallKeepsTheSession) {
+  auto d = DaemonProcess::Start(SmallNode());
+  ASSERT_TRUE(d.ok()) << d.status();
+  DaemonProcess& daemon = **d;
+  SteadyClient client =
+      StartSteadyClient(daemon.dir(), "steady", daemon.socket_path(),
+                        {"--release_retry_ms=8000"});
+  ASSERT_NE(client.process, nullptr);
+  auto before = AttachedWithItsHoldings(daemon, client, absl::Seconds(60));
+  ASSERT_TRUE(before.ok()) << before.status() << "\n"
+                           << ReadFileOrEmpty(client.errors);
+  ASSERT_TRUE(Progressed(client, *before, 20));
+
+  // Past the client's 1 s deadline, within its 8 s of tries.
+  ::kill(daemon.pid(), SIGSTOP);
+  absl::SleepFor(absl::Milliseconds(2500));
+  ::kill(daemon.pid(), SIGCONT);
+
+  ASSERT_TRUE(Progressed(client, *before, 200))
+      << ReadFileOrEmpty(client.errors);
+  auto after = client.Ask("report");
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->session, before->session);
+  EXPECT_EQ(after->lost, 0) << ReadFileOrEmpty(client.errors);
+  EXPECT_EQ(after->reconnects, 0);
+  ExpectChunksAccountedExactly(daemon, client);
+  client.ExpectEveryTensorIntact();
   const ExitStatus stopped = daemon.Stop();
   EXPECT_TRUE(stopped.ok()) << stopped.ToString();
 }

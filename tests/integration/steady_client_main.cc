@@ -44,6 +44,7 @@ ABSL_FLAG(int64_t, window_mib, 40, "live tensors kept, in MiB");
 ABSL_FLAG(int64_t, local_chunk_kib, 256,
           "chunk size while no daemon has granted any");
 ABSL_FLAG(int, rpc_timeout_ms, 1000, "LinkOptions::rpc_timeout_ms");
+ABSL_FLAG(int, release_retry_ms, 8000, "LinkOptions::release_retry_ms");
 ABSL_FLAG(int, reconnect_ms, 100, "ClientOptions::reconnect_interval_ms");
 ABSL_FLAG(int, max_reconnect_ms, 1000,
           "ClientOptions::max_reconnect_interval_ms");
@@ -110,6 +111,7 @@ int main(int argc, char** argv) {
   options.link.requested_host_bytes = 4 * budget;
   options.link.label = "steady";
   options.link.rpc_timeout_ms = absl::GetFlag(FLAGS_rpc_timeout_ms);
+  options.link.release_retry_ms = absl::GetFlag(FLAGS_release_retry_ms);
   options.fallback_budget_bytes = budget;
   options.fallback_host_bytes = 4 * budget;
   options.reconnect_interval_ms = absl::GetFlag(FLAGS_reconnect_ms);
