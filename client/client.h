@@ -208,6 +208,7 @@ class Client {
   void IterationDone();
 
  private:
+  friend class ClientTestPeer;  // tests reach the release steps directly
   enum class Where {
     kResident,
     kOffloading,
@@ -276,6 +277,9 @@ class Client {
   // --- byte work; mu_ not held on entry
   absl::Status Offload(uint64_t id, Origin origin);
   absl::Status Evict(uint64_t id, Origin origin);
+  // True (and the plan's choice of `id` refused) when an in-process plan
+  // would release a tensor the daemon ordered released meanwhile. mu_.
+  bool OrderedElsewhereLocked(uint64_t id, Origin origin);
   enum class Need { kNow, kPrefetchOrder, kPrefetchHint };
   absl::Status Reload(uint64_t id, Need need);
   absl::Status Recompute(uint64_t id);

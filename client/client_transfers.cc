@@ -9,6 +9,16 @@ namespace deltad::client {
 
 using Kind = v1::TensorEvent;
 
+bool Client::OrderedElsewhereLocked(uint64_t id, Origin origin) {
+  // A daemon's order for it arrived after the in-process plan chose it: the
+  // daemon holds it as releasing, and a release it did not order would make
+  // it refuse the batch (and the session be opened anew). The order's own
+  // release goes ahead.
+  if (origin != Origin::kLocalPlan || !ordered_.contains(id)) return false;
+  RefuseLocked(id, origin);
+  return true;
+}
+
 void Client::RefuseLocked(uint64_t id, Origin origin) {
   if (origin == Origin::kDaemonOrder) {
     ++stats_.orders_refused;
@@ -26,6 +36,10 @@ absl::Status Client::Offload(uint64_t id, Origin origin) {
     auto it = records_.find(id);
     if (it == records_.end()) return absl::OkStatus();  // gone meanwhile
     r = it->second.get();
+    if (OrderedElsewhereLocked(id, origin)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("tensor ", id, " is in a release the daemon ordered"));
+    }
     if (origin != Origin::kLocalPlan &&
         (r->where == Where::kOffloading || r->where == Where::kOffloaded ||
          r->where == Where::kFreed)) {
@@ -70,6 +84,10 @@ absl::Status Client::Evict(uint64_t id, Origin origin) {
   auto it = records_.find(id);
   if (it == records_.end()) return absl::OkStatus();
   Record* r = it->second.get();
+  if (OrderedElsewhereLocked(id, origin)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor ", id, " is in a release the daemon ordered"));
+  }
   if (origin != Origin::kLocalPlan &&
       (r->where == Where::kEvicted || r->where == Where::kFreed)) {
     return absl::OkStatus();  // done already: the order came twice

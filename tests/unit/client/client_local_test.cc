@@ -13,6 +13,27 @@
 #include "gtest/gtest.h"
 
 namespace deltad::client {
+
+// Reaches the release steps of an in-process plan and the set of tensors
+// the daemon ordered released, which no public call times.
+class ClientTestPeer {
+ public:
+  static void Order(Client& c, uint64_t id) {
+    std::lock_guard<std::mutex> lock(c.mu_);
+    c.ordered_.insert(id);
+  }
+  static void Unorder(Client& c, uint64_t id) {
+    std::lock_guard<std::mutex> lock(c.mu_);
+    c.UnorderLocked(id);
+  }
+  static absl::Status PlanEvicts(Client& c, uint64_t id) {
+    return c.Evict(id, Client::Origin::kLocalPlan);
+  }
+  static absl::Status PlanOffloads(Client& c, uint64_t id) {
+    return c.Offload(id, Client::Origin::kLocalPlan);
+  }
+};
+
 namespace {
 
 using ::testing::HasSubstr;
@@ -233,6 +254,30 @@ TEST(ClientLocal, APrefetchHintReloadsWithinTheBudgetAheadOfThePin) {
     EXPECT_TRUE(AllBytesAre(*p, kMiB, static_cast<unsigned char>(id)));
     client->Unpin(id);
   }
+}
+
+// The race a soak run hit: an in-process plan chose a tensor, then the
+// daemon's order to offload it arrived; the plan's eviction went first and
+// the daemon refused the batch (EVICTED while it held the tensor as
+// offloading), losing the session. The plan now leaves ordered tensors to
+// their order.
+TEST(ClientLocal, AnInProcessPlanLeavesATensorTheDaemonOrderedToItsOrder) {
+  auto client = LocalClient(64 * kMiB);
+  auto p = client->Track(Info(1, kMiB, {}, 1),
+                         [](uint64_t, void*) { return absl::OkStatus(); });
+  ASSERT_TRUE(p.ok()) << p.status();
+  client->Unpin(1);
+  ClientTestPeer::Order(*client, 1);
+  EXPECT_EQ(ClientTestPeer::PlanEvicts(*client, 1).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ClientTestPeer::PlanOffloads(*client, 1).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(client->Stats().evictions, 0);
+  EXPECT_EQ(client->Stats().offloads, 0);
+  EXPECT_EQ(client->Stats().device_bytes, kMiB);
+  ClientTestPeer::Unorder(*client, 1);
+  EXPECT_TRUE(ClientTestPeer::PlanEvicts(*client, 1).ok());
+  EXPECT_EQ(client->Stats().evictions, 1);
 }
 
 }  // namespace
