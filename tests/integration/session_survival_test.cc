@@ -90,24 +90,39 @@ void ExpectChunksAccountedExactly(DaemonProcess& daemon, SteadyClient& client) {
   ASSERT_TRUE(client.Ask("resume").ok());
 }
 
+// Starts a steady client with `flags` and waits until it is attached with
+// its holdings and trains past its budget: it then asks the daemon for room
+// at every step. `*before`: its report then.
+void StartPastItsBudget(DaemonProcess& daemon,
+                        const std::vector<std::string>& flags,
+                        SteadyClient* client, Report* before) {
+  *client =
+      StartSteadyClient(daemon.dir(), "steady", daemon.socket_path(), flags);
+  ASSERT_NE(client->process, nullptr);
+  auto attached = AttachedWithItsHoldings(daemon, *client, absl::Seconds(60));
+  ASSERT_TRUE(attached.ok()) << attached.status() << "\n"
+                             << ReadFileOrEmpty(client->errors);
+  *before = *attached;
+  ASSERT_TRUE(Progressed(*client, *before, 20));
+}
+
+void Stall(DaemonProcess& daemon, absl::Duration how_long) {
+  ::kill(daemon.pid(), SIGSTOP);
+  absl::SleepFor(how_long);
+  ::kill(daemon.pid(), SIGCONT);
+}
+
 TEST(SessionSurvival, ADaemonStalledForThreeSecondsGetsTheClientBack) {
   auto d = DaemonProcess::Start(SmallNode());
   ASSERT_TRUE(d.ok()) << d.status();
   DaemonProcess& daemon = **d;
   // Calls are not sent again: the first one past its deadline loses the
   // session (see the next test for a client that waits).
-  SteadyClient client = StartSteadyClient(
-      daemon.dir(), "steady", daemon.socket_path(), {"--release_retry_ms=0"});
-  ASSERT_NE(client.process, nullptr);
-  auto before = AttachedWithItsHoldings(daemon, client, absl::Seconds(60));
-  ASSERT_TRUE(before.ok()) << before.status() << "\n"
-                           << ReadFileOrEmpty(client.errors);
-  // Past its budget, it asks the daemon for room at every step.
-  ASSERT_TRUE(Progressed(client, *before, 20));
-
-  ::kill(daemon.pid(), SIGSTOP);
-  absl::SleepFor(absl::Seconds(3));
-  ::kill(daemon.pid(), SIGCONT);
+  SteadyClient client;
+  Report before;
+  ASSERT_NO_FATAL_FAILURE(
+      StartPastItsBudget(daemon, {"--release_retry_ms=0"}, &client, &before));
+  Stall(daemon, absl::Seconds(3));
 
   auto after = AttachedWithItsHoldings(daemon, client, absl::Seconds(60));
   ASSERT_TRUE(after.ok()) << after.status() << "\n"
@@ -116,14 +131,14 @@ TEST(SessionSurvival, ADaemonStalledForThreeSecondsGetsTheClientBack) {
   // It noticed (a call for room ran past its 1 s deadline), ended that
   // session on both sides and opened another; it kept training meanwhile.
   EXPECT_GE(after->lost, 1);
-  EXPECT_NE(after->session, before->session);
+  EXPECT_NE(after->session, before.session);
   EXPECT_GE(after->reconnects, 1);
   EXPECT_THAT(ReadFileOrEmpty(client.errors),
               HasSubstr("lost the session with deltad"));
   // The daemon logs the old session's end once its stream handler is done,
   // which may come after the new session opened.
-  const std::string ended = absl::StrCat("session ", before->session, " (pid ",
-                                         client.process->pid());
+  const std::string ended =
+      absl::StrCat("session ", before.session, " (pid ", client.process->pid());
   for (int i = 0; i < 100 && !absl::StrContains(daemon.Output(), ended); ++i)
     absl::SleepFor(absl::Milliseconds(100));
   EXPECT_THAT(daemon.Output(), HasSubstr(ended));
@@ -145,25 +160,18 @@ TEST(SessionSurvival, ADaemonLateForACallKeepsTheSession) {
   auto d = DaemonProcess::Start(SmallNode());
   ASSERT_TRUE(d.ok()) << d.status();
   DaemonProcess& daemon = **d;
-  SteadyClient client =
-      StartSteadyClient(daemon.dir(), "steady", daemon.socket_path(),
-                        {"--release_retry_ms=8000"});
-  ASSERT_NE(client.process, nullptr);
-  auto before = AttachedWithItsHoldings(daemon, client, absl::Seconds(60));
-  ASSERT_TRUE(before.ok()) << before.status() << "\n"
-                           << ReadFileOrEmpty(client.errors);
-  ASSERT_TRUE(Progressed(client, *before, 20));
-
+  SteadyClient client;
+  Report before;
+  ASSERT_NO_FATAL_FAILURE(StartPastItsBudget(
+      daemon, {"--release_retry_ms=8000"}, &client, &before));
   // Past the client's 1 s deadline, within its 8 s of tries.
-  ::kill(daemon.pid(), SIGSTOP);
-  absl::SleepFor(absl::Milliseconds(2500));
-  ::kill(daemon.pid(), SIGCONT);
+  Stall(daemon, absl::Milliseconds(2500));
 
-  ASSERT_TRUE(Progressed(client, *before, 200))
+  ASSERT_TRUE(Progressed(client, before, 200))
       << ReadFileOrEmpty(client.errors);
   auto after = client.Ask("report");
   ASSERT_TRUE(after.ok()) << after.status();
-  EXPECT_EQ(after->session, before->session);
+  EXPECT_EQ(after->session, before.session);
   EXPECT_EQ(after->lost, 0) << ReadFileOrEmpty(client.errors);
   EXPECT_EQ(after->reconnects, 0);
   ExpectChunksAccountedExactly(daemon, client);
