@@ -356,6 +356,8 @@ class Client {
   std::string budget_note_;
   // The current session's link for the keeper's checks and heartbeats,
   // under a lock of its own (set with link_, under mu_).
+  int64_t last_check_ns_ = 0;  // the keeper's thread only (CheckLink)
+  int64_t resumed_ns_ = 0;     // ditto: when it last ran again after a stop
   std::mutex beat_mu_;
   std::shared_ptr<DaemonLink> beat_link_;
   common::LogLimit budget_note_log_{4, std::chrono::seconds(60)};

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "common/monotonic_clock.h"
 
 namespace deltad::client {
 
@@ -39,7 +40,16 @@ void Client::CheckLink() {
   // A daemon that stopped reading blocks the writer, and whoever waits to
   // send after it (an allocation asking for room): cutting the stream off
   // frees them, and the loss takes its usual course.
-  if (link != nullptr && link->WriteStalled()) {
+  // The keeper checks every quarter second: a check that comes much later
+  // means this process was stopped (SIGSTOP, a debugger) or starved, and a
+  // write under way since then has waited on it, not on the daemon.
+  const int64_t now = common::MonotonicNs();
+  if (last_check_ns_ != 0 &&
+      now - last_check_ns_ > int64_t{options_.link.rpc_timeout_ms} * 1000000) {
+    resumed_ns_ = now;
+  }
+  last_check_ns_ = now;
+  if (link != nullptr && link->WriteStalled(resumed_ns_)) {
     link->Cancel(absl::StrCat("a write on the session stream waited over ",
                               options_.link.rpc_timeout_ms,
                               " ms (the daemon stopped reading)"));

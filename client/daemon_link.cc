@@ -261,9 +261,9 @@ void DaemonLink::Heartbeat(int64_t unlisted_chunk_bytes) {
   if (written && changed) unlisted_sent_ = unlisted_chunk_bytes;
 }
 
-bool DaemonLink::WriteStalled() const {
+bool DaemonLink::WriteStalled(int64_t resumed_ns) const {
   const int64_t since = write_since_ns_.load();
-  return since != 0 && common::MonotonicNs() - since >
+  return since != 0 && common::MonotonicNs() - std::max(since, resumed_ns) >
                            int64_t{options_.rpc_timeout_ms} * 1000000;
 }
 
@@ -290,15 +290,22 @@ absl::StatusOr<v1::ReleaseResponse> DaemonLink::Release(
       std::chrono::steady_clock::now() +
       std::chrono::milliseconds(retries ? std::max(0, options_.release_retry_ms)
                                         : 0);
+  auto give_up_at = give_up;
   while (true) {
     v1::ReleaseResponse response;
     grpc::ClientContext context;
     context.set_deadline(Deadline(options_.rpc_timeout_ms));
+    const auto tried = std::chrono::steady_clock::now();
     grpc::Status s = stub_->Release(&context, request, &response);
     if (s.ok()) return response;
+    // A try that took far past its deadline: this process was stopped
+    // meanwhile, and that time was not the daemon's to answer in.
+    const auto took = std::chrono::steady_clock::now() - tried;
+    const auto deadline = std::chrono::milliseconds(options_.rpc_timeout_ms);
+    if (took > 2 * deadline) give_up_at += took - deadline;
     // Late, not lost: the same call again, which the daemon applies once.
     if (s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED ||
-        std::chrono::steady_clock::now() >= give_up || !alive_.load()) {
+        std::chrono::steady_clock::now() >= give_up_at || !alive_.load()) {
       return FromGrpc(s, "Release");
     }
   }

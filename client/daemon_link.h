@@ -102,7 +102,10 @@ class DaemonLink {
   bool alive() const { return alive_.load(); }
   // Whether a write on the stream has waited past the RPC timeout: the
   // daemon stopped reading (stalled), and gRPC's writes have no deadline.
-  bool WriteStalled() const;
+  // A write begun before `resumed_ns` (when this process last ran again
+  // after being stopped) counts from then: its wait is the daemon's only
+  // while this process ran.
+  bool WriteStalled(int64_t resumed_ns = 0) const;
   // Cuts the stream off: a write waiting on it returns, and `on_lost` runs
   // with `why`.
   void Cancel(const std::string& why);
