@@ -286,11 +286,9 @@ absl::StatusOr<v1::ReleaseResponse> DaemonLink::Release(
   std::lock_guard<std::mutex> lock(release_mu_);
   const bool retries = session_.release_retries();
   if (retries) request.set_release_seq(++release_seq_);
-  const auto give_up =
-      std::chrono::steady_clock::now() +
-      std::chrono::milliseconds(retries ? std::max(0, options_.release_retry_ms)
-                                        : 0);
-  auto give_up_at = give_up;
+  auto give_up = std::chrono::steady_clock::now() +
+                 std::chrono::milliseconds(
+                     retries ? std::max(0, options_.release_retry_ms) : 0);
   while (true) {
     v1::ReleaseResponse response;
     grpc::ClientContext context;
@@ -302,10 +300,10 @@ absl::StatusOr<v1::ReleaseResponse> DaemonLink::Release(
     // meanwhile, and that time was not the daemon's to answer in.
     const auto took = std::chrono::steady_clock::now() - tried;
     const auto deadline = std::chrono::milliseconds(options_.rpc_timeout_ms);
-    if (took > 2 * deadline) give_up_at += took - deadline;
+    if (took > 2 * deadline) give_up += took - deadline;
     // Late, not lost: the same call again, which the daemon applies once.
     if (s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED ||
-        std::chrono::steady_clock::now() >= give_up_at || !alive_.load()) {
+        std::chrono::steady_clock::now() >= give_up || !alive_.load()) {
       return FromGrpc(s, "Release");
     }
   }
