@@ -302,8 +302,11 @@ class Client {
   // daemon made room on the GPU for it (possibly beyond this session's
   // budget), false when the caller should check its budget again.
   absl::StatusOr<bool> MakeRoom(int64_t bytes, int64_t extra = 0);
-  // Releases `need` bytes of this process's tensors, chosen in-process.
-  absl::Status ReleaseInProcess(int64_t need, int64_t start_ns);
+  // Releases `need` bytes of this process's tensors, chosen in-process;
+  // with `up_to`, as much of them as can be (an error only when nothing
+  // can), for a need in whole chunks that part of the bytes may free.
+  absl::Status ReleaseInProcess(int64_t need, int64_t start_ns,
+                                bool up_to = false);
 
   // --- device chunks (chunk-backed devices only); mu_ not held
   // Brings the chunks the device holds to `want` bytes: fetches the missing

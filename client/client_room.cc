@@ -115,7 +115,8 @@ absl::StatusOr<bool> Client::MakeRoom(int64_t bytes, int64_t extra) {
   return false;  // within the budget now, unless an order was refused
 }
 
-absl::Status Client::ReleaseInProcess(int64_t need, int64_t start_ns) {
+absl::Status Client::ReleaseInProcess(int64_t need, int64_t start_ns,
+                                      bool up_to) {
   std::vector<v1::ReleaseOrder> orders;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -125,7 +126,8 @@ absl::Status Client::ReleaseInProcess(int64_t need, int64_t start_ns) {
     for (uint64_t id : ordered_) {
       if (local_.table().Lock(id).ok()) shielded.push_back(id);
     }
-    auto plan = local_.Plan(need, NowNs(), arena_.available_bytes());
+    auto plan = up_to ? local_.PlanUpTo(need, NowNs(), arena_.available_bytes())
+                      : local_.Plan(need, NowNs(), arena_.available_bytes());
     for (uint64_t id : shielded) (void)local_.table().Unlock(id);
     if (!plan.ok()) return plan.status();
     for (const policy::ReleaseOrder& o : *plan) {
@@ -302,13 +304,22 @@ absl::StatusOr<void*> Client::AllocateDeviceInRounds(int64_t bytes) {
       over = device_bytes_ + bytes - budget_bytes_;
     }
     // (Which all of it may not be releasable: pinned tensors, or a host
-    // quota short of them; then `bytes` alone, as much as can be.)
+    // quota short of them; then `bytes`, or as much of them as can be: the
+    // need is whole chunks, which part of the bytes may free.)
     if (over > bytes && ReleaseInProcess(over, NowNs()).ok()) continue;
-    if (absl::Status s = ReleaseInProcess(bytes, NowNs()); !s.ok()) {
-      if (link == nullptr && MapPastBudgetInProcess(bytes)) continue;
-      return absl::ResourceExhaustedError(
-          absl::StrCat(device.status().message(), "; ", s.message()));
+    absl::Status s = ReleaseInProcess(bytes, NowNs(), /*up_to=*/true);
+    if (s.ok()) continue;
+    if (link == nullptr) {
+      if (MapPastBudgetInProcess(bytes)) continue;
+    } else if (round + 1 < kRounds) {
+      // Nothing here to release; others may still be releasing for this
+      // session or give chunks back. The next even round asks the daemon
+      // again rather than fail a step while rounds remain.
+      std::this_thread::sleep_for(std::chrono::milliseconds(round + 1));
+      continue;
     }
+    return absl::ResourceExhaustedError(
+        absl::StrCat(device.status().message(), "; ", s.message()));
   }
 }
 

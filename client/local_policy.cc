@@ -16,4 +16,10 @@ absl::StatusOr<std::vector<policy::ReleaseOrder>> LocalPolicy::Plan(
                           host_bytes_available);
 }
 
+absl::StatusOr<std::vector<policy::ReleaseOrder>> LocalPolicy::PlanUpTo(
+    int64_t bytes, int64_t now_ns, int64_t host_bytes_available) {
+  return planner_.ReleaseUpTo(policy::Scope{kGpu, kSession}, bytes, now_ns,
+                              host_bytes_available);
+}
+
 }  // namespace deltad::client

@@ -29,6 +29,9 @@ class LocalPolicy {
   // (see ReleasePlanner::Release); chosen tensors change state at once.
   absl::StatusOr<std::vector<policy::ReleaseOrder>> Plan(
       int64_t bytes, int64_t now_ns, int64_t host_bytes_available);
+  // As much of `bytes` as can be released (ReleasePlanner::ReleaseUpTo).
+  absl::StatusOr<std::vector<policy::ReleaseOrder>> PlanUpTo(
+      int64_t bytes, int64_t now_ns, int64_t host_bytes_available);
 
   static constexpr policy::SessionId kSession = 1;
   static constexpr policy::GpuId kGpu = 0;

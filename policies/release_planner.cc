@@ -22,6 +22,36 @@ absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Release(
 absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Release(
     const Scope& scope, int64_t bytes, int64_t now_ns,
     int64_t host_bytes_available, Eligible eligible) {
+  int64_t most = 0;
+  return Plan(scope, bytes, now_ns, host_bytes_available, eligible, most);
+}
+
+absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::ReleaseUpTo(
+    const Scope& scope, int64_t bytes, int64_t now_ns,
+    int64_t host_bytes_available) {
+  // No more than is resident, so that the planner scans and says how much
+  // it can free (its quick refusal does not).
+  const int64_t resident = table_.CandidateBytes(scope);
+  if (bytes > 0 && resident == 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "asked to release up to ", bytes, " bytes; none is resident"));
+  }
+  bytes = std::min(bytes, resident);
+  int64_t most = 0;
+  auto all = Plan(scope, bytes, now_ns, host_bytes_available, AnyTensor, most);
+  if (all.ok() || !absl::IsResourceExhausted(all.status()) || most <= 0 ||
+      most >= bytes) {
+    return all;
+  }
+  // The same picks again, asked for no more than they free: the table is
+  // as it was, so the plan that found `most` finds it again.
+  return Plan(scope, most, now_ns, host_bytes_available, AnyTensor, most);
+}
+
+absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Plan(
+    const Scope& scope, int64_t bytes, int64_t now_ns,
+    int64_t host_bytes_available, Eligible eligible, int64_t& most) {
+  most = 0;
   if (bytes <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("bytes to release must be positive, got ", bytes));
@@ -39,7 +69,6 @@ absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Release(
   // offloaded (evict-pinned, uncomputable) needed; if the first pass falls
   // short after offloading anything, a second keeps the host for those
   // tensors and evicts everything that may be evicted.
-  int64_t most = 0;
   for (const bool reserve_host : {false, true}) {
     std::vector<ReleaseOrder> orders;
     int64_t freed = 0;

@@ -45,6 +45,13 @@ class ReleasePlanner {
       const Scope& scope, int64_t bytes, int64_t now_ns,
       int64_t host_bytes_available, Eligible eligible);
 
+  // As much of `bytes` as the scope can free (all of it when it can): for
+  // a caller whose real need is whole chunks, which a part of the bytes
+  // asked for may free. An error only when nothing can be released.
+  absl::StatusOr<std::vector<ReleaseOrder>> ReleaseUpTo(
+      const Scope& scope, int64_t bytes, int64_t now_ns,
+      int64_t host_bytes_available);
+
   // The early start of DELTA (§4.2), for use above the high watermark:
   // offloads, in the Filter's order, up to `bytes` of the tensors the
   // Director would offload, so their copies overlap compute. Best effort:
@@ -61,6 +68,13 @@ class ReleasePlanner {
                                          Eligible eligible);
 
  private:
+  // Release's work; `most` is what a refused plan could have freed.
+  absl::StatusOr<std::vector<ReleaseOrder>> Plan(const Scope& scope,
+                                                 int64_t bytes, int64_t now_ns,
+                                                 int64_t host_bytes_available,
+                                                 Eligible eligible,
+                                                 int64_t& most);
+
   TensorTable& table_;
   Filter& filter_;
   const Director& director_;

@@ -38,12 +38,12 @@ class ClientDaemonTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
   }
 
-  void StartDaemon() {
+  void StartDaemon(int64_t gpu_memory = 64 * kMiB) {
     v1::DaemonConfig c;
     c.set_socket_path(socket_);
     c.set_metrics_address("127.0.0.1:0");
     c.mutable_sim()->set_gpus(2);
-    c.mutable_sim()->set_memory_bytes(64 * kMiB);
+    c.mutable_sim()->set_memory_bytes(gpu_memory);
     c.set_min_session_bytes(4 * kMiB);
     c.set_host_pool_bytes(64 * kMiB);
     c.set_host_slab_bytes(4 * kMiB);
@@ -230,6 +230,54 @@ TEST_F(ClientDaemonTest, AChunkDeviceKeepsTheBytesThroughOffloadsAndReloads) {
   EXPECT_EQ(s.rejected_batches, 0);
   // Beyond the budget only while the GPU had room no one held.
   EXPECT_LE(GpuChunkBytes(), server_->node().Status().gpus(0).budget_bytes());
+}
+
+TEST_F(ClientDaemonTest,
+       ChunksShortOfABudgetThatAllowsTheBytesAreMadeByReleasingWhatCanBe) {
+  // The whole GPU's budget (three 2 MiB chunks) for one session: the
+  // daemon has no room to lend.
+  server_.reset();
+  StartDaemon(8 * kMiB);
+  const int64_t budget = server_->node().Status().gpus(0).budget_bytes();
+  ASSERT_EQ(budget, 6 * kMiB) << "the scenario counts on three chunks";
+  Connect(budget, ChunkDevice());
+  ASSERT_TRUE(client_->connected());
+  // Three tensors of a chunk each, 3.3 MiB in all: the first still pinned
+  // by its op, the other two releasable.
+  constexpr int64_t kTensor = kMiB + kMiB / 10;
+  for (uint64_t id = 1; id <= 3; ++id) {
+    TensorInfo t;
+    t.id = id;
+    t.bytes = kTensor;
+    t.uncomputable = true;
+    auto p = client_->Track(t, nullptr);
+    ASSERT_TRUE(p.ok()) << p.status();
+    std::memset(*p, static_cast<int>(id), kTensor);
+    if (id > 1) client_->Unpin(id);
+  }
+  // 2.6 MiB more fit the budget's bytes but take two chunks, and none is
+  // free. Releasing both releasable tensors frees 2.2 MiB, less than the
+  // bytes asked, but the two chunks the allocation lacks.
+  TensorInfo big;
+  big.id = 4;
+  big.bytes = 2 * kMiB + 6 * kMiB / 10;
+  big.uncomputable = true;
+  auto p = client_->Track(big, nullptr);
+  ASSERT_TRUE(p.ok()) << p.status();
+  std::memset(*p, 4, big.bytes);
+  client_->Unpin(4);
+  client_->Unpin(1);
+  const ClientStats s = client_->Stats();
+  EXPECT_GE(s.offloads, 2) << "reloads " << s.reloads;
+  EXPECT_TRUE(s.connected);
+  EXPECT_EQ(s.rejected_batches, 0);
+  for (uint64_t id = 1; id <= 3; ++id) {
+    auto q = client_->Pin(id);
+    ASSERT_TRUE(q.ok()) << q.status();
+    const auto* b = static_cast<const unsigned char*>(*q);
+    EXPECT_EQ(b[kTensor - 1], static_cast<unsigned char>(id)) << id;
+    client_->Unpin(id);
+  }
 }
 
 TEST_F(ClientDaemonTest, ClosingAChunkClientGivesTheChunksBack) {

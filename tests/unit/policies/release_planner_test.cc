@@ -337,6 +337,33 @@ TEST_F(ReleasePlannerExhaustedTest, HostRoomMakesThePinnedTensorReleasable) {
   EXPECT_EQ(State(5), TensorState::kOffloading);
 }
 
+TEST_F(ReleasePlannerExhaustedTest, UpToFreesWhatItCanWhenItCannotFreeAll) {
+  absl::StatusOr<std::vector<ReleaseOrder>> orders =
+      planner_.ReleaseUpTo(SessionScope(kSession), 450, kNow, 0);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_EQ(Bytes(*orders), 400);
+  EXPECT_EQ(State(4), TensorState::kResident);  // locked
+  EXPECT_EQ(State(5), TensorState::kResident);  // offload only, no host
+  // Nothing left to free: now it is an error, and nothing changes.
+  const std::string before = Snapshot(7);
+  orders = planner_.ReleaseUpTo(SessionScope(kSession), 100, kNow, 0);
+  ASSERT_FALSE(orders.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(orders.status())) << orders.status();
+  EXPECT_EQ(Snapshot(7), before);
+}
+
+TEST_F(ReleasePlannerTest, UpToFreesNoMoreThanAReleaseOfAllWhenItCan) {
+  for (TensorId id = 1; id <= 3; ++id) Add(Spec(id, 100, Kind::kCheap), id);
+  absl::StatusOr<std::vector<ReleaseOrder>> orders =
+      planner_.ReleaseUpTo(SessionScope(kSession), 150, kNow, kPlenty);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(1, 2));
+  // More than is resident: all of it.
+  orders = planner_.ReleaseUpTo(SessionScope(kSession), 1000, kNow, kPlenty);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(3));
+}
+
 TEST_F(ReleasePlannerTest, NonPositiveBytesAreRejected) {
   Add(Spec(1, 100, Kind::kCheap), 0);
   const std::string before = Snapshot(1);
