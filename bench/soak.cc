@@ -70,8 +70,10 @@ ABSL_FLAG(int, storm_iterations, 2,
 ABSL_FLAG(int, warmup, -1,
           "seconds before the memory figures' baseline (-1: a fifth of "
           "--duration, at most 60)");
-ABSL_FLAG(int, drain_timeout, 180,
-          "seconds the trainers get to finish after --duration");
+ABSL_FLAG(int, drain_timeout, 420,
+          "seconds the trainers get to finish after --duration (a DenseNet "
+          "trainer started at the end of the load needs about 4 x 100 s on "
+          "2 cores)");
 ABSL_FLAG(double, flat_mib_per_min, 1.0,
           "memory is flat when the RSS slope over the second half is below "
           "this");

@@ -307,7 +307,13 @@ absl::StatusOr<void*> Client::AllocateDeviceInRounds(int64_t bytes) {
     // quota short of them; then `bytes`, or as much of them as can be: the
     // need is whole chunks, which part of the bytes may free.)
     if (over > bytes && ReleaseInProcess(over, NowNs()).ok()) continue;
-    absl::Status s = ReleaseInProcess(bytes, NowNs(), /*up_to=*/true);
+    // Bytes freed in a page that other blocks keep mapped free no chunk: a
+    // small allocation that needs a page of its own may take far more than
+    // its bytes. Each round asks for twice the chunks the last one did.
+    const int64_t chunks_worth = std::max<int64_t>(1, device_->chunk_bytes())
+                                 << std::min(round, 30);
+    absl::Status s = ReleaseInProcess(std::max(bytes, chunks_worth), NowNs(),
+                                      /*up_to=*/true);
     if (s.ok()) continue;
     if (link == nullptr) {
       if (MapPastBudgetInProcess(bytes)) continue;

@@ -280,6 +280,47 @@ TEST_F(ClientDaemonTest,
   }
 }
 
+TEST_F(ClientDaemonTest,
+       ASmallAllocationShortOfAPageReleasesUntilAChunkIsFree) {
+  server_.reset();
+  StartDaemon(8 * kMiB);
+  const int64_t budget = server_->node().Status().gpus(0).budget_bytes();
+  ASSERT_EQ(budget, 6 * kMiB) << "the scenario counts on three chunks";
+  Connect(budget, ChunkDevice());
+  ASSERT_TRUE(client_->connected());
+  // 96 blocks of 60 KiB fill the three 2 MiB chunks, 34 to a page; the
+  // first page's stay pinned by their op. 5.6 MiB: the budget has room for
+  // a small tensor, but no chunk is free for a page of its size class.
+  constexpr int64_t kBlock = 60 << 10;
+  constexpr uint64_t kBlocks = 96;
+  for (uint64_t id = 1; id <= kBlocks; ++id) {
+    TensorInfo t;
+    t.id = id;
+    t.bytes = kBlock;
+    t.uncomputable = true;
+    auto p = client_->Track(t, nullptr);
+    ASSERT_TRUE(p.ok()) << id << ": " << p.status();
+    std::memset(*p, static_cast<int>(id), kBlock);
+    if (id > 34) client_->Unpin(id);
+  }
+  TensorInfo small;
+  small.id = kBlocks + 1;
+  small.bytes = 8;
+  small.uncomputable = true;
+  auto p = client_->Track(small, nullptr);
+  ASSERT_TRUE(p.ok()) << p.status();
+  client_->Unpin(small.id);
+  for (uint64_t id = 1; id <= 34; ++id) client_->Unpin(id);
+  EXPECT_TRUE(client_->Stats().connected);
+  for (uint64_t id = 1; id <= kBlocks; ++id) {
+    auto q = client_->Pin(id);
+    ASSERT_TRUE(q.ok()) << id << ": " << q.status();
+    const auto* b = static_cast<const unsigned char*>(*q);
+    EXPECT_EQ(b[kBlock - 1], static_cast<unsigned char>(id)) << id;
+    client_->Unpin(id);
+  }
+}
+
 TEST_F(ClientDaemonTest, ClosingAChunkClientGivesTheChunksBack) {
   Connect(8 * kMiB, ChunkDevice());
   TrackFilled(1, 4);
