@@ -369,8 +369,13 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
           ++plan.confirmed_evictions;
           break;
         }
-        if (from != TensorState::kResident && from != TensorState::kOffloaded) {
-          return illegal("resident or offloaded");
+        // Offloading: the process evicted it on its own before it read the
+        // offload order (its plan cannot see orders still on the stream).
+        // The eviction stands; the order's refusal that follows is stale,
+        // since the tensor is not evicted from the device by an order.
+        if (from != TensorState::kResident && from != TensorState::kOffloaded &&
+            from != TensorState::kOffloading) {
+          return illegal("resident, offloading or offloaded");
         }
         if (!may_evict) {
           return error(absl::StatusCode::kFailedPrecondition,

@@ -43,8 +43,9 @@ bool TransitionAllowed(TensorState from, TensorState to) {
   switch (from) {
     case S::kResident:
       return to == S::kOffloading || to == S::kEvicted;
-    case S::kOffloading:  // copy finished, or cancelled
-      return to == S::kOffloaded || to == S::kResident;
+    case S::kOffloading:  // copy finished, cancelled, or the offload order
+                          // overtaken by the process's own eviction
+      return to == S::kOffloaded || to == S::kResident || to == S::kEvicted;
     case S::kOffloaded:  // reload started, reload done at once, host copy
                          // dropped
       return to == S::kReloading || to == S::kResident || to == S::kEvicted;

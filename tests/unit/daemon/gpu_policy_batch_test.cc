@@ -229,6 +229,28 @@ TEST_F(GpuPolicyTest, EventsFollowTheDaemonsOrders) {
   EXPECT_EQ(U(kA).device_bytes, 700);
 }
 
+TEST_F(GpuPolicyTest,
+       AnEvictionOvertakingAnOffloadOrderStandsAndItsRefusalIsStale) {
+  Make(1000);
+  AddSession(kA, 1000);
+  Fill(kA, 1, 10, 100, Cost::kCostly);  // the GPU is full
+  auto orders = MakeRoom(kA, 100);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  ASSERT_EQ((*orders)[kA].size(), 1u);
+  ASSERT_EQ((*orders)[kA][0].action(), v1::ReleaseOrder::OFFLOAD);
+  const uint64_t id = (*orders)[kA][0].tensor_id();
+  // The process's own plan evicted it before the order reached it.
+  ASSERT_TRUE(Apply(kA, Events({{kEvicted, id}, {kFreed, 10}})).ok());
+  EXPECT_EQ(U(kA).device_bytes, 800);
+  EXPECT_EQ(U(kA).host_bytes, 0);
+  // It then refuses the order: nothing to cancel, the tensor stays evicted.
+  ASSERT_TRUE(Apply(kA, Events({{kReleaseFailed, id}})).ok());
+  EXPECT_EQ(U(kA).device_bytes, 800);
+  EXPECT_EQ(U(kA).host_bytes, 0);
+  ASSERT_TRUE(Apply(kA, Events({{kRecomputed, id}})).ok());
+  EXPECT_EQ(U(kA).device_bytes, 900);
+}
+
 TEST_F(GpuPolicyTest, AnEvictOrderIsConfirmedOrCancelled) {
   Make(1000);
   AddSession(kA, 1000);

@@ -12,8 +12,8 @@ inline bool LegalTransition(TensorState from, TensorState to) {
   switch (from) {
     case S::kResident:
       return to == S::kOffloading || to == S::kEvicted;
-    case S::kOffloading:
-      return to == S::kOffloaded || to == S::kResident;
+    case S::kOffloading:  // the order overtaken by the process's eviction
+      return to == S::kOffloaded || to == S::kResident || to == S::kEvicted;
     case S::kOffloaded:
       return to == S::kReloading || to == S::kResident || to == S::kEvicted;
     case S::kReloading:
