@@ -196,6 +196,18 @@ absl::StatusOr<void*> Client::AllocateDeviceInRounds(int64_t bytes) {
   // For the message when it gives up: what was refused meanwhile.
   int64_t refused_at_start = 0;
   int64_t local_refused_at_start = 0;
+  int64_t released_at_start = 0;  // offloads and evictions
+  // The tries so far, for an error; mu_ held.
+  auto tries = [&](int round) {
+    return absl::StrCat(
+        round, " tries in ", (NowNs() - start_ns) / 1000000, " ms, ",
+        stats_.offloads + stats_.evictions - released_at_start,
+        " tensors released, ", stats_.orders_refused - refused_at_start,
+        " of deltad's orders and ",
+        stats_.local_refused - local_refused_at_start,
+        " in-process releases refused as pinned or without host room, ",
+        stats_.connected ? "connected" : "not connected");
+  };
   for (int round = 0;; ++round) {
     bool reserved = false;
     {
@@ -203,6 +215,7 @@ absl::StatusOr<void*> Client::AllocateDeviceInRounds(int64_t bytes) {
       if (round == 0) {
         refused_at_start = stats_.orders_refused;
         local_refused_at_start = stats_.local_refused;
+        released_at_start = stats_.offloads + stats_.evictions;
       }
       if (granted || device_bytes_ + bytes <= budget_bytes_) {
         device_bytes_ += bytes;
@@ -212,12 +225,7 @@ absl::StatusOr<void*> Client::AllocateDeviceInRounds(int64_t bytes) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "no room for ", bytes, " bytes: ", device_bytes_, " of ",
             budget_bytes_, " budget bytes held after releasing what could be (",
-            round, " tries in ", (NowNs() - start_ns) / 1000000, " ms, ",
-            stats_.orders_refused - refused_at_start,
-            " of deltad's orders and ",
-            stats_.local_refused - local_refused_at_start,
-            " in-process releases refused as pinned or without host room, ",
-            stats_.connected ? "connected" : "not connected", ")"));
+            tries(round), ")"));
       }
     }
     if (!reserved) {
@@ -260,7 +268,9 @@ absl::StatusOr<void*> Client::AllocateDeviceInRounds(int64_t bytes) {
     }
     if (round >= kRounds) {
       if (link == nullptr && MapPastBudgetInProcess(bytes)) continue;
-      return device.status();
+      std::lock_guard<std::mutex> lock(mu_);
+      return absl::ResourceExhaustedError(
+          absl::StrCat(device.status().message(), " (", tries(round), ")"));
     }
     // Short of chunks: the budget's may not all have come yet, or the
     // daemon made room beyond the budget, which takes more chunks; others
