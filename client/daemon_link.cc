@@ -106,9 +106,10 @@ absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
       !s.ok()) {
     return FromGrpc(s, "OpenSession");
   }
-  if (const uint32_t spoken =
-          common::SpokenProtocol(link->session_.protocol_version());
-      spoken != common::kProtocolVersion) {
+  if (const std::string mismatch = common::DaemonProtocolMismatch(
+          DELTAD_VERSION, link->session_.daemon_version(),
+          link->session_.protocol_version());
+      !mismatch.empty()) {
     // The daemon opened a session it cannot serve this library in: close
     // it rather than misread each other.
     grpc::ClientContext close_context;
@@ -117,9 +118,7 @@ absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
     close.set_session_token(link->session_.session_token());
     v1::CloseSessionResponse closed;
     (void)link->stub_->CloseSession(&close_context, close, &closed);
-    return absl::FailedPreconditionError(
-        common::ProtocolMismatch(DELTAD_VERSION, common::kProtocolVersion,
-                                 link->session_.daemon_version(), spoken));
+    return absl::FailedPreconditionError(mismatch);
   }
 
   // The slabs' descriptors come over the side socket.

@@ -31,6 +31,18 @@ inline std::string ProtocolMismatch(const std::string& client_version,
       "older one)");
 }
 
+// The client's check of the daemon's answer to OpenSession: empty when the
+// daemon speaks this library's protocol (`daemon_sent` as it came, 0 from a
+// daemon that predates the field), else why they cannot work together.
+inline std::string DaemonProtocolMismatch(const std::string& client_version,
+                                          const std::string& daemon_version,
+                                          uint32_t daemon_sent) {
+  const uint32_t spoken = SpokenProtocol(daemon_sent);
+  if (spoken == kProtocolVersion) return "";
+  return ProtocolMismatch(client_version, kProtocolVersion, daemon_version,
+                          spoken);
+}
+
 }  // namespace deltad::common
 
 #endif  // DELTAD_COMMON_PROTOCOL_VERSION_H_
