@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/status/status.h"
+#include "daemon/heap_return.h"
 #include "daemon/node.h"
 #include "daemon/release_replies.h"
 #include "daemon/request_limits.h"
@@ -165,6 +166,7 @@ class MemoryManagerService final : public grpc::Service {
   ReleaseReplies replies_;
   std::atomic<bool> draining_{false};
   SessionLeases leases_;
+  HeapReturn heap_;  // ticked by the lease thread
   // Held while lease changes are carried out, and while a stream gives up
   // its lease, so that no change lands on a session whose stream ended.
   std::mutex lease_mu_;

@@ -1,0 +1,50 @@
+#include "daemon/heap_return.h"
+
+#include <utility>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+namespace deltad::daemon {
+
+namespace {
+
+int64_t GlibcFreeBytes() {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || __GLIBC_MINOR__ >= 33)
+  const struct mallinfo2 info = mallinfo2();
+  return static_cast<int64_t>(info.fordblks);
+#else
+  return 0;
+#endif
+}
+
+void GlibcTrim() {
+#if defined(__GLIBC__)
+  (void)malloc_trim(0);
+#endif
+}
+
+}  // namespace
+
+HeapReturn::HeapReturn() : HeapReturn(Options{}, GlibcFreeBytes, GlibcTrim) {}
+
+HeapReturn::HeapReturn(Options options, std::function<int64_t()> free_bytes,
+                       std::function<void()> trim)
+    : options_(options),
+      free_bytes_(std::move(free_bytes)),
+      trim_(std::move(trim)) {}
+
+bool HeapReturn::Tick(int64_t now_ns) {
+  if (looked_ && now_ns - last_ns_ < options_.interval_ns) return false;
+  looked_ = true;
+  last_ns_ = now_ns;
+  const int64_t free = free_bytes_();
+  if (free < options_.min_free_bytes) return false;
+  trim_();
+  ++trims_;
+  offered_bytes_ += free;
+  return true;
+}
+
+}  // namespace deltad::daemon

@@ -1,0 +1,46 @@
+#ifndef DELTAD_DAEMON_HEAP_RETURN_H_
+#define DELTAD_DAEMON_HEAP_RETURN_H_
+
+#include <cstdint>
+#include <functional>
+
+namespace deltad::daemon {
+
+// Gives the heap that sessions freed back to the system. Each stream's
+// handler thread allocates in a glibc arena of its own, and what a session
+// frees when it ends stays mapped there: after the soak's trainers drained,
+// the daemon held 180 MiB of RSS with 30 MiB of it in use, and malloc_trim
+// brought it to 63 MiB. So an idle daemon kept the high-water mark of its
+// busiest minute. Not thread safe: one timer thread ticks it.
+class HeapReturn {
+ public:
+  struct Options {
+    int64_t interval_ns = int64_t{10} * 1000000000;  // at most one trim
+    int64_t min_free_bytes = int64_t{16} << 20;      // worth a trim
+  };
+  // `free_bytes`: the bytes the allocator holds free; `trim`: gives them
+  // back. The default constructor uses glibc's (a no-op elsewhere).
+  HeapReturn();
+  HeapReturn(Options options, std::function<int64_t()> free_bytes,
+             std::function<void()> trim);
+
+  // Trims when `interval_ns` has passed since the last look and at least
+  // `min_free_bytes` lie free. True when it trimmed.
+  bool Tick(int64_t now_ns);
+
+  int64_t trims() const { return trims_; }
+  int64_t offered_bytes() const { return offered_bytes_; }  // free at trims
+
+ private:
+  Options options_;
+  std::function<int64_t()> free_bytes_;
+  std::function<void()> trim_;
+  int64_t last_ns_ = 0;
+  bool looked_ = false;
+  int64_t trims_ = 0;
+  int64_t offered_bytes_ = 0;
+};
+
+}  // namespace deltad::daemon
+
+#endif  // DELTAD_DAEMON_HEAP_RETURN_H_

@@ -1,0 +1,47 @@
+// When the daemon gives freed heap back to the system.
+#include "daemon/heap_return.h"
+
+#include <cstdint>
+
+#include "gtest/gtest.h"
+
+namespace deltad::daemon {
+namespace {
+
+constexpr int64_t kSecond = 1000000000;
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+class HeapReturnTest : public ::testing::Test {
+ protected:
+  HeapReturn heap_{{.interval_ns = 10 * kSecond, .min_free_bytes = 16 * kMiB},
+                   [this] { return free_; },
+                   [this] {
+                     ++trimmed_;
+                     free_ = 0;
+                   }};
+  int64_t free_ = 0;
+  int trimmed_ = 0;
+};
+
+TEST_F(HeapReturnTest, TrimsOnlyWhenEnoughLiesFree) {
+  free_ = 15 * kMiB;
+  EXPECT_FALSE(heap_.Tick(0));
+  EXPECT_EQ(trimmed_, 0);
+  free_ = 40 * kMiB;
+  EXPECT_TRUE(heap_.Tick(10 * kSecond));
+  EXPECT_EQ(trimmed_, 1);
+  EXPECT_EQ(heap_.trims(), 1);
+  EXPECT_EQ(heap_.offered_bytes(), 40 * kMiB);
+}
+
+TEST_F(HeapReturnTest, LooksAtMostOncePerInterval) {
+  free_ = 40 * kMiB;
+  EXPECT_TRUE(heap_.Tick(5 * kSecond));
+  free_ = 40 * kMiB;
+  EXPECT_FALSE(heap_.Tick(14 * kSecond));  // 9 s later
+  EXPECT_TRUE(heap_.Tick(15 * kSecond));
+  EXPECT_EQ(trimmed_, 2);
+}
+
+}  // namespace
+}  // namespace deltad::daemon
