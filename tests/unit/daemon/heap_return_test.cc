@@ -13,7 +13,9 @@ constexpr int64_t kMiB = int64_t{1} << 20;
 
 class HeapReturnTest : public ::testing::Test {
  protected:
-  HeapReturn heap_{{.interval_ns = 10 * kSecond, .min_free_bytes = 16 * kMiB},
+  HeapReturn heap_{{.interval_ns = 10 * kSecond,
+                    .min_free_bytes = 16 * kMiB,
+                    .urgent_free_bytes = 256 * kMiB},
                    [this] { return free_; },
                    [this] {
                      ++trimmed_;
@@ -34,13 +36,17 @@ TEST_F(HeapReturnTest, TrimsOnlyWhenEnoughLiesFree) {
   EXPECT_EQ(heap_.offered_bytes(), 40 * kMiB);
 }
 
-TEST_F(HeapReturnTest, LooksAtMostOncePerInterval) {
+TEST_F(HeapReturnTest, TrimsAtMostOncePerIntervalUnlessMuchLiesFree) {
   free_ = 40 * kMiB;
   EXPECT_TRUE(heap_.Tick(5 * kSecond));
   free_ = 40 * kMiB;
   EXPECT_FALSE(heap_.Tick(14 * kSecond));  // 9 s later
   EXPECT_TRUE(heap_.Tick(15 * kSecond));
   EXPECT_EQ(trimmed_, 2);
+  // A sudden mass of freed memory is not left for the interval.
+  free_ = 300 * kMiB;
+  EXPECT_TRUE(heap_.Tick(15 * kSecond + 100000000));
+  EXPECT_EQ(trimmed_, 3);
 }
 
 }  // namespace
