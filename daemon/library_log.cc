@@ -2,8 +2,12 @@
 
 #include <grpc/support/log.h>
 
+#include <atomic>
+#include <mutex>
 #include <string>
+#include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/stubs/logging.h"
 
@@ -13,6 +17,16 @@ namespace {
 LibraryLog* TheLog() {
   static auto* const log = new LibraryLog(stderr);
   return log;
+}
+
+// The least severe gRPC line written: what GRPC_VERBOSITY asked for before
+// RouteLibraryLogs lowered gRPC's own threshold.
+std::atomic<int> grpc_shown_severity{GPR_LOG_SEVERITY_ERROR};
+
+std::mutex observer_mu;
+std::function<void()>* TheObserver() {
+  static auto* const observer = new std::function<void()>();
+  return observer;
 }
 
 const char* GprSeverity(gpr_log_severity s) {
@@ -28,9 +42,16 @@ const char* GprSeverity(gpr_log_severity s) {
 }
 
 void FromGrpc(gpr_log_func_args* args) {
+  const char* message = args->message == nullptr ? "" : args->message;
+  if (IsTooManyPingsGoaway(message)) {
+    std::lock_guard<std::mutex> lock(observer_mu);
+    if (*TheObserver()) (*TheObserver())();
+  }
+  if (args->severity < grpc_shown_severity.load(std::memory_order_relaxed)) {
+    return;
+  }
   TheLog()->Write("grpc", GprSeverity(args->severity),
-                  args->file == nullptr ? "" : args->file, args->line,
-                  args->message == nullptr ? "" : args->message);
+                  args->file == nullptr ? "" : args->file, args->line, message);
 }
 
 void FromProtobuf(google::protobuf::LogLevel level, const char* file, int line,
@@ -61,8 +82,34 @@ void LibraryLog::Write(absl::string_view library, absl::string_view severity,
 
 void RouteLibraryLogs() {
   TheLog();
-  gpr_set_log_function(&FromGrpc);
+  // Once only: a second call would read back the threshold lowered below.
+  static const bool routed = [] {
+    gpr_log_verbosity_init();  // reads GRPC_VERBOSITY
+    grpc_shown_severity =
+        gpr_should_log(GPR_LOG_SEVERITY_DEBUG)  ? GPR_LOG_SEVERITY_DEBUG
+        : gpr_should_log(GPR_LOG_SEVERITY_INFO) ? GPR_LOG_SEVERITY_INFO
+                                                : GPR_LOG_SEVERITY_ERROR;
+    // The GOAWAY line is a debug one; gRPC drops those before they reach
+    // FromGrpc unless told otherwise.
+    gpr_set_log_verbosity(GPR_LOG_SEVERITY_DEBUG);
+    gpr_set_log_function(&FromGrpc);
+    return true;
+  }();
+  (void)routed;
   google::protobuf::SetLogHandler(&FromProtobuf);
+}
+
+bool IsTooManyPingsGoaway(absl::string_view grpc_log_line) {
+  // chttp2_transport.cc send_goaway: "<peer>: Sending goaway err=<error>";
+  // the error is the server's own, "too_many_pings" from
+  // grpc_chttp2_add_ping_strike, so a client cannot forge the match.
+  return absl::StrContains(grpc_log_line, ": Sending goaway err=") &&
+         absl::StrContains(grpc_log_line, "too_many_pings");
+}
+
+void ObserveTooManyPingsGoaways(std::function<void()> observer) {
+  std::lock_guard<std::mutex> lock(observer_mu);
+  *TheObserver() = std::move(observer);
 }
 
 }  // namespace deltad::daemon

@@ -2,6 +2,7 @@
 #define DELTAD_DAEMON_LIBRARY_LOG_H_
 
 #include <cstdio>
+#include <functional>
 
 #include "absl/strings/string_view.h"
 #include "common/log_limit.h"
@@ -31,8 +32,20 @@ class LibraryLog {
 
 // Routes gRPC's (gpr_set_log_function) and protobuf's (SetLogHandler) log
 // lines through one LibraryLog on stderr, for the daemon's lifetime. Call
-// once, before the server starts.
+// once, before the server starts. Only lines of the severity GRPC_VERBOSITY
+// asks for (default: errors) are written, though gRPC is told to log them
+// all: see IsTooManyPingsGoaway.
 void RouteLibraryLogs();
+
+// Whether a gRPC log line says that the server sent GOAWAY ENHANCE_YOUR_CALM
+// "too_many_pings" (past limits.max_ping_strikes). gRPC C++ has no server
+// hook, interceptor or channelz field that sees this GOAWAY, but chttp2
+// logs every final GOAWAY it sends, at debug severity.
+bool IsTooManyPingsGoaway(absl::string_view grpc_log_line);
+
+// Calls `observer` (thread safe, cheap) on each too_many_pings GOAWAY gRPC
+// logs from now on; an empty one stops that. RouteLibraryLogs must have run.
+void ObserveTooManyPingsGoaways(std::function<void()> observer);
 
 }  // namespace deltad::daemon
 

@@ -80,7 +80,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                             "and max_sessions_per_gpu (a session past either "
                             "limit), max_side_connections and "
                             "max_side_connections_per_uid (a side-socket "
-                            "connection past either).")
+                            "connection past either), max_ping_strikes (a "
+                            "gRPC connection closed for pinging too often).")
                         .Register(r);
     for (const auto& [refusal, limit] :
          {std::pair{Refusal::kInvalidRequest, "invalid_request"},
@@ -90,7 +91,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
           std::pair{Refusal::kSessionsPerGpu, "max_sessions_per_gpu"},
           std::pair{Refusal::kSideConnections, "max_side_connections"},
           std::pair{Refusal::kSideConnectionsPerUid,
-                    "max_side_connections_per_uid"}}) {
+                    "max_side_connections_per_uid"},
+          std::pair{Refusal::kPingStrikes, "max_ping_strikes"}}) {
       m->refusals_[static_cast<size_t>(refusal)] =
           &refused.Add({{"limit", limit}});
     }

@@ -194,6 +194,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   }
   // gRPC and protobuf log what clients make them log: through a limit.
   RouteLibraryLogs();
+  Metrics* refusals = s->metrics_.get();
+  ObserveTooManyPingsGoaways(
+      [refusals] { refusals->AddRefusal(Refusal::kPingStrikes); });
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -271,6 +274,8 @@ void Server::Shutdown(int grace_ms) {
     grpc_->Wait();
     ::unlink(socket_path_.c_str());
   }
+  // The metrics may go before the process does.
+  ObserveTooManyPingsGoaways(nullptr);
   if (side_ != nullptr) side_->Stop();
   metrics_server_.reset();
 }

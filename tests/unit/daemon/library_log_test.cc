@@ -51,5 +51,19 @@ TEST(LibraryLog, AFloodIsHeldBackAndCounted) {
   std::fclose(f);
 }
 
+// The line gRPC 1.51's chttp2 writes for the GOAWAY of
+// grpc_chttp2_add_ping_strike, and others it writes that are no refusal.
+TEST(LibraryLog, OnlyTheTooManyPingsGoawayLineIsTakenForOne) {
+  EXPECT_TRUE(IsTooManyPingsGoaway(
+      "unix:/run/deltad/deltad.sock: Sending goaway err=UNKNOWN:"
+      "too_many_pings {http2_error:11, created_time:\"2024-01-01\"}"));
+  EXPECT_FALSE(IsTooManyPingsGoaway(
+      "unix:/run/deltad/deltad.sock: Sending goaway err=UNKNOWN:Server "
+      "shutdown {created_time:\"2024-01-01\"}"));
+  EXPECT_FALSE(IsTooManyPingsGoaway(
+      "unix:/tmp/s: Received a GOAWAY with error code ENHANCE_YOUR_CALM and "
+      "debug data equal to \"too_many_pings\""));
+}
+
 }  // namespace
 }  // namespace deltad::daemon

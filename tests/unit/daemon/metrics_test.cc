@@ -292,8 +292,8 @@ TEST(Metrics, RefusalsAreCountedByTheLimitFromTheStart) {
   EXPECT_EQ(Value(m->Scrape(), "deltad_refused_total",
                   {{"limit", "max_queued_order_bytes"}}),
             0.0);
-  for (const char* limit :
-       {"admission", "max_sessions_per_uid", "max_sessions_per_gpu"}) {
+  for (const char* limit : {"admission", "max_sessions_per_uid",
+                            "max_sessions_per_gpu", "max_ping_strikes"}) {
     EXPECT_EQ(Value(m->Scrape(), "deltad_refused_total", {{"limit", limit}}),
               0.0)
         << limit;
