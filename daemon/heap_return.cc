@@ -37,12 +37,11 @@ HeapReturn::HeapReturn(Options options, std::function<int64_t()> free_bytes,
 
 bool HeapReturn::Tick(int64_t now_ns) {
   const int64_t free = free_bytes_();
-  const bool due = !looked_ || now_ns - last_ns_ >= options_.interval_ns;
+  const bool due = trims_ == 0 || now_ns - last_ns_ >= options_.interval_ns;
   if (!(due && free >= options_.min_free_bytes) &&
       free < options_.urgent_free_bytes) {
     return false;
   }
-  looked_ = true;
   last_ns_ = now_ns;
   trim_();
   ++trims_;

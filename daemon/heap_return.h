@@ -40,8 +40,7 @@ class HeapReturn {
   Options options_;
   std::function<int64_t()> free_bytes_;
   std::function<void()> trim_;
-  int64_t last_ns_ = 0;
-  bool looked_ = false;
+  int64_t last_ns_ = 0;  // of the last trim
   int64_t trims_ = 0;
   int64_t offered_bytes_ = 0;
 };

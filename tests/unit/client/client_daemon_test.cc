@@ -69,6 +69,16 @@ class ClientDaemonTest : public ::testing::Test {
     EXPECT_TRUE(d.ok()) << d.status();
     return d.ok() ? std::unique_ptr<Device>(std::move(*d)) : nullptr;
   }
+  // One session given the whole budget of a GPU of three 2 MiB chunks: the
+  // daemon has no room to lend it.
+  void ConnectAloneToASmallGpu() {
+    server_.reset();
+    StartDaemon(8 * kMiB);
+    const int64_t budget = server_->node().Status().gpus(0).budget_bytes();
+    ASSERT_EQ(budget, 6 * kMiB) << "the scenarios count on three chunks";
+    Connect(budget, ChunkDevice());
+    ASSERT_TRUE(client_->connected());
+  }
   int64_t GpuChunkBytes() const {
     return server_->node().Status().gpus(0).chunk_bytes();
   }
@@ -86,27 +96,28 @@ class ClientDaemonTest : public ::testing::Test {
   }
 
   // Uncomputable tensors, so every release is an offload whose bytes
-  // must come back.
-  void TrackFilled(uint64_t first, uint64_t last) {
+  // must come back. `pinned`: left pinned, as by an op still running.
+  void TrackFilled(uint64_t first, uint64_t last, int64_t bytes = kMiB,
+                   bool pinned = false) {
     for (uint64_t id = first; id <= last; ++id) {
       TensorInfo t;
       t.id = id;
-      t.bytes = kMiB;
+      t.bytes = bytes;
       t.uncomputable = true;
       auto p = client_->Track(t, nullptr);
-      ASSERT_TRUE(p.ok()) << p.status();
-      std::memset(*p, static_cast<int>(id), kMiB);
-      client_->Unpin(id);
+      ASSERT_TRUE(p.ok()) << id << ": " << p.status();
+      std::memset(*p, static_cast<int>(id), static_cast<size_t>(bytes));
+      if (!pinned) client_->Unpin(id);
     }
   }
 
-  void ExpectBytes(uint64_t first, uint64_t last) {
+  void ExpectBytes(uint64_t first, uint64_t last, int64_t bytes = kMiB) {
     for (uint64_t id = first; id <= last; ++id) {
       auto p = client_->Pin(id);
-      ASSERT_TRUE(p.ok()) << p.status();
+      ASSERT_TRUE(p.ok()) << id << ": " << p.status();
       const auto* b = static_cast<const unsigned char*>(*p);
       EXPECT_EQ(b[0], static_cast<unsigned char>(id)) << id;
-      EXPECT_EQ(b[kMiB - 1], static_cast<unsigned char>(id)) << id;
+      EXPECT_EQ(b[bytes - 1], static_cast<unsigned char>(id)) << id;
       client_->Unpin(id);
     }
   }
@@ -234,91 +245,38 @@ TEST_F(ClientDaemonTest, AChunkDeviceKeepsTheBytesThroughOffloadsAndReloads) {
 
 TEST_F(ClientDaemonTest,
        ChunksShortOfABudgetThatAllowsTheBytesAreMadeByReleasingWhatCanBe) {
-  // The whole GPU's budget (three 2 MiB chunks) for one session: the
-  // daemon has no room to lend.
-  server_.reset();
-  StartDaemon(8 * kMiB);
-  const int64_t budget = server_->node().Status().gpus(0).budget_bytes();
-  ASSERT_EQ(budget, 6 * kMiB) << "the scenario counts on three chunks";
-  Connect(budget, ChunkDevice());
-  ASSERT_TRUE(client_->connected());
+  ASSERT_NO_FATAL_FAILURE(ConnectAloneToASmallGpu());
   // Three tensors of a chunk each, 3.3 MiB in all: the first still pinned
   // by its op, the other two releasable.
   constexpr int64_t kTensor = kMiB + kMiB / 10;
-  for (uint64_t id = 1; id <= 3; ++id) {
-    TensorInfo t;
-    t.id = id;
-    t.bytes = kTensor;
-    t.uncomputable = true;
-    auto p = client_->Track(t, nullptr);
-    ASSERT_TRUE(p.ok()) << p.status();
-    std::memset(*p, static_cast<int>(id), kTensor);
-    if (id > 1) client_->Unpin(id);
-  }
+  ASSERT_NO_FATAL_FAILURE(TrackFilled(1, 1, kTensor, /*pinned=*/true));
+  ASSERT_NO_FATAL_FAILURE(TrackFilled(2, 3, kTensor));
   // 2.6 MiB more fit the budget's bytes but take two chunks, and none is
   // free. Releasing both releasable tensors frees 2.2 MiB, less than the
   // bytes asked, but the two chunks the allocation lacks.
-  TensorInfo big;
-  big.id = 4;
-  big.bytes = 2 * kMiB + 6 * kMiB / 10;
-  big.uncomputable = true;
-  auto p = client_->Track(big, nullptr);
-  ASSERT_TRUE(p.ok()) << p.status();
-  std::memset(*p, 4, big.bytes);
-  client_->Unpin(4);
+  ASSERT_NO_FATAL_FAILURE(TrackFilled(4, 4, 2 * kMiB + 6 * kMiB / 10));
   client_->Unpin(1);
   const ClientStats s = client_->Stats();
   EXPECT_GE(s.offloads, 2) << "reloads " << s.reloads;
   EXPECT_TRUE(s.connected);
   EXPECT_EQ(s.rejected_batches, 0);
-  for (uint64_t id = 1; id <= 3; ++id) {
-    auto q = client_->Pin(id);
-    ASSERT_TRUE(q.ok()) << q.status();
-    const auto* b = static_cast<const unsigned char*>(*q);
-    EXPECT_EQ(b[kTensor - 1], static_cast<unsigned char>(id)) << id;
-    client_->Unpin(id);
-  }
+  ExpectBytes(1, 3, kTensor);
 }
 
 TEST_F(ClientDaemonTest,
        ASmallAllocationShortOfAPageReleasesUntilAChunkIsFree) {
-  server_.reset();
-  StartDaemon(8 * kMiB);
-  const int64_t budget = server_->node().Status().gpus(0).budget_bytes();
-  ASSERT_EQ(budget, 6 * kMiB) << "the scenario counts on three chunks";
-  Connect(budget, ChunkDevice());
-  ASSERT_TRUE(client_->connected());
+  ASSERT_NO_FATAL_FAILURE(ConnectAloneToASmallGpu());
   // 96 blocks of 60 KiB fill the three 2 MiB chunks, 34 to a page; the
   // first page's stay pinned by their op. 5.6 MiB: the budget has room for
   // a small tensor, but no chunk is free for a page of its size class.
   constexpr int64_t kBlock = 60 << 10;
   constexpr uint64_t kBlocks = 96;
-  for (uint64_t id = 1; id <= kBlocks; ++id) {
-    TensorInfo t;
-    t.id = id;
-    t.bytes = kBlock;
-    t.uncomputable = true;
-    auto p = client_->Track(t, nullptr);
-    ASSERT_TRUE(p.ok()) << id << ": " << p.status();
-    std::memset(*p, static_cast<int>(id), kBlock);
-    if (id > 34) client_->Unpin(id);
-  }
-  TensorInfo small;
-  small.id = kBlocks + 1;
-  small.bytes = 8;
-  small.uncomputable = true;
-  auto p = client_->Track(small, nullptr);
-  ASSERT_TRUE(p.ok()) << p.status();
-  client_->Unpin(small.id);
+  ASSERT_NO_FATAL_FAILURE(TrackFilled(1, 34, kBlock, /*pinned=*/true));
+  ASSERT_NO_FATAL_FAILURE(TrackFilled(35, kBlocks, kBlock));
+  ASSERT_NO_FATAL_FAILURE(TrackFilled(kBlocks + 1, kBlocks + 1, 8));
   for (uint64_t id = 1; id <= 34; ++id) client_->Unpin(id);
   EXPECT_TRUE(client_->Stats().connected);
-  for (uint64_t id = 1; id <= kBlocks; ++id) {
-    auto q = client_->Pin(id);
-    ASSERT_TRUE(q.ok()) << id << ": " << q.status();
-    const auto* b = static_cast<const unsigned char*>(*q);
-    EXPECT_EQ(b[kBlock - 1], static_cast<unsigned char>(id)) << id;
-    client_->Unpin(id);
-  }
+  ExpectBytes(1, kBlocks, kBlock);
 }
 
 TEST_F(ClientDaemonTest, ClosingAChunkClientGivesTheChunksBack) {
