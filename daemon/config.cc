@@ -69,6 +69,7 @@ v1::LimitsConfig DefaultRequestLimits() {
   l.set_max_ping_strikes(d.max_ping_strikes);
   l.set_keepalive_time_ms(d.keepalive_time_ms);
   l.set_keepalive_timeout_ms(d.keepalive_timeout_ms);
+  l.set_malloc_arenas(d.malloc_arenas);
   return l;
 }
 
@@ -245,6 +246,7 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
       {"limits.max_ping_strikes", l.max_ping_strikes()},
       {"limits.keepalive_time_ms", l.keepalive_time_ms()},
       {"limits.keepalive_timeout_ms", l.keepalive_timeout_ms()},
+      {"limits.malloc_arenas", l.malloc_arenas()},
   };
   for (const auto& [field, value] : positive) {
     if (value <= 0) {

@@ -1,5 +1,6 @@
 #include "daemon/heap_return.h"
 
+#include <cstdlib>
 #include <utility>
 
 #if defined(__GLIBC__)
@@ -26,6 +27,18 @@ void GlibcTrim() {
 }
 
 }  // namespace
+
+int LimitHeapArenas(int arenas) {
+#if defined(__GLIBC__)
+  if (const char* env = std::getenv("MALLOC_ARENA_MAX"); env && *env) {
+    return std::atoi(env);
+  }
+  return mallopt(M_ARENA_MAX, arenas) == 1 ? arenas : 0;
+#else
+  (void)arenas;
+  return 0;
+#endif
+}
 
 HeapReturn::HeapReturn() : HeapReturn(Options{}, GlibcFreeBytes, GlibcTrim) {}
 

@@ -20,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "common/fd_limit.h"
 #include "daemon/config.h"
+#include "daemon/heap_return.h"
 #include "daemon/server.h"
 #include "daemon/systemd_watchdog.h"
 #include "google/protobuf/text_format.h"
@@ -172,6 +173,9 @@ int main(int argc, char** argv) {
   if (absl::Status s = deltad::common::RaiseDescriptorLimit(); !s.ok()) {
     std::fprintf(stderr, "deltad: %s\n", std::string(s.message()).c_str());
   }
+
+  // Before the server's threads start, each of which could claim an arena.
+  (void)deltad::daemon::LimitHeapArenas(config.limits().malloc_arenas());
 
   auto server = Server::Start(config);
   if (!server.ok()) return Fail(server.status().ToString());

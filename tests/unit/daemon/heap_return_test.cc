@@ -2,6 +2,7 @@
 #include "daemon/heap_return.h"
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "gtest/gtest.h"
 
@@ -48,6 +49,15 @@ TEST_F(HeapReturnTest, TrimsAtMostOncePerIntervalUnlessMuchLiesFree) {
   EXPECT_TRUE(heap_.Tick(15 * kSecond + 100000000));
   EXPECT_EQ(trimmed_, 3);
 }
+
+#if defined(__GLIBC__)
+TEST(LimitHeapArenasTest, TheEnvironmentWinsOverTheConfiguredCap) {
+  ASSERT_EQ(setenv("MALLOC_ARENA_MAX", "3", 1), 0);
+  EXPECT_EQ(LimitHeapArenas(2), 3);
+  ASSERT_EQ(unsetenv("MALLOC_ARENA_MAX"), 0);
+  EXPECT_EQ(LimitHeapArenas(2), 2);
+}
+#endif
 
 }  // namespace
 }  // namespace deltad::daemon
