@@ -47,6 +47,7 @@
 #include "absl/strings/str_format.h"
 #include "bench/report.h"
 #include "daemon/config.h"
+#include "daemon/library_log.h"
 #include "daemon/server.h"
 #include "deltad/v1/memory_manager.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -848,8 +849,13 @@ int main(int argc, char** argv) {
      << stream_orders
      << "; orders for other sessions from the in-process Node::Release "
         "calls: "
-     << direct_others << ". Whole run " << absl::StrFormat("%.0f", run_s)
-     << " s.\n\n";
+     << direct_others
+     << ". gRPC log lines routed through the daemon, "
+        "written or not (gRPC is told to log at debug severity so that the "
+        "daemon sees the GOAWAYs it sends to ping floods; each line costs a "
+        "formatted message): "
+     << daemon::GrpcLogLinesRouted() << " in the whole run. Whole run "
+     << absl::StrFormat("%.0f", run_s) << " s.\n\n";
   const std::string doc = absl::GetFlag(FLAGS_update_doc);
   if (!PrintReport(md.str(), doc, "rpc_bench")) {
     Die(absl::StrCat("could not write ", doc));

@@ -246,12 +246,16 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
       {"limits.max_ping_strikes", l.max_ping_strikes()},
       {"limits.keepalive_time_ms", l.keepalive_time_ms()},
       {"limits.keepalive_timeout_ms", l.keepalive_timeout_ms()},
-      {"limits.malloc_arenas", l.malloc_arenas()},
   };
   for (const auto& [field, value] : positive) {
     if (value <= 0) {
       return Invalid(field, absl::StrCat("must be positive, got ", value));
     }
+  }
+  if (l.malloc_arenas() < 0) {
+    return Invalid("limits.malloc_arenas",
+                   absl::StrCat("must be 0 (glibc's default) or positive, got ",
+                                l.malloc_arenas()));
   }
   // Clients heartbeat every quarter lease, but at most every 250 ms: a
   // shorter lease would expire processes that answer. Over an hour, a

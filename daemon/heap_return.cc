@@ -33,6 +33,7 @@ int LimitHeapArenas(int arenas) {
   if (const char* env = std::getenv("MALLOC_ARENA_MAX"); env && *env) {
     return std::atoi(env);
   }
+  if (arenas <= 0) return 0;
   return mallopt(M_ARENA_MAX, arenas) == 1 ? arenas : 0;
 #else
   (void)arenas;

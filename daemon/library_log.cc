@@ -23,6 +23,8 @@ LibraryLog* TheLog() {
 // RouteLibraryLogs lowered gRPC's own threshold.
 std::atomic<int> grpc_shown_severity{GPR_LOG_SEVERITY_ERROR};
 
+std::atomic<int64_t> grpc_lines_routed{0};
+
 std::mutex observer_mu;
 std::function<void()>* TheObserver() {
   static auto* const observer = new std::function<void()>();
@@ -42,6 +44,7 @@ const char* GprSeverity(gpr_log_severity s) {
 }
 
 void FromGrpc(gpr_log_func_args* args) {
+  grpc_lines_routed.fetch_add(1, std::memory_order_relaxed);
   const char* message = args->message == nullptr ? "" : args->message;
   if (IsTooManyPingsGoaway(message)) {
     std::lock_guard<std::mutex> lock(observer_mu);
@@ -105,6 +108,10 @@ bool IsTooManyPingsGoaway(absl::string_view grpc_log_line) {
   // grpc_chttp2_add_ping_strike, so a client cannot forge the match.
   return absl::StrContains(grpc_log_line, ": Sending goaway err=") &&
          absl::StrContains(grpc_log_line, "too_many_pings");
+}
+
+int64_t GrpcLogLinesRouted() {
+  return grpc_lines_routed.load(std::memory_order_relaxed);
 }
 
 void ObserveTooManyPingsGoaways(std::function<void()> observer) {

@@ -1,6 +1,7 @@
 #ifndef DELTAD_DAEMON_LIBRARY_LOG_H_
 #define DELTAD_DAEMON_LIBRARY_LOG_H_
 
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 
@@ -42,6 +43,11 @@ void RouteLibraryLogs();
 // hook, interceptor or channelz field that sees this GOAWAY, but chttp2
 // logs every final GOAWAY it sends, at debug severity.
 bool IsTooManyPingsGoaway(absl::string_view grpc_log_line);
+
+// The gRPC log lines routed through the daemon since RouteLibraryLogs ran,
+// written or not: what telling gRPC to log at debug severity costs is a
+// formatted line each (rpc_bench reports how many a run saw).
+int64_t GrpcLogLinesRouted();
 
 // Calls `observer` (thread safe, cheap) on each too_many_pings GOAWAY gRPC
 // logs from now on; an empty one stops that. RouteLibraryLogs must have run.

@@ -174,7 +174,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "deltad: %s\n", std::string(s.message()).c_str());
   }
 
-  // Before the server's threads start, each of which could claim an arena.
+  // Before the server's threads start, each of which could claim an arena
+  // (limits.malloc_arenas, by default glibc's choice).
   (void)deltad::daemon::LimitHeapArenas(config.limits().malloc_arenas());
 
   auto server = Server::Start(config);

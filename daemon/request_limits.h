@@ -54,12 +54,17 @@ struct RequestLimits {
   int32_t keepalive_time_ms = 60000;
   int32_t keepalive_timeout_ms = 20000;
 
-  // --- The heap. glibc gives each thread that contends an arena of its
-  // own, up to 8 per core, and what a connection or a session frees in one
+  // --- The heap: the glibc malloc arenas the daemon's threads share, 0
+  // for glibc's default (8 per core). glibc gives each thread that contends
+  // an arena of its own, and what a connection or a session frees in one
   // stays mapped beside what others still use there: after a flood of 32
-  // connections the daemon kept +43 to +136 MiB that no trim could give
-  // back, against +2 to +7 MiB with 2 arenas (daemon/heap_return.h).
-  int32_t malloc_arenas = 2;
+  // connections of PINGs the daemon kept +12 to +104 MiB that no trim gave
+  // back, against +2 to +7 MiB with 2 arenas. But the soak's 200-odd
+  // threads then share 2 locks: in one run each (docs/RELIABILITY.md),
+  // the daemon used 71% of a core against 57%, stalled for about 25 s and
+  // lost 50 sessions, where the default's run lost none. Operators who
+  // expect floods can set it; the default stays glibc's.
+  int32_t malloc_arenas = 0;
 };
 
 // Whether a request's fields are within the limits. INVALID_ARGUMENT with a

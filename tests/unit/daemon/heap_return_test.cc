@@ -56,6 +56,7 @@ TEST(LimitHeapArenasTest, TheEnvironmentWinsOverTheConfiguredCap) {
   EXPECT_EQ(LimitHeapArenas(2), 3);
   ASSERT_EQ(unsetenv("MALLOC_ARENA_MAX"), 0);
   EXPECT_EQ(LimitHeapArenas(2), 2);
+  EXPECT_EQ(LimitHeapArenas(0), 0);  // glibc's default stays
 }
 #endif
 
