@@ -1,0 +1,149 @@
+"""ping_flood: what HTTP/2 PING floods cost the daemon's memory.
+
+A deltad daemon on one simulated GPU (bench/sim_daemon.py); clients that
+speak HTTP/2 without gRPC connect to its socket and send PINGs (the frames
+gRPC answers by itself, without a call) until the daemon closes the
+connection or a connection has sent --bytes. For each concurrency (how many
+flood at once) it runs --rounds of them and samples the daemon's resident
+memory every 50 ms: the peak, right after the last round, and after the
+heap return's next trim (12 s later). The daemon's limits
+(max_ping_strikes, the GOAWAY they lead to) are its defaults.
+
+  python3 bench/ping_flood.py --concurrency 1,8,32 --update_doc docs/RELIABILITY.md
+"""
+
+import argparse
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+from sim_daemon import SimDaemon  # noqa: E402
+
+TAG = "ping_flood"
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+SETTINGS, PING = 4, 6
+SETTLE_S = 12  # the heap return trims at most every 10 s
+
+
+def frame(kind, payload):
+    """One HTTP/2 frame on stream 0: 24-bit length, type, flags, id."""
+    return (struct.pack(">I", len(payload))[1:] + bytes([kind, 0]) +
+            struct.pack(">I", 0) + payload)
+
+
+PINGS = b"".join(frame(PING, b"flood-01") for _ in range(1024))
+
+
+def rss_mib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def flood(path, most_bytes, seconds, sent):
+    """Sends PINGs and never reads, as a hostile client would, until the
+    daemon closes the connection, `most_bytes` or `seconds`."""
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    s.settimeout(0.2)
+    total = 0
+    start = time.time()
+    try:
+        s.sendall(PREFACE + frame(SETTINGS, b""))
+        while time.time() - start < seconds and total < most_bytes:
+            try:
+                total += s.send(PINGS)
+            except socket.timeout:
+                pass
+    except OSError:
+        pass  # closed by the daemon
+    s.close()
+    sent.append(total)
+
+
+def measure(pid, path, concurrency, rounds, most_bytes, seconds):
+    base = peak = rss_mib(pid)
+    sent = []
+    for _ in range(rounds):
+        threads = [threading.Thread(target=flood,
+                                    args=(path, most_bytes, seconds, sent))
+                   for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            peak = max(peak, rss_mib(pid))
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+    after = rss_mib(pid)
+    time.sleep(SETTLE_S)
+    settled = rss_mib(pid)
+    return base, peak, after, settled, sum(sent) / max(len(sent), 1)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", default="1,8,32",
+                   help="comma-separated connections flooding at once")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="rounds per concurrency (default: 32 connections "
+                        "in all, at least 2 rounds)")
+    p.add_argument("--bytes", type=int, default=4 << 20,
+                   help="the most PING bytes one connection sends")
+    p.add_argument("--seconds", type=float, default=10,
+                   help="the longest one connection floods")
+    p.add_argument("--binary", default=os.path.join(
+        benchlib.REPO, "build", "daemon", "deltad"))
+    p.add_argument("--update_doc", default=None)
+    a = p.parse_args()
+    if not os.path.exists(a.binary):
+        benchlib.fail(TAG, f"no daemon at {a.binary}: build it first")
+    try:
+        levels = [int(c) for c in a.concurrency.split(",")]
+    except ValueError:
+        benchlib.fail(TAG, f"--concurrency takes numbers, got "
+                           f"{a.concurrency!r}")
+    rows = []
+    start = time.time()
+    for n in levels:
+        rounds = a.rounds or max(2, 32 // n)
+        # A daemon of its own per level: what one left behind would count
+        # in the next.
+        daemon = SimDaemon(a.binary, gpu_bytes=256 << 20,
+                           prefix="deltad-flood-")
+        with daemon as path:
+            pid = daemon.proc.pid
+            benchlib.note(TAG, f"{n} at once, {rounds} rounds")
+            base, peak, after, settled, mean_sent = measure(
+                pid, path, n, rounds, a.bytes, a.seconds)
+        rows.append(f"| {n} | {rounds} | {mean_sent / 1024:.0f} | "
+                    f"{base:.1f} | +{peak - base:.0f} | +{after - base:.0f} "
+                    f"| +{settled - base:.0f} |")
+    lines = [
+        "## ping_flood: the daemon's memory under HTTP/2 PING floods", "",
+        f"Command: `{benchlib.command_line('python3 bench/ping_flood.py')}`  ",
+        f"Machine: {benchlib.cpu_description()}  ",
+        f"Date: {benchlib.today()}", "",
+        "Connections that send HTTP/2 PINGs and never read, `concurrency` "
+        "at a time, `rounds` times, to a daemon of its own per row (sim "
+        "backend, default limits: GOAWAY ENHANCE_YOUR_CALM past "
+        "max_ping_strikes). RSS sampled every 50 ms: its peak over the "
+        f"rounds, right after them, and {SETTLE_S} s later (after the heap "
+        "return's next trim), each over the RSS before.", "",
+        "| concurrency | rounds | KiB of PINGs per connection | RSS before "
+        "(MiB) | peak (MiB) | after (MiB) | settled (MiB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+        *rows, "",
+        f"Whole run: {time.time() - start:.0f} s.", ""]
+    benchlib.print_report(TAG, lines, a.update_doc)
+
+
+if __name__ == "__main__":
+    main()

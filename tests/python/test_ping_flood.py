@@ -1,0 +1,41 @@
+"""bench/ping_flood.py runs against $DELTAD_BINARY and writes its section:
+one row per concurrency, the daemon up through the flood (its memory
+figures are the benchmark's, nothing here bounds them)."""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import unittest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                      "bench", "ping_flood.py")
+
+
+class PingFloodBenchTest(unittest.TestCase):
+
+    def test_a_small_flood_writes_one_row_per_concurrency(self):
+        binary = os.environ.get("DELTAD_BINARY")
+        if not binary:
+            raise unittest.SkipTest("DELTAD_BINARY is not set")
+        with tempfile.TemporaryDirectory() as d:
+            doc = os.path.join(d, "doc.md")
+            with open(doc, "w") as f:
+                f.write("before\n")
+            run = subprocess.run(
+                [sys.executable, SCRIPT, "--binary", binary,
+                 "--concurrency", "1,2", "--rounds", "1", "--bytes",
+                 str(256 << 10), "--update_doc", doc],
+                capture_output=True, text=True, timeout=120)
+            self.assertEqual(run.returncode, 0, run.stderr)
+            with open(doc) as f:
+                text = f.read()
+        self.assertTrue(text.startswith("before\n"))
+        rows = re.findall(r"^\| (\d+) \| 1 \| \d+ \| [\d.]+ \| \+", text,
+                          re.MULTILINE)
+        self.assertEqual(rows, ["1", "2"], text)
+
+
+if __name__ == "__main__":
+    unittest.main()
