@@ -6,18 +6,18 @@
 
 namespace deltad::daemon {
 
-// Gives the heap that sessions freed back to the system. Each stream's
-// handler thread allocates in a glibc arena of its own, and what a session
-// frees when it ends stays mapped there: after the soak's trainers drained,
-// the daemon held 180 MiB of RSS with 30 MiB of it in use, and malloc_trim
-// brought it to 63 MiB. So an idle daemon kept the high-water mark of its
-// busiest minute. Not thread safe: one timer thread ticks it.
 // Caps the glibc malloc arenas at `arenas` (0: leaves glibc's default),
 // unless MALLOC_ARENA_MAX is set in the environment (glibc read it at
 // start). Call it before threads start. Returns the cap in force, 0 for
 // glibc's default or where it is not glibc's to set.
 int LimitHeapArenas(int arenas);
 
+// Gives the heap that sessions freed back to the system. Each stream's
+// handler thread allocates in a glibc arena of its own, and what a session
+// frees when it ends stays mapped there: after the soak's trainers drained,
+// the daemon held 180 MiB of RSS with 30 MiB of it in use, and malloc_trim
+// brought it to 63 MiB. So an idle daemon kept the high-water mark of its
+// busiest minute. Not thread safe: one timer thread ticks it.
 class HeapReturn {
  public:
   struct Options {

@@ -446,8 +446,8 @@ TEST_F(HostileClientTest, SideConnectionsOfOneUserAreBoundedAndNamed) {
 
 // The HTTP/2 attack: PINGs, which gRPC answers by itself without a call.
 // Past limits.max_ping_strikes a connection gets GOAWAY ENHANCE_YOUR_CALM;
-// connection after connection, the daemon's memory stays bounded and comes
-// back once the flood is over, it goes on serving calls, and the honest
+// connection after connection, the daemon goes on serving calls, what the
+// flood took of its memory comes back once it is over, and the honest
 // session keeps its stream (TearDown). gRPC then closes the connection, but
 // not always at once: now and then one goes on taking PINGs to this
 // client's byte cap (1 in 6 runs here), and on a loaded machine a GOAWAY
