@@ -55,7 +55,14 @@ TEST(LimitHeapArenasTest, TheEnvironmentWinsOverTheConfiguredCap) {
   ASSERT_EQ(setenv("MALLOC_ARENA_MAX", "3", 1), 0);
   EXPECT_EQ(LimitHeapArenas(2), 3);
   ASSERT_EQ(unsetenv("MALLOC_ARENA_MAX"), 0);
-  EXPECT_EQ(LimitHeapArenas(2), 2);
+  const int capped = LimitHeapArenas(2);
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // A sanitizer's allocator stands in for glibc's, and AddressSanitizer's
+  // mallopt refuses: the cap is then not in force, and says so.
+  EXPECT_TRUE(capped == 2 || capped == 0) << capped;
+#else
+  EXPECT_EQ(capped, 2);
+#endif
   EXPECT_EQ(LimitHeapArenas(0), 0);  // glibc's default stays
 }
 #endif
