@@ -3,17 +3,21 @@
 A deltad daemon on one simulated GPU (bench/sim_daemon.py); clients that
 speak HTTP/2 without gRPC connect to its socket and send PINGs (the frames
 gRPC answers by itself, without a call) until the daemon closes the
-connection or a connection has sent --bytes. For each concurrency (how many
-flood at once) it runs --rounds of them and samples the daemon's resident
-memory every 50 ms: the peak, right after the last round, and after the
-heap return's next trim (12 s later). The daemon's limits
-(max_ping_strikes, the GOAWAY they lead to) are its defaults.
+connection, a connection has sent --bytes or --seconds have passed. For
+each concurrency (how many flood at once) it runs --rounds of clients that
+never read and samples the daemon's resident memory every 50 ms: the peak,
+right after the last round, and after the heap return's next trim (12 s
+later). Then one client that reads every answer floods for --seconds: the
+daemon's CPU time answering it. Each of those, for each value of
+limits.max_ping_strikes in --strikes (0, the default: no strikes, no
+GOAWAY), with a daemon of its own.
 
-  python3 bench/ping_flood.py --concurrency 1,8,32 --update_doc docs/RELIABILITY.md
+  python3 bench/ping_flood.py --strikes 0,2 --update_doc docs/RELIABILITY.md
 """
 
 import argparse
 import os
+import select
 import socket
 import struct
 import sys
@@ -68,6 +72,39 @@ def flood(path, most_bytes, seconds, sent):
     sent.append(total)
 
 
+def flood_reading(path, most_bytes, seconds):
+    """Sends PINGs and reads every answer; (bytes sent, seconds, whether
+    the daemon closed the connection)."""
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    s.setblocking(False)
+    data = PREFACE + frame(SETTINGS, b"")
+    total = 0
+    start = time.time()
+    closed = False
+    try:
+        while time.time() - start < seconds and total < most_bytes:
+            readable, writable, _ = select.select([s], [s], [], 0.1)
+            if readable and not s.recv(1 << 16):
+                closed = True
+                break
+            if writable:
+                n = s.send(data)
+                total += n
+                data = data[n:] or PINGS
+    except OSError:
+        closed = True
+    s.close()
+    return total, time.time() - start, closed
+
+
+def cpu_seconds(pid):
+    """The process's user and system time so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(pid, path, concurrency, rounds, most_bytes, seconds):
     base = peak = rss_mib(pid)
     sent = []
@@ -99,6 +136,8 @@ def main():
                    help="the most PING bytes one connection sends")
     p.add_argument("--seconds", type=float, default=10,
                    help="the longest one connection floods")
+    p.add_argument("--strikes", default="0,2",
+                   help="comma-separated limits.max_ping_strikes (0: none)")
     p.add_argument("--binary", default=os.path.join(
         benchlib.REPO, "build", "daemon", "deltad"))
     p.add_argument("--update_doc", default=None)
@@ -107,40 +146,69 @@ def main():
         benchlib.fail(TAG, f"no daemon at {a.binary}: build it first")
     try:
         levels = [int(c) for c in a.concurrency.split(",")]
+        strikes = [int(c) for c in a.strikes.split(",")]
     except ValueError:
-        benchlib.fail(TAG, f"--concurrency takes numbers, got "
-                           f"{a.concurrency!r}")
-    rows = []
+        benchlib.fail(TAG, f"--concurrency and --strikes take numbers, got "
+                           f"{a.concurrency!r}, {a.strikes!r}")
+    rows, reading_rows = [], []
     start = time.time()
-    for n in levels:
-        rounds = a.rounds or max(2, 32 // n)
-        # A daemon of its own per level: what one left behind would count
-        # in the next.
+    for k in strikes:
+        config = f"limits {{ max_ping_strikes: {k} }}\n"
+        for n in levels:
+            rounds = a.rounds or max(2, 32 // n)
+            # A daemon of its own per row: what one left behind would
+            # count in the next.
+            daemon = SimDaemon(a.binary, gpu_bytes=256 << 20,
+                               prefix="deltad-flood-", extra_config=config)
+            with daemon as path:
+                pid = daemon.proc.pid
+                benchlib.note(TAG, f"strikes {k}: {n} at once, "
+                                   f"{rounds} rounds")
+                base, peak, after, settled, mean_sent = measure(
+                    pid, path, n, rounds, a.bytes, a.seconds)
+            rows.append(f"| {k} | {n} | {rounds} | {mean_sent / 1024:.0f} "
+                        f"| {base:.1f} | +{peak - base:.0f} | "
+                        f"+{after - base:.0f} | +{settled - base:.0f} |")
         daemon = SimDaemon(a.binary, gpu_bytes=256 << 20,
-                           prefix="deltad-flood-")
+                           prefix="deltad-flood-", extra_config=config)
         with daemon as path:
             pid = daemon.proc.pid
-            benchlib.note(TAG, f"{n} at once, {rounds} rounds")
-            base, peak, after, settled, mean_sent = measure(
-                pid, path, n, rounds, a.bytes, a.seconds)
-        rows.append(f"| {n} | {rounds} | {mean_sent / 1024:.0f} | "
-                    f"{base:.1f} | +{peak - base:.0f} | +{after - base:.0f} "
-                    f"| +{settled - base:.0f} |")
+            benchlib.note(TAG, f"strikes {k}: one client that reads")
+            base = rss_mib(pid)
+            cpu = cpu_seconds(pid)
+            sent, took, closed = flood_reading(path, 1 << 40, a.seconds)
+            cpu = cpu_seconds(pid) - cpu
+            peak = rss_mib(pid)
+        reading_rows.append(
+            f"| {k} | {sent / 1024:.0f} | {took:.1f} | "
+            f"{'closed' if closed else 'open'} | {cpu:.1f} "
+            f"({100 * cpu / took:.0f}%) | +{peak - base:.0f} |")
     lines = [
         "## ping_flood: the daemon's memory under HTTP/2 PING floods", "",
         f"Command: `{benchlib.command_line('python3 bench/ping_flood.py')}`  ",
         f"Machine: {benchlib.cpu_description()}  ",
         f"Date: {benchlib.today()}", "",
         "Connections that send HTTP/2 PINGs and never read, `concurrency` "
-        "at a time, `rounds` times, to a daemon of its own per row (sim "
-        "backend, default limits: GOAWAY ENHANCE_YOUR_CALM past "
-        "max_ping_strikes). RSS sampled every 50 ms: its peak over the "
-        f"rounds, right after them, and {SETTLE_S} s later (after the heap "
-        "return's next trim), each over the RSS before.", "",
-        "| concurrency | rounds | KiB of PINGs per connection | RSS before "
-        "(MiB) | peak (MiB) | after (MiB) | settled (MiB) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "at a time, `rounds` times, each for at most "
+        f"{a.seconds:g} s or {a.bytes >> 20} MiB, to a daemon of its own "
+        "per row (sim backend, default limits but "
+        "`limits.max_ping_strikes`; 0: no strikes, no GOAWAY). RSS sampled "
+        "every 50 ms: its peak over the rounds, right after them, and "
+        f"{SETTLE_S} s later (after the heap return's next trim), each "
+        "over the RSS before.", "",
+        "| max_ping_strikes | concurrency | rounds | KiB of PINGs per "
+        "connection | RSS before (MiB) | peak (MiB) | after (MiB) | "
+        "settled (MiB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows, "",
+        f"One connection that reads every answer, flooding for at most "
+        f"{a.seconds:g} s: what the daemon spent answering it (CPU "
+        "seconds, and their share of the flood's time) and its RSS "
+        "after, over the RSS before.", "",
+        "| max_ping_strikes | KiB of PINGs sent | seconds | connection | "
+        "daemon CPU s | RSS (MiB) |",
+        "|---:|---:|---:|---|---:|---:|",
+        *reading_rows, "",
         f"Whole run: {time.time() - start:.0f} s.", ""]
     benchlib.print_report(TAG, lines, a.update_doc)
 

@@ -27,14 +27,16 @@ START_TIMEOUT_S = 30
 class SimDaemon:
     """deltad `binary` on the simulated backend: one GPU of `gpu_bytes`, a
     host pool of `host_pool`, its socket, config and stderr in a temporary
-    folder named after `prefix`. Entering starts it and returns the socket's
+    folder named after `prefix`, `extra_config` (text format) added to its
+    config. Entering starts it and returns the socket's
     path once the daemon listens (RuntimeError with its stderr when it
     exits or does not listen within 30 s); leaving stops it and removes
     the folder."""
 
     def __init__(self, binary, gpu_bytes=1 << 30, host_pool="256MiB",
-                 prefix="deltad-sim-"):
+                 prefix="deltad-sim-", extra_config=""):
         self.binary = binary
+        self.extra_config = extra_config
         self.gpu_bytes = gpu_bytes
         self.host_pool = host_pool
         self.prefix = prefix
@@ -46,7 +48,7 @@ class SimDaemon:
         self.socket = os.path.join(self.dir, "d.sock")
         config = os.path.join(self.dir, "deltad.conf")
         with open(config, "w") as f:
-            f.write(CONFIG)
+            f.write(CONFIG + self.extra_config)
         # stderr to a file, not a pipe: a daemon that logs much over a long
         # run never blocks on it.
         stderr_path = os.path.join(self.dir, "stderr.txt")

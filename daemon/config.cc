@@ -62,6 +62,7 @@ v1::LimitsConfig DefaultRequestLimits() {
   l.set_max_queued_order_bytes(d.max_queued_order_bytes);
   l.set_max_sessions_per_uid(d.max_sessions_per_uid);
   l.set_max_side_connections_per_uid(d.max_side_connections_per_uid);
+  l.set_max_grpc_connections_per_uid(d.max_grpc_connections_per_uid);
   l.set_grpc_memory_bytes(d.grpc_memory_bytes);
   l.set_grpc_max_threads(d.grpc_max_threads);
   l.set_max_concurrent_streams(d.max_concurrent_streams);
@@ -239,11 +240,11 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
       {"limits.max_queued_order_bytes", l.max_queued_order_bytes()},
       {"limits.max_sessions_per_uid", l.max_sessions_per_uid()},
       {"limits.max_side_connections_per_uid", l.max_side_connections_per_uid()},
+      {"limits.max_grpc_connections_per_uid", l.max_grpc_connections_per_uid()},
       {"limits.grpc_memory_bytes", l.grpc_memory_bytes()},
       {"limits.grpc_max_threads", l.grpc_max_threads()},
       {"limits.max_concurrent_streams", l.max_concurrent_streams()},
       {"limits.min_ping_interval_ms", l.min_ping_interval_ms()},
-      {"limits.max_ping_strikes", l.max_ping_strikes()},
       {"limits.keepalive_time_ms", l.keepalive_time_ms()},
       {"limits.keepalive_timeout_ms", l.keepalive_timeout_ms()},
   };
@@ -251,6 +252,11 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
     if (value <= 0) {
       return Invalid(field, absl::StrCat("must be positive, got ", value));
     }
+  }
+  if (l.max_ping_strikes() < 0) {
+    return Invalid("limits.max_ping_strikes",
+                   absl::StrCat("must be 0 (no GOAWAY) or positive, got ",
+                                l.max_ping_strikes()));
   }
   if (l.malloc_arenas() < 0) {
     return Invalid("limits.malloc_arenas",

@@ -81,7 +81,12 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                             "limit), max_side_connections and "
                             "max_side_connections_per_uid (a side-socket "
                             "connection past either), max_ping_strikes (a "
-                            "gRPC connection closed for pinging too often).")
+                            "gRPC connection closed for pinging too often), "
+                            "max_grpc_connections and "
+                            "max_grpc_connections_per_uid (a gRPC connection "
+                            "past either), unread_connection (a gRPC "
+                            "connection shut down: its client left the "
+                            "daemon's bytes unread past the keepalive).")
                         .Register(r);
     for (const auto& [refusal, limit] :
          {std::pair{Refusal::kInvalidRequest, "invalid_request"},
@@ -92,7 +97,11 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
           std::pair{Refusal::kSideConnections, "max_side_connections"},
           std::pair{Refusal::kSideConnectionsPerUid,
                     "max_side_connections_per_uid"},
-          std::pair{Refusal::kPingStrikes, "max_ping_strikes"}}) {
+          std::pair{Refusal::kPingStrikes, "max_ping_strikes"},
+          std::pair{Refusal::kGrpcConnections, "max_grpc_connections"},
+          std::pair{Refusal::kGrpcConnectionsPerUid,
+                    "max_grpc_connections_per_uid"},
+          std::pair{Refusal::kUnreadConnection, "unread_connection"}}) {
       m->refusals_[static_cast<size_t>(refusal)] =
           &refused.Add({{"limit", limit}});
     }

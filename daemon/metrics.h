@@ -52,8 +52,12 @@ enum class Refusal {
   kSessionsPerGpu,         // "max_sessions_per_gpu"
   kSideConnections,        // "max_side_connections": the side socket's
   kSideConnectionsPerUid,  // "max_side_connections_per_uid": and per user
-  kPingStrikes,  // "max_ping_strikes": a connection gRPC closed with GOAWAY
-                 // ENHANCE_YOUR_CALM for pinging too often
+  kPingStrikes,      // "max_ping_strikes": a connection gRPC closed with GOAWAY
+                     // ENHANCE_YOUR_CALM for pinging too often
+  kGrpcConnections,  // "max_grpc_connections": the gRPC socket's
+  kGrpcConnectionsPerUid,  // "max_grpc_connections_per_uid": and per user
+  kUnreadConnection,       // "unread_connection": a gRPC connection shut down,
+                           // its client leaving the daemon's bytes unread
 };
 
 // Why a session ended, label `reason` of deltad_sessions_ended_total.
@@ -159,7 +163,7 @@ class Metrics {
   absl::flat_hash_map<int, GpuMetrics> gpus_;  // immutable after Create
   prometheus::Gauge* host_free_ = nullptr;
   prometheus::Gauge* host_granted_ = nullptr;
-  std::array<prometheus::Counter*, 8> refusals_{};        // indexed by Refusal
+  std::array<prometheus::Counter*, 11> refusals_{};       // indexed by Refusal
   std::array<prometheus::Counter*, 3> sessions_ended_{};  // by SessionEnd
   std::array<prometheus::Counter*, 3> lease_events_{};    // by LeaseEvent
 };

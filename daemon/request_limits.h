@@ -30,6 +30,10 @@ struct RequestLimits {
   // holding a thread), so one user cannot take every connection the
   // daemon serves (4096 in all).
   int32_t max_side_connections_per_uid = 256;
+  // gRPC connections of one user (a training process holds one), so one
+  // user cannot take every connection (4096 in all) or, with connections
+  // that never read, the memory gRPC holds for each (about a megabyte).
+  int32_t max_grpc_connections_per_uid = 256;
 
   // --- Replies.
   // Sessions listed in one NodeStatus reply; the rest are counted in
@@ -44,13 +48,19 @@ struct RequestLimits {
   // Concurrent calls on one connection (HTTP/2 streams).
   int32_t max_concurrent_streams = 256;
   // A client may ping no more often than this (the client library pings
-  // every 10 s); past max_ping_strikes pings that come sooner, the
-  // connection is closed (GOAWAY ENHANCE_YOUR_CALM).
+  // every 10 s); past max_ping_strikes pings that come sooner, gRPC sends
+  // GOAWAY ENHANCE_YOUR_CALM. 0 strikes (the default): never. With the
+  // gRPC here (1.51) a connection past its strikes that does not read goes
+  // on being read, and its PINGs cost the daemon about 8 KB each until the
+  // client closes it: +80 MiB for 374 KiB of PINGs, against +1 MiB with no
+  // strikes, where gRPC stops reading a connection once 10,000 answers wait
+  // for it (bench/ping_flood.py).
   int32_t min_ping_interval_ms = 5000;
-  int32_t max_ping_strikes = 2;
-  // The daemon pings an idle connection this often, and closes it when the
-  // answer takes longer than keepalive_timeout_ms: a vanished client does
-  // not hold a stream and its thread for ever.
+  int32_t max_ping_strikes = 0;
+  // The daemon pings every connection this often, calls or none, and
+  // closes it when the answer takes longer than keepalive_timeout_ms: a
+  // vanished client does not hold a stream and its thread for ever, nor a
+  // flooding one its connection.
   int32_t keepalive_time_ms = 60000;
   int32_t keepalive_timeout_ms = 20000;
 

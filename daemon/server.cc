@@ -131,6 +131,10 @@ void ApplyConnectionLimits(const v1::LimitsConfig& l,
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES,
                              l.max_ping_strikes());
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, l.keepalive_time_ms());
+  // A connection with no call is pinged too (a flood needs none), and the
+  // daemon's own pings are not held back for want of data sent.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
                              l.keepalive_timeout_ms());
 }
@@ -200,8 +204,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + s->socket_path_,
-                           grpc::InsecureServerCredentials());
+  // The Unix socket is the daemon's own (GrpcListener), not gRPC's.
   if (!config.tcp_address().empty()) {
     builder.AddListeningPort(config.tcp_address(),
                              grpc::InsecureServerCredentials(), &s->tcp_port_);
@@ -216,20 +219,32 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   builder.SetMaxSendMessageSize(max_message);
   ApplyConnectionLimits(config.limits(), builder);
   builder.RegisterService(s->service_.get());
-  // gRPC creates the socket file with the process umask; tighten it so
-  // that the file never exists with a wider mode than configured.
-  const mode_t old_umask = ::umask(~config.socket_mode() & 0777);
   s->grpc_ = builder.BuildAndStart();
-  ::umask(old_umask);
   if (s->grpc_ == nullptr) {
-    return absl::UnavailableError(absl::StrCat(
-        "gRPC could not listen on unix:", s->socket_path_,
-        config.tcp_address().empty() ? "" : " or ", config.tcp_address()));
+    return absl::UnavailableError(
+        absl::StrCat("gRPC could not start",
+                     config.tcp_address().empty() ? "" : " listening on ",
+                     config.tcp_address()));
   }
-  if (::chmod(s->socket_path_.c_str(), config.socket_mode()) != 0) {
-    return absl::ErrnoToStatus(
-        errno, absl::StrCat("setting the mode of ", s->socket_path_));
-  }
+  GrpcListener::Options listen;
+  listen.path = s->socket_path_;
+  listen.mode = config.socket_mode();
+  listen.max_connections_per_uid =
+      static_cast<size_t>(config.limits().max_grpc_connections_per_uid());
+  listen.unread_for =
+      absl::Milliseconds(int64_t{config.limits().keepalive_time_ms()} +
+                         config.limits().keepalive_timeout_ms());
+  Metrics* gated = s->metrics_.get();
+  listen.refused = [gated](const char* limit) {
+    const std::string_view l(limit);
+    gated->AddRefusal(l == "max_grpc_connections" ? Refusal::kGrpcConnections
+                      : l == "unread_connection"
+                          ? Refusal::kUnreadConnection
+                          : Refusal::kGrpcConnectionsPerUid);
+  };
+  auto listener = GrpcListener::Start(s->grpc_.get(), std::move(listen));
+  if (!listener.ok()) return listener.status();
+  s->listener_ = std::move(*listener);
   MemoryManagerService* service = s->service_.get();
   Metrics* counted = s->metrics_.get();
   auto side = SideChannel::Start(
@@ -268,11 +283,12 @@ void Server::Shutdown(int grace_ms) {
     shut_down_ = true;
   }
   if (node_ != nullptr) node_->KeepSlabContents();
+  // No new connection from here; those open get the grace.
+  if (listener_ != nullptr) listener_->Stop();
   if (grpc_ != nullptr) {
     grpc_->Shutdown(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(grace_ms));
     grpc_->Wait();
-    ::unlink(socket_path_.c_str());
   }
   // The metrics may go before the process does.
   ObserveTooManyPingsGoaways(nullptr);

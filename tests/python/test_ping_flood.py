@@ -1,6 +1,7 @@
 """bench/ping_flood.py runs against $DELTAD_BINARY and writes its section:
-one row per concurrency, the daemon up through the flood (its memory
-figures are the benchmark's, nothing here bounds them)."""
+one row per strikes setting and concurrency and one for a client that
+reads, the daemon up through the flood (its memory figures are the
+benchmark's, nothing here bounds them)."""
 
 import os
 import re
@@ -15,7 +16,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
 
 class PingFloodBenchTest(unittest.TestCase):
 
-    def test_a_small_flood_writes_one_row_per_concurrency(self):
+    def test_a_small_flood_writes_its_rows_for_each_strikes_setting(self):
         binary = os.environ.get("DELTAD_BINARY")
         if not binary:
             raise unittest.SkipTest("DELTAD_BINARY is not set")
@@ -26,15 +27,21 @@ class PingFloodBenchTest(unittest.TestCase):
             run = subprocess.run(
                 [sys.executable, SCRIPT, "--binary", binary,
                  "--concurrency", "1,2", "--rounds", "1", "--bytes",
-                 str(256 << 10), "--update_doc", doc],
-                capture_output=True, text=True, timeout=120)
+                 str(256 << 10), "--seconds", "2", "--strikes", "0,2",
+                 "--update_doc", doc],
+                capture_output=True, text=True, timeout=170)
             self.assertEqual(run.returncode, 0, run.stderr)
             with open(doc) as f:
                 text = f.read()
         self.assertTrue(text.startswith("before\n"))
-        rows = re.findall(r"^\| (\d+) \| 1 \| \d+ \| [\d.]+ \| \+", text,
-                          re.MULTILINE)
-        self.assertEqual(rows, ["1", "2"], text)
+        rows = re.findall(r"^\| (\d+) \| (\d+) \| 1 \| \d+ \| [\d.]+ \| \+",
+                          text, re.MULTILINE)
+        self.assertEqual(rows, [("0", "1"), ("0", "2"), ("2", "1"),
+                                ("2", "2")], text)
+        reading = re.findall(r"^\| (\d+) \| \d+ \| [\d.]+ \| "
+                             r"(?:open|closed) \| [\d.]+ \(\d+%\) \| \+",
+                             text, re.MULTILINE)
+        self.assertEqual(reading, ["0", "2"], text)
 
 
 if __name__ == "__main__":

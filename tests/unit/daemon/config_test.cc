@@ -90,8 +90,10 @@ TEST(Config, EachBadValueIsRefusedNamingTheField) {
       {"limits { max_side_connections_per_uid: 0 }",
        "limits.max_side_connections_per_uid"},
       {"limits { grpc_max_threads: 0 }", "limits.grpc_max_threads"},
+      {"limits { max_grpc_connections_per_uid: 0 }",
+       "limits.max_grpc_connections_per_uid"},
       {"limits { malloc_arenas: -1 }", "limits.malloc_arenas"},
-      {"limits { max_ping_strikes: 0 }", "limits.max_ping_strikes"},
+      {"limits { max_ping_strikes: -1 }", "limits.max_ping_strikes"},
       {"default_host_quota_bytes: 2048 limits { max_host_quota_bytes: 1024 }",
        "default_host_quota_bytes"},
   };

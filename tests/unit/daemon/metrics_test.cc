@@ -292,8 +292,10 @@ TEST(Metrics, RefusalsAreCountedByTheLimitFromTheStart) {
   EXPECT_EQ(Value(m->Scrape(), "deltad_refused_total",
                   {{"limit", "max_queued_order_bytes"}}),
             0.0);
-  for (const char* limit : {"admission", "max_sessions_per_uid",
-                            "max_sessions_per_gpu", "max_ping_strikes"}) {
+  for (const char* limit :
+       {"admission", "max_sessions_per_uid", "max_sessions_per_gpu",
+        "max_ping_strikes", "max_grpc_connections",
+        "max_grpc_connections_per_uid", "unread_connection"}) {
     EXPECT_EQ(Value(m->Scrape(), "deltad_refused_total", {{"limit", limit}}),
               0.0)
         << limit;

@@ -1,0 +1,98 @@
+#ifndef DELTAD_DAEMON_GRPC_LISTENER_H_
+#define DELTAD_DAEMON_GRPC_LISTENER_H_
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/unix_socket.h"
+#include "grpcpp/grpcpp.h"
+
+namespace deltad::daemon {
+
+// The gRPC Unix socket, accepted by the daemon and handed to gRPC one
+// connection at a time (grpc::AddInsecureChannelFromFd), for two things
+// gRPC does not do on its own:
+// - connections are counted per user (SO_PEERCRED) and in all before gRPC
+//   sees them: one past a limit gets an HTTP/2 GOAWAY naming the limit and
+//   is closed;
+// - a connection whose client has left the daemon's bytes unread for
+//   `unread_for` (the socket's send queue not empty and not moving) is shut
+//   down. gRPC closes a connection only once its writes are done, and its
+//   keepalive starts no ping while one waits, so such a connection (a PING
+//   flood that never reads, a client stopped in the middle of a reply)
+//   would otherwise hold its memory until the client closes it.
+// gRPC owns each connection's descriptor once handed over: the listener
+// never closes one, and learns that gRPC did when the number no longer
+// names that socket (its inode). Thread safe.
+class GrpcListener {
+ public:
+  struct Options {
+    std::string path;
+    mode_t mode = 0660;
+    size_t max_connections = 4096;
+    size_t max_connections_per_uid = 256;
+    absl::Duration unread_for = absl::Seconds(80);
+    absl::Duration sweep_every = absl::Seconds(1);
+    // Called with the limit's name for each connection refused or shut
+    // down: "max_grpc_connections", "max_grpc_connections_per_uid",
+    // "unread_connection".
+    std::function<void(const char* limit)> refused;
+  };
+
+  // Listens at `options.path` (see common::ListenUnix) and hands what it
+  // accepts to `server`, which must be started and outlive the listener.
+  static absl::StatusOr<std::unique_ptr<GrpcListener>> Start(
+      grpc::Server* server, Options options);
+
+  GrpcListener(const GrpcListener&) = delete;
+  GrpcListener& operator=(const GrpcListener&) = delete;
+  ~GrpcListener();  // Stop()
+
+  // Stops accepting and sweeping and removes the socket file; the
+  // connections already handed over stay gRPC's. Idempotent.
+  void Stop();
+
+  // Connections handed to gRPC and not yet seen closed (at the last sweep).
+  size_t open_connections() const;
+
+ private:
+  struct Connection {
+    int fd;                   // gRPC's; never closed here
+    ino_t inode;              // the socket's, to tell when the number is reused
+    int64_t uid;              // -1 when SO_PEERCRED failed
+    int unread = 0;           // bytes queued to the client, last sweep
+    absl::Time unread_since;  // when they stopped moving
+    bool shut = false;        // shut down for unread bytes
+  };
+
+  GrpcListener(grpc::Server* server, Options options, common::UniqueFd listener,
+               common::UniqueFd wake);
+  void Loop();
+  void Accept();
+  void Sweep(absl::Time now);
+  // An HTTP/2 GOAWAY naming the limit, then the descriptor is closed.
+  void Refuse(common::UniqueFd fd, const char* limit, const std::string& why);
+
+  grpc::Server* server_;
+  const Options options_;
+  common::UniqueFd listener_;
+  common::UniqueFd wake_;  // an eventfd: Stop() ends the loop's poll
+  std::thread thread_;
+  mutable std::mutex mu_;
+  std::vector<Connection> connections_;
+  bool stopping_ = false;
+};
+
+}  // namespace deltad::daemon
+
+#endif  // DELTAD_DAEMON_GRPC_LISTENER_H_
