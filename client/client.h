@@ -245,6 +245,10 @@ class Client {
   // --- daemon connection (client_session.cc)
   SessionKeeper::Hooks KeeperHooks();
   absl::Status TryConnect();  // mu_ not held
+  // After an attach: releases what the process holds past the new grant,
+  // chosen in-process. What it did, for the attach's log line ("" when
+  // within the budget). mu_ not held.
+  std::string ReleaseDownToBudget();
   void OnOrders(const DaemonLink* from, const v1::Orders& orders);
   // The session of `from` ended or can no longer be trusted; nothing when
   // it is not the current one.

@@ -15,6 +15,7 @@
 #include "client/sim_chunk_device.h"
 #include "client/sim_device.h"
 #include "daemon/config.h"
+#include "daemon/process_end.h"
 #include "daemon/server.h"
 #include "gtest/gtest.h"
 
@@ -332,6 +333,57 @@ TEST_F(ClientDaemonTest, AChunkDeviceKeepsItsTensorsWhenTheDaemonRestarts) {
   StartDaemon();
   ASSERT_TRUE(Eventually([&] { return client_->connected(); }));
   ExpectBytes(1, 30);
+  EXPECT_EQ(client_->Stats().rejected_batches, 0);
+}
+
+// Back from a daemon that went away, a process may hold more than its new
+// session grants (another job took the room meanwhile). Nothing else would
+// bring it back: the GPU still has bytes to lend, so the daemon orders no
+// release, and the chunks it mapped before are not the new session's.
+TEST_F(ClientDaemonTest,
+       AProcessBackHoldingMoreThanItsNewGrantReleasesTheRest) {
+  ClientOptions o;
+  o.link.socket_path = socket_;
+  o.link.requested_budget_bytes = 16 * kMiB;
+  o.link.label = "back";
+  o.fallback_budget_bytes = 16 * kMiB;
+  o.fallback_host_bytes = 64 * kMiB;
+  // Slow to come back, so that the newcomer below is there first.
+  o.reconnect_interval_ms = 1500;
+  auto a = Client::Connect(o, ChunkDevice());
+  ASSERT_TRUE(a.ok()) << a.status();
+  client_ = std::move(*a);
+  ASSERT_TRUE(client_->connected());
+  TrackFilled(1, 14);
+  server_->Drain();
+  server_.reset();
+  ASSERT_TRUE(Eventually([&] { return !client_->connected(); }));
+  StartDaemon();
+  // Another process's job, whose floor takes all but 8 MiB of the GPU's
+  // budget (this process may hold one session per GPU: the parent's pid
+  // stands in for it).
+  const int64_t gpu_budget = server_->node().Status().gpus(0).budget_bytes();
+  const pid_t other = ::getppid();
+  auto token = server_->node().registry().RegisterPeer(
+      {other, ::getuid(), ::getgid(), daemon::ProcessStartTime(other)});
+  ASSERT_TRUE(token.ok()) << token.status();
+  v1::OpenSessionRequest newcomer;
+  newcomer.set_gpu(0);
+  newcomer.set_requested_budget_bytes(gpu_budget - 8 * kMiB);
+  newcomer.set_min_budget_bytes(gpu_budget - 8 * kMiB);
+  newcomer.set_label("newcomer");
+  ASSERT_TRUE(server_->node().OpenSession(*token, newcomer).ok());
+  ASSERT_TRUE(Eventually([&] { return client_->connected(); }));
+  // The release follows the attach, on the keeper's thread.
+  EXPECT_TRUE(Eventually([&] {
+    const ClientStats now = client_->Stats();
+    return now.device_bytes <= now.budget_bytes;
+  })) << "held " << client_->Stats().device_bytes
+      << " bytes past the new grant of " << client_->Stats().budget_bytes;
+  const ClientStats back = client_->Stats();
+  EXPECT_LE(back.budget_bytes, 8 * kMiB);
+  EXPECT_GT(back.offloads, 0);
+  ExpectBytes(1, 14);
   EXPECT_EQ(client_->Stats().rejected_batches, 0);
 }
 
