@@ -378,8 +378,9 @@ TEST_F(ClientDaemonTest,
   EXPECT_TRUE(Eventually([&] {
     const ClientStats now = client_->Stats();
     return now.device_bytes <= now.budget_bytes;
-  })) << "held " << client_->Stats().device_bytes
-      << " bytes past the new grant of " << client_->Stats().budget_bytes;
+  })) << "held "
+      << client_->Stats().device_bytes << " bytes past the new grant of "
+      << client_->Stats().budget_bytes;
   const ClientStats back = client_->Stats();
   EXPECT_LE(back.budget_bytes, 8 * kMiB);
   EXPECT_GT(back.offloads, 0);
