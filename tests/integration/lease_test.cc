@@ -128,15 +128,20 @@ TEST(Leases, AClientFrozenHoldingLentMemoryIsMarkedAndTheOthersGoOn) {
   ::kill(holder_pid, SIGCONT);
   // It answers: shared as before, it gives back what it holds past its
   // share, and the newcomer gets its 32 MiB again.
-  ASSERT_TRUE(StatusBecomes(daemon, [&](const v1::NodeStatusResponse& s) {
-    const v1::SessionStatus* h = SessionOfPid(s, holder_pid);
-    const v1::SessionStatus* n = SessionOfPid(s, newcomer_pid);
-    return h != nullptr && n != nullptr && h->unresponsive_ms() == 0 &&
-           s.gpus(0).unresponsive_bytes() == 0 &&
-           n->budget_bytes() == 32 * kMiB &&
-           h->chunk_bytes() <= h->budget_bytes() + 256 * 1024;
-  })) << daemon.Output();
-  EXPECT_THAT(daemon.Output(), HasSubstr("answers again after"));
+  ASSERT_TRUE(StatusBecomes(
+      daemon,
+      [&](const v1::NodeStatusResponse& s) {
+        const v1::SessionStatus* h = SessionOfPid(s, holder_pid);
+        const v1::SessionStatus* n = SessionOfPid(s, newcomer_pid);
+        return h != nullptr && n != nullptr && h->unresponsive_ms() == 0 &&
+               s.gpus(0).unresponsive_bytes() == 0 &&
+               n->budget_bytes() == 32 * kMiB &&
+               h->chunk_bytes() <= h->budget_bytes() + 256 * 1024;
+      }))
+      << daemon.Output() << ReadFileOrEmpty(holder.errors);
+  EXPECT_THAT(daemon.Output(), HasSubstr("answers again after"))
+      << "the holder's log:\n"
+      << ReadFileOrEmpty(holder.errors);
   EXPECT_THAT(ReadFileOrEmpty(newcomer.errors),
               HasSubstr("is counted on again"));
   metrics = Metrics(daemon);
@@ -144,7 +149,8 @@ TEST(Leases, AClientFrozenHoldingLentMemoryIsMarkedAndTheOthersGoOn) {
               HasSubstr("deltad_unresponsive_total{event=\"answered\"} 1"));
   auto resumed = holder.Ask("report");
   ASSERT_TRUE(resumed.ok()) << resumed.status();
-  EXPECT_EQ(resumed->lost, 0);  // the same session all along
+  // The same session all along.
+  EXPECT_EQ(resumed->lost, 0) << ReadFileOrEmpty(holder.errors);
   EXPECT_TRUE(Progressed(holder, *resumed, 100));
   holder.ExpectEveryTensorIntact();
   newcomer.ExpectEveryTensorIntact();
