@@ -178,11 +178,11 @@ def main():
             cpu = cpu_seconds(pid)
             sent, took, closed = flood_reading(path, 1 << 40, a.seconds)
             cpu = cpu_seconds(pid) - cpu
-            peak = rss_mib(pid)
+            after = rss_mib(pid)
         reading_rows.append(
             f"| {k} | {sent / 1024:.0f} | {took:.1f} | "
             f"{'closed' if closed else 'open'} | {cpu:.1f} "
-            f"({100 * cpu / took:.0f}%) | +{peak - base:.0f} |")
+            f"({100 * cpu / took:.0f}%) | +{after - base:.0f} |")
     lines = [
         "## ping_flood: the daemon's memory under HTTP/2 PING floods", "",
         f"Command: `{benchlib.command_line('python3 bench/ping_flood.py')}`  ",

@@ -54,28 +54,6 @@ std::string Goaway(const std::string& why) {
   return Frame(kSettingsFrame, "") + Frame(kGoawayFrame, payload);
 }
 
-// At most one line per kind every 10 s, saying how many were held back:
-// a client can provoke these as often as it likes.
-class LineLimit {
- public:
-  bool Allow(absl::Time now) {
-    ++count_;
-    if (now - last_ < absl::Seconds(10)) return false;
-    last_ = now;
-    return true;
-  }
-  // The events since the last line allowed, this one included; resets.
-  int64_t Take() { return std::exchange(count_, 0); }
-
- private:
-  absl::Time last_ = absl::InfinitePast();
-  int64_t count_ = 0;
-};
-
-LineLimit refused_lines;
-LineLimit unread_lines;
-std::mutex lines_mu;
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcListener>> GrpcListener::Start(
@@ -114,11 +92,6 @@ void GrpcListener::Stop() {
   (void)!::write(wake_.get(), &one, sizeof(one));
   if (thread_.joinable()) thread_.join();
   ::unlink(options_.path.c_str());
-}
-
-size_t GrpcListener::open_connections() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return connections_.size();
 }
 
 void GrpcListener::Loop() {
@@ -193,10 +166,12 @@ void GrpcListener::Refuse(common::UniqueFd fd, const char* limit,
   while (::recv(fd.get(), drain, sizeof(drain), MSG_DONTWAIT) > 0) {
   }
   if (options_.refused) options_.refused(limit);
-  std::lock_guard<std::mutex> lock(lines_mu);
-  if (refused_lines.Allow(absl::Now())) {
-    std::fprintf(stderr, "deltad: refused %lld gRPC connection(s): %s\n",
-                 static_cast<long long>(refused_lines.Take()), why.c_str());
+  int64_t held_back = 0;
+  if (refused_log_.Allow(&held_back)) {
+    std::fprintf(stderr,
+                 "deltad: refused a gRPC connection: %s (%lld more held "
+                 "back before this line)\n",
+                 why.c_str(), static_cast<long long>(held_back));
   }
 }
 
@@ -229,20 +204,17 @@ void GrpcListener::Sweep(absl::Time now) {
       if (options_.refused) options_.refused("unread_connection");
     }
   }
-  if (shut == 0) return;
-  std::lock_guard<std::mutex> lock(lines_mu);
-  bool allowed = false;
-  for (int64_t i = 0; i < shut; ++i) allowed |= unread_lines.Allow(now);
-  if (allowed) {
-    std::fprintf(
-        stderr,
-        "deltad: shut down %lld gRPC connection(s) (the last of uid "
-        "%lld) whose clients left the daemon's bytes unread for "
-        "%lld s (keepalive_time_ms + keepalive_timeout_ms)\n",
-        static_cast<long long>(unread_lines.Take()),
-        static_cast<long long>(shut_uid),
-        static_cast<long long>(absl::ToInt64Seconds(options_.unread_for)));
-  }
+  int64_t held_back = 0;
+  if (shut == 0 || !unread_log_.Allow(&held_back)) return;
+  std::fprintf(
+      stderr,
+      "deltad: shut down %lld gRPC connection(s) (the last of uid "
+      "%lld) whose clients left the daemon's bytes unread for %lld "
+      "s (keepalive_time_ms + keepalive_timeout_ms; %lld such lines "
+      "held back before this one)\n",
+      static_cast<long long>(shut), static_cast<long long>(shut_uid),
+      static_cast<long long>(absl::ToInt64Seconds(options_.unread_for)),
+      static_cast<long long>(held_back));
 }
 
 }  // namespace deltad::daemon

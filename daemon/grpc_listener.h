@@ -3,6 +3,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -14,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/log_limit.h"
 #include "common/unix_socket.h"
 #include "grpcpp/grpcpp.h"
 
@@ -62,9 +64,6 @@ class GrpcListener {
   // connections already handed over stay gRPC's. Idempotent.
   void Stop();
 
-  // Connections handed to gRPC and not yet seen closed (at the last sweep).
-  size_t open_connections() const;
-
  private:
   struct Connection {
     int fd;                   // gRPC's; never closed here
@@ -88,7 +87,10 @@ class GrpcListener {
   common::UniqueFd listener_;
   common::UniqueFd wake_;  // an eventfd: Stop() ends the loop's poll
   std::thread thread_;
-  mutable std::mutex mu_;
+  // A client can provoke these lines as often as it likes.
+  common::LogLimit refused_log_{1, std::chrono::seconds(10)};
+  common::LogLimit unread_log_{1, std::chrono::seconds(10)};
+  std::mutex mu_;
   std::vector<Connection> connections_;
   bool stopping_ = false;
 };
