@@ -234,9 +234,9 @@ def total(stats, field):
 
 def hook_costs(dt, model, make_input, budget, steps):
     """ns per call of the whole manager hooks (pack and unpack as autograd
-    calls them, filter included) and of SavedTensor.__del__, timed by
-    wrapping them, less the wrapper's own cost; plus cProfile's view."""
-    from deltad import saved as saved_module
+    calls them, filter included), timed by wrapping them, less the
+    wrapper's own cost. A SavedTensor's death (in C, when autograd lets go
+    of it) cannot be wrapped: it counts in the step times only."""
     clock = time.perf_counter_ns
     acc = {}
 
@@ -257,8 +257,6 @@ def hook_costs(dt, model, make_input, budget, steps):
         probe(None)
     wrapper_ns = acc.pop("probe")[0] / 20000
 
-    cls = saved_module.SavedTensor
-    original_del = cls.__del__
     x = make_input()
     cm = dt.managed(model, budget_bytes=budget, socket=None, min_bytes=1)
     manager = cm.__enter__()
@@ -268,19 +266,45 @@ def hook_costs(dt, model, make_input, budget, steps):
         pack = timed("pack (hook)", manager.pack)
         unpack = timed("unpack (hook)", manager.unpack)
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            cls.__del__ = timed("SavedTensor.__del__", original_del)
-            try:
-                for _ in range(steps):
-                    for p in model.parameters():
-                        p.grad = None
-                    model(x).square().mean().backward()
-            finally:
-                cls.__del__ = original_del
+            for _ in range(steps):
+                for p in model.parameters():
+                    p.grad = None
+                model(x).square().mean().backward()
     finally:
         cm.__exit__(None, None, None)
     stats = manager.stats()
     return {k: ((v[0] / v[1] - wrapper_ns) if v[1] else 0.0, v[1] / steps)
             for k, v in acc.items()}, stats, wrapper_ns
+
+
+def loop_costs(dt, model, budget, count=200, rounds=200):
+    """ns per tensor of the managed hooks' three parts, each timed over a
+    loop of `count` tensors of their own storage (what autograd's calls
+    hide): pack into a new group, the first unpack, and a SavedTensor let
+    go (in C, when autograd drops it: not wrappable in a step)."""
+    clock = time.perf_counter_ns
+    xs = [torch.randn(64) for _ in range(count)]
+    total = [0, 0, 0]
+    with dt.managed(model, budget_bytes=budget, socket=None,
+                    min_bytes=1) as manager:
+        pack, unpack = manager.pack, manager.unpack
+        for r in range(rounds + 10):
+            t0 = clock()
+            saved = [pack(x) for x in xs]
+            t1 = clock()
+            for s in saved:
+                unpack(s)
+            t2 = clock()
+            del s, saved
+            t3 = clock()
+            if r >= 10:  # warm-up
+                total[0] += t1 - t0
+                total[1] += t2 - t1
+                total[2] += t3 - t2
+    n = count * rounds
+    return [("pack into a new group (loop)", total[0] / n),
+            ("first unpack (loop)", total[1] / n),
+            ("SavedTensor let go (loop)", total[2] / n)]
 
 
 def cprofile_top(dt, model, make_input, budget, steps, limit=12):
@@ -305,6 +329,8 @@ def cprofile_top(dt, model, make_input, budget, steps, limit=12):
         if "deltad" in path:
             rows.append((tt, ct, nc, f"{os.path.basename(path)}:{line} "
                          f"{func}"))
+        elif "deltad" in func:  # the C methods: deltad._savedcore's
+            rows.append((tt, ct, nc, func.strip("<>")))
     rows.sort(reverse=True)
     return [(name, tt * 1e9 / stored, ct * 1e9 / stored, nc / steps)
             for tt, ct, nc, name in rows[:limit]], stored / steps
@@ -471,9 +497,18 @@ def profile_section(args, dt):
     for k, (ns, calls) in costs.items():
         lines.append(f"| {k} | {calls:.0f} | {ns:.0f} | "
                      f"{ns * calls / stored_per_step:.0f} |")
+    rounds = 20 if args.smoke else 200
+    lines += ["", f"The same parts timed over loops of 200 tensors of 64 "
+              f"floats, each its own storage ({rounds} rounds; the loop's "
+              f"own cost included):", "",
+              "| part | ns per tensor |", "|---|---:|"]
+    for k, ns in loop_costs(dt, model, budget, rounds=rounds):
+        lines.append(f"| {k} | {ns:.0f} |")
     lines += ["", f"cProfile (its own overhead inflates these; "
               f"{stored:.0f} stored tensors per step), deltad's functions "
-              f"by own time:", "",
+              f"by own time (the hooks are C methods that autograd calls "
+              f"from C++, which cProfile does not see; the Python left is "
+              f"what runs once per iteration):", "",
               "| function | own ns per stored tensor | cumulative ns per "
               "stored tensor | calls per step |",
               "|---|---:|---:|---:|"]

@@ -1,7 +1,7 @@
 """`pip install ./client/python` into a fresh virtual environment: the
-installed package imports from there, finds libdeltad_client.so through
-DELTAD_CLIENT_LIBRARY or beside itself, and says everywhere it looked when
-it finds it nowhere."""
+installed package imports from there with the extension pip built beside
+it, finds libdeltad_client.so through DELTAD_CLIENT_LIBRARY or beside
+itself, and says everywhere it looked when it finds it nowhere."""
 
 import os
 import shutil
@@ -92,6 +92,24 @@ class PipInstallTest(unittest.TestCase):
             self.assertEqual(r.returncode, 0, r.stderr)
         finally:
             os.remove(beside)
+
+    def test_the_installed_package_has_its_extension_beside_it(self):
+        # Built by pip from deltad/_savedcore.c; no client library needed.
+        probes = ["import deltad._savedcore as c; print(c.__file__)"]
+        try:
+            import torch  # noqa: F401
+            probes.append("import deltad.torch, deltad.saved as s; "
+                          "print(s._core.__file__)")
+        except ImportError:
+            pass  # deltad.torch needs it
+        for probe in probes:
+            r = subprocess.run([self.python, "-c", probe],
+                               env={"PATH": os.environ.get("PATH", "")},
+                               cwd=self.dir.name, capture_output=True,
+                               text=True, timeout=120)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertTrue(r.stdout.strip().startswith(self.package_dir()),
+                            r.stdout)
 
 
 if __name__ == "__main__":

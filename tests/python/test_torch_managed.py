@@ -294,6 +294,21 @@ class ErrorsTest(unittest.TestCase):
             with deltad.torch.managed(None, socket=None, policy="recompute"):
                 pass
 
+    def test_without_its_extension_deltad_torch_says_where_it_looked(self):
+        import subprocess
+        env = dict(os.environ,
+                   DELTAD_CLIENT_LIBRARY="/nonexistent/libdeltad_client.so")
+        r = subprocess.run([sys.executable, "-c", "import deltad.torch"],
+                           env=env, capture_output=True, text=True,
+                           timeout=120)
+        if r.returncode == 0:
+            self.skipTest("an installed _savedcore.abi3.so was found")
+        self.assertIn("deltad.torch needs its extension deltad._savedcore",
+                      r.stderr)
+        self.assertIn("/nonexistent/_savedcore.abi3.so: no such file",
+                      r.stderr)
+        self.assertIn("pip install ./client/python", r.stderr)
+
 
 class ClientTest(unittest.TestCase):
 

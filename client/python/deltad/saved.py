@@ -33,7 +33,30 @@ import time
 
 import torch as _torch
 
-RESIDENT, OFFLOADED, EVICTED = "resident", "offloaded", "evicted"
+from deltad._extension import load_savedcore
+
+# The hot path in C (deltad/_savedcore.c): the hooks, pack, unpack and a
+# member's death; the rest of the store is below. Its types:
+# SavedTensor: what autograd keeps instead of a saved tensor, its group and
+# its place there (the tensor itself stays in the group while resident).
+# _Group: one storage's bytes and the saved tensors that view them, with
+#   store, key, nbytes, position (pack order within the iteration), state,
+#   tensors (members; None once dead or released), live, metas ((size,
+#   stride, offset, dtype) while released), host (the host copy while
+#   offloaded), flat (the restored storage, until members are rebuilt),
+#   event (CUDA: the copy that fills `flat` or `host`), call (the module
+#   call that produced it, if known), dependents (evicted groups whose
+#   recompute reads this), retained (keeps the bytes for dependents when
+#   unused), used (unpacked: backward is reading it), rebuilt (members are
+#   views of a restored storage), evicted_sources (groups this one's
+#   recompute reads), versions (released: each member's version then;
+#   rebuilt: each member's version less that, since views of a new storage
+#   count anew, so that a change in place before the release still raises
+#   in unpack).
+# Counters: what the store did; ints, read without the lock.
+_core = load_savedcore()
+RESIDENT, OFFLOADED, EVICTED = _core.RESIDENT, _core.OFFLOADED, _core.EVICTED
+SavedTensor, _Group, Counters = _core.SavedTensor, _core.Group, _core.Counters
 
 # The tensor's untyped storage: PyTorch 2.x's untyped_storage, 1.13's
 # _storage (its storage() builds a typed one, 15 times slower).
@@ -41,80 +64,7 @@ _storage = getattr(_torch.Tensor, "untyped_storage", None) or \
     _torch.Tensor._storage
 
 
-class SavedTensor:
-    """What autograd keeps instead of a saved tensor: its group and its
-    place there. The tensor itself stays in the group while resident."""
-
-    __slots__ = ("group", "index", "version", "__weakref__")
-
-    def __init__(self, group, index, version):
-        self.group = group
-        self.index = index
-        self.version = version
-
-    def __del__(self):
-        try:
-            self.group.store._member_died(self.group, self.index)
-        except Exception:  # interpreter shutdown
-            pass
-
-
-class _Group:
-    """One storage's bytes and the saved tensors that view them."""
-
-    __slots__ = ("store", "key", "nbytes", "position", "state", "tensors",
-                 "live", "metas", "host", "flat", "event", "call",
-                 "dependents", "retained", "used", "rebuilt",
-                 "evicted_sources", "versions")
-
-    def __init__(self, store, key, nbytes, position, call):
-        self.store = store
-        self.key = key
-        self.nbytes = nbytes
-        self.position = position  # pack order within the iteration
-        self.state = RESIDENT
-        self.tensors = []  # member tensors; None once dead or released
-        self.live = 0
-        self.metas = None  # (size, stride, offset, dtype) while released
-        self.host = None   # the host copy while offloaded
-        self.flat = None   # the restored storage, until members are rebuilt
-        self.event = None  # CUDA: the copy that fills `flat` or `host`
-        self.call = call   # the module call that produced it, if known
-        self.dependents = 0  # evicted groups whose recompute reads this
-        self.retained = None  # keeps the bytes for dependents when unused
-        self.used = False  # unpacked: backward is reading it
-        self.rebuilt = False  # members are views of a restored storage
-        self.evicted_sources = ()  # groups this one's recompute reads
-        # Released: each member's version then. Rebuilt: each member's
-        # version less that (views of a new storage count anew), so that
-        # a change in place before the release still raises in unpack.
-        self.versions = None
-
-
-class Counters:
-    """What the store did; ints, read without the lock."""
-
-    def __init__(self):
-        self.saved_tensors = 0
-        self.saved_groups = 0
-        self.resident_bytes = 0
-        self.peak_resident_bytes = 0
-        self.host_bytes = 0
-        self.offloads = 0
-        self.offloaded_bytes = 0
-        self.reloads = 0
-        self.reloaded_bytes = 0
-        self.prefetches = 0
-        self.evictions = 0
-        self.recomputes = 0
-        self.recompute_ns = 0
-        self.host_waits = 0  # synchronizes and blocking copies
-        self.stall_ns = 0    # time unpack spent restoring
-        self.overshoots = 0  # saves left above the budget, nothing to free
-        self.host_full = 0   # releases refused: no host memory, no rebuild
-
-
-class SavedStore:
+class SavedStore(_core.Core):
     """The saved activations of one managed block.
 
     budget: the bytes saved activations may hold on the device now (an
@@ -135,7 +85,6 @@ class SavedStore:
         self.prefetch_bytes = prefetch_bytes
         self.plan = plan  # deltad.torch's per-model state: unpack order
         self.on_iteration = on_iteration  # a forward begins
-        self.counters = Counters()
         self.lock = threading.RLock()
         # Storage address -> resident group. A released group's address
         # is freed with its bytes (and soon another tensor's), so it is
@@ -160,56 +109,23 @@ class SavedStore:
 
     # --- pack and unpack (the hot path)
 
-    def pack(self, tensor, key, storage):
-        """Records `tensor`, whose storage (at `key`) the hook looked up."""
-        lock = self.lock
-        lock.acquire()
-        try:
-            c = self.counters
-            c.saved_tensors += 1
-            group = self.groups.get(key)
-            if group is not None and group.state == RESIDENT:
-                index = len(group.tensors)
-                group.tensors.append(tensor)
-                group.live += 1
-                return SavedTensor(group, index, tensor._version)
-            if not self.alive:
-                self._new_iteration()
-            nbytes = storage.nbytes()
-            calls = self.recompute.calls
-            group = _Group(self, key, nbytes, len(self.by_position),
-                           calls.get(key) if calls else None)
-            self.groups[key] = group
-            self.alive += 1
-            self.order.append(group)
-            self.by_position.append(group)
-            c.saved_groups += 1
-            c.resident_bytes += nbytes
-            if c.resident_bytes > c.peak_resident_bytes:
-                # Past the budget only until _make_room below.
-                c.peak_resident_bytes = c.resident_bytes
-            group.tensors.append(tensor)
-            group.live = 1
-            saved = SavedTensor(group, 0, tensor._version)
-            if c.resident_bytes > self.budget:
-                busy, self.busy = self.busy, True
-                try:
-                    self._make_room(self.budget, group)
-                finally:
-                    self._done(busy)
-            return saved
-        finally:
-            lock.release()
+    # pack, unpack and _member_died are Core's (C); they call these for
+    # what is not the common case.
 
-    def unpack(self, saved):
+    def _pack_over_budget(self, group):
+        """A new storage took the resident bytes past the budget (lock
+        held)."""
+        busy, self.busy = self.busy, True
+        try:
+            self._make_room(self.budget, group)
+        finally:
+            self._done(busy)
+
+    def _unpack_slow(self, saved):
+        """Unpacks a member of a group that is released, restored or being
+        prefetched (or while something is offloaded: the first use of a
+        group prefetches the next ones)."""
         group = saved.group
-        if group.used and group.flat is None:
-            tensor = group.tensors[saved.index]
-            if tensor is not None:
-                if tensor._version != saved.version and \
-                        _changed(group, saved, tensor):
-                    raise _modified(tensor, saved.version)
-                return tensor
         self.lock.acquire()
         busy, self.busy = self.busy, True
         try:
@@ -231,10 +147,15 @@ class SavedStore:
                 self._done(busy)
             finally:
                 self.lock.release()
-        if tensor._version != saved.version and \
-                _changed(group, saved, tensor):
-            raise _modified(tensor, saved.version)
+        if tensor._version != saved.version:
+            self._check_version(group, saved, tensor)
         return tensor
+
+    def _check_version(self, group, saved, tensor):
+        """Raises as PyTorch does if `tensor`, whose version differs from
+        its SavedTensor's, was changed in place since it was saved."""
+        if _changed(group, saved, tensor):
+            raise _modified(tensor, saved.version)
 
     def _done(self, busy):
         """Ends a stretch of work begun with `busy, self.busy = self.busy,
@@ -305,43 +226,6 @@ class SavedStore:
         if self.released_this_iteration:
             self.plan.pressure = True
         self.released_this_iteration = False
-
-    def _member_died(self, group, index):
-        lock = self.lock
-        lock.acquire()
-        try:
-            if self.busy:
-                # Collected inside the store's own work (same thread, the
-                # lock is re-entrant): the group may be half released or
-                # restored, so handling it now would count it twice.
-                self.dying.append((group, index))
-                return
-            tensors = group.tensors
-            tensor = tensors[index] if index < len(tensors) else None
-            if tensor is not None:
-                tensors[index] = None
-            group.live -= 1
-            if group.live > 0:
-                return
-            if group.dependents > 0:
-                # An evicted group's recompute still reads these bytes.
-                if group.state == RESIDENT and tensor is not None:
-                    group.retained = tensor
-                return
-            if group.state == RESIDENT and group.flat is None and \
-                    not group.evicted_sources:
-                # The common end of a saved storage: backward used it.
-                if self.groups.get(group.key) is group:
-                    del self.groups[group.key]
-                self.alive -= 1
-                self.counters.resident_bytes -= group.nbytes
-                group.state = None
-                group.tensors = []
-                group.call = group.retained = None
-                return
-            self._drop(group)
-        finally:
-            lock.release()
 
     def _drop(self, group):
         if group.state is None:

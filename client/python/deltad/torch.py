@@ -45,7 +45,7 @@ from deltad import allocator as _allocator
 from deltad.allocator import disabled
 from deltad.client import DEFAULT_SOCKET, Client, ClientStats, DeltadError
 from deltad.recompute import Recorder
-from deltad.saved import SavedStore, SavedTensor, _storage
+from deltad.saved import SavedStore, _storage
 from deltad.trace import record_trace  # noqa: F401 (API)
 
 _POLICIES = ("auto", "offload", "recompute")
@@ -174,49 +174,20 @@ class Manager:
         # would leave every block's objects to the garbage collector.
         self.recorder.store = weakref.proxy(self.store)
         self._final = None
-        index = device.index if self.cuda else -1
-        store_pack, store_unpack = self.store.pack, self.store.unpack
-        strided = _torch.strided
-        min_bytes = self.min_bytes
-        cuda = self.cuda
-
+        # The hooks: the hot path of the block, in C (deltad/_savedcore.c).
         # `fixed`: the storages of parameters and buffers, the model's
         # memory, not autograd's: saved as they are (BatchNorm saves its
         # running statistics, which it then updates in place). None when
-        # the block has no model.
-        capturing = (_torch.cuda.is_current_stream_capturing if cuda
-                     else None)
-
-        # The hooks, as closures over locals: the hot path of the block.
-        def pack(tensor):
-            if (tensor.is_cuda != cuda or
-                    (cuda and (tensor.get_device() != index or
-                               capturing())) or
-                    tensor.layout != strided or
-                    tensor.numel() * tensor.element_size() < min_bytes):
-                # A CUDA graph being captured keeps its tensors where
-                # they are: nothing of it is released.
-                return tensor
-            if fixed is None:
-                # No model to list its parameters: leaves that need grad
-                # and their views are taken for them.
-                if tensor.requires_grad and tensor.is_leaf:
-                    return tensor
-                base = tensor._base
-                if base is not None and base.is_leaf and base.requires_grad:
-                    return tensor
-            storage = _storage(tensor)
-            key = storage.data_ptr()
-            if fixed is not None and key in fixed:
-                return tensor
-            return store_pack(tensor, key, storage)
-
-        def unpack(saved):
-            if saved.__class__ is SavedTensor:
-                return store_unpack(saved)
-            return saved
-
-        self.pack, self.unpack = pack, unpack
+        # the block has no model: leaves that need grad and their views are
+        # taken for them. A CUDA graph being captured keeps its tensors
+        # where they are: nothing of it is released.
+        self.store.configure_hooks(
+            cuda=self.cuda, device_index=device.index if self.cuda else -1,
+            min_bytes=self.min_bytes,
+            capturing=(_torch.cuda.is_current_stream_capturing
+                       if self.cuda else None),
+            strided=_torch.strided, fixed=fixed, storage=_storage)
+        self.pack, self.unpack = self.store.hook_pack, self.store.hook_unpack
 
     # --- budget and decisions
 
