@@ -9,52 +9,17 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "daemon/http2_refusal.h"
 #include "grpcpp/server_posix.h"
 
 namespace deltad::daemon {
-
-namespace {
-
-// HTTP/2 (RFC 9113): what a refused connection is sent, so that its client
-// reads why rather than a bare reset.
-constexpr uint8_t kSettingsFrame = 0x4;
-constexpr uint8_t kGoawayFrame = 0x7;
-constexpr uint32_t kEnhanceYourCalm = 0xb;
-
-void PutBigEndian32(std::string& out, uint32_t v) {
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    out.push_back(static_cast<char>((v >> shift) & 0xff));
-  }
-}
-
-// A frame on stream 0 with no flags.
-std::string Frame(uint8_t type, const std::string& payload) {
-  std::string frame;
-  const uint32_t n = static_cast<uint32_t>(payload.size());
-  frame.push_back(static_cast<char>((n >> 16) & 0xff));
-  frame.push_back(static_cast<char>((n >> 8) & 0xff));
-  frame.push_back(static_cast<char>(n & 0xff));
-  frame.push_back(static_cast<char>(type));
-  frame.push_back(0);        // flags
-  PutBigEndian32(frame, 0);  // stream 0
-  return frame + payload;
-}
-
-std::string Goaway(const std::string& why) {
-  std::string payload;
-  PutBigEndian32(payload, 0);  // no stream was processed
-  PutBigEndian32(payload, kEnhanceYourCalm);
-  // The frame's debug data; a client shows it with its error.
-  payload += why.substr(0, 1024);
-  return Frame(kSettingsFrame, "") + Frame(kGoawayFrame, payload);
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcListener>> GrpcListener::Start(
     grpc::Server* server, Options options) {
@@ -98,15 +63,23 @@ void GrpcListener::Loop() {
   const int timeout_ms =
       static_cast<int>(absl::ToInt64Milliseconds(options_.sweep_every));
   absl::Time last_sweep = absl::Now();
+  std::vector<pollfd> fds;
   for (;;) {
-    pollfd fds[2] = {{listener_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
-    const int ready = ::poll(fds, 2, timeout_ms);
+    fds.assign({{listener_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}});
+    for (const Lingering& l : lingering_)
+      fds.push_back({l.fd.get(), POLLIN, 0});
+    // Lingering connections are woken for at least every 25 ms, so that
+    // each gets its GOAWAY and is closed close to when it is due.
+    const int ready =
+        ::poll(fds.data(), fds.size(),
+               lingering_.empty() ? timeout_ms : std::min(timeout_ms, 25));
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return;
     }
-    if (ready > 0 && (fds[0].revents & POLLIN) != 0) Accept();
     const absl::Time now = absl::Now();
+    if (!lingering_.empty()) DrainLingering(now);
+    if (ready > 0 && (fds[0].revents & POLLIN) != 0) Accept();
     if (now - last_sweep >= options_.sweep_every) {
       Sweep(now);
       last_sweep = now;
@@ -157,14 +130,18 @@ void GrpcListener::Accept() {
 
 void GrpcListener::Refuse(common::UniqueFd fd, const char* limit,
                           const std::string& why) {
-  const std::string goaway = Goaway(why);
-  (void)::send(fd.get(), goaway.data(), goaway.size(),
+  const std::string preface = Http2Refusal::Preface();
+  (void)::send(fd.get(), preface.data(), preface.size(),
                MSG_DONTWAIT | MSG_NOSIGNAL);
-  // What the client sent first (its preface) is read, so that closing
-  // does not turn into a reset that could overtake the GOAWAY.
-  char drain[256];
-  while (::recv(fd.get(), drain, sizeof(drain), MSG_DONTWAIT) > 0) {
+  // Kept open while the client writes its preface and its call, and reads
+  // the answer (DrainLingering): closed at once, the client's first write
+  // would fail with a broken pipe before it reads why.
+  if (lingering_.size() >= options_.max_lingering) {
+    lingering_.erase(lingering_.begin());  // the oldest
   }
+  const absl::Time now = absl::Now();
+  lingering_.push_back({std::move(fd), now + options_.linger,
+                        now + options_.goaway_after, Http2Refusal(why)});
   if (options_.refused) options_.refused(limit);
   int64_t held_back = 0;
   if (refused_log_.Allow(&held_back)) {
@@ -173,6 +150,36 @@ void GrpcListener::Refuse(common::UniqueFd fd, const char* limit,
                  "back before this line)\n",
                  why.c_str(), static_cast<long long>(held_back));
   }
+}
+
+void GrpcListener::DrainLingering(absl::Time now) {
+  std::erase_if(lingering_, [&](Lingering& l) {
+    const int fd = l.fd.get();
+    auto send = [fd](const std::string& bytes) {
+      (void)::send(fd, bytes.data(), bytes.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+    };
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      if (n <= 0) return true;  // the client closed, or the socket failed
+      auto reply =
+          l.refusal.Feed(absl::string_view(buf, static_cast<size_t>(n)));
+      if (!reply.ok()) {
+        if (!l.goaway_sent) send(l.refusal.Goaway());
+        return true;
+      }
+      send(*reply);
+    }
+    // The GOAWAY once a call has its answer, or when none came in time (a
+    // client with no call waiting, or one that is not gRPC).
+    if (!l.goaway_sent && (l.refusal.answered() > 0 || now >= l.goaway_at)) {
+      send(l.refusal.Goaway());
+      l.goaway_sent = true;
+    }
+    return now >= l.until;
+  });
 }
 
 void GrpcListener::Sweep(absl::Time now) {

@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "common/log_limit.h"
 #include "common/unix_socket.h"
+#include "daemon/http2_refusal.h"
 #include "grpcpp/grpcpp.h"
 
 namespace deltad::daemon {
@@ -25,8 +26,11 @@ namespace deltad::daemon {
 // connection at a time (grpc::AddInsecureChannelFromFd), for two things
 // gRPC does not do on its own:
 // - connections are counted per user (SO_PEERCRED) and in all before gRPC
-//   sees them: one past a limit gets an HTTP/2 GOAWAY naming the limit and
-//   is closed;
+//   sees them: one past a limit has each gRPC call it starts answered with
+//   RESOURCE_EXHAUSTED naming the limit, then an HTTP/2 GOAWAY naming it
+//   too, and is closed once its client has read them (it closes, or
+//   `linger` passes: closed at once, the client's first write would fail
+//   with a broken pipe before it reads why);
 // - a connection whose client has left the daemon's bytes unread for
 //   `unread_for` (the socket's send queue not empty and not moving) is shut
 //   down. gRPC closes a connection only once its writes are done, and its
@@ -45,6 +49,15 @@ class GrpcListener {
     size_t max_connections_per_uid = 256;
     absl::Duration unread_for = absl::Seconds(80);
     absl::Duration sweep_every = absl::Seconds(1);
+    // How long a refused connection stays open for its client to read the
+    // GOAWAY, and how many may at once (past it the oldest is closed: a
+    // flood of connections holds no more than this many descriptors).
+    absl::Duration linger = absl::Seconds(1);
+    // When the GOAWAY goes to a refused connection that started no call: a
+    // gRPC client starts its call as soon as it reads the daemon's
+    // SETTINGS, and gets the refusal as its answer (Http2Refusal).
+    absl::Duration goaway_after = absl::Milliseconds(100);
+    size_t max_lingering = 64;
     // Called with the limit's name for each connection refused or shut
     // down: "max_grpc_connections", "max_grpc_connections_per_uid",
     // "unread_connection".
@@ -79,14 +92,25 @@ class GrpcListener {
   void Loop();
   void Accept();
   void Sweep(absl::Time now);
-  // An HTTP/2 GOAWAY naming the limit, then the descriptor is closed.
+  // The refusal (Http2Refusal) begins; the descriptor lingers.
   void Refuse(common::UniqueFd fd, const char* limit, const std::string& why);
+  // Reads what lingering clients sent and closes those that closed, failed
+  // or lingered past `linger`.
+  void DrainLingering(absl::Time now);
 
   grpc::Server* server_;
   const Options options_;
   common::UniqueFd listener_;
   common::UniqueFd wake_;  // an eventfd: Stop() ends the loop's poll
   std::thread thread_;
+  struct Lingering {
+    common::UniqueFd fd;
+    absl::Time until;      // closed then
+    absl::Time goaway_at;  // the GOAWAY then, if no call came
+    Http2Refusal refusal;
+    bool goaway_sent = false;
+  };
+  std::vector<Lingering> lingering_;  // the loop's thread only
   // A client can provoke these lines as often as it likes.
   common::LogLimit refused_log_{1, std::chrono::seconds(10)};
   common::LogLimit unread_log_{1, std::chrono::seconds(10)};
