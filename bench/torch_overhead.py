@@ -307,6 +307,36 @@ def loop_costs(dt, model, budget, count=200, rounds=200):
             ("SavedTensor let go (loop)", total[2] / n)]
 
 
+def block_costs(dt, model, make_input, budget, steps):
+    """Median us to enter and to leave a managed block (min_bytes=1),
+    with a training step inside and with nothing inside: after a step the
+    interpreter's code and data are cold."""
+    clock = time.perf_counter_ns
+    x = make_input()
+    out = {}
+    for label, work in (("a step inside", True), ("nothing inside", False)):
+        enter, leave = [], []
+        for i in range(steps + 5):
+            for p in model.parameters():
+                p.grad = None
+            cm = dt.managed(model, budget_bytes=budget, socket=None,
+                            min_bytes=1)
+            t0 = clock()
+            cm.__enter__()
+            t1 = clock()
+            if work:
+                model(x).square().mean().backward()
+            t2 = clock()
+            cm.__exit__(None, None, None)
+            t3 = clock()
+            if i >= 5:
+                enter.append(t1 - t0)
+                leave.append(t3 - t2)
+        out[label] = (statistics.median(enter) / 1e3,
+                      statistics.median(leave) / 1e3)
+    return out
+
+
 def cprofile_top(dt, model, make_input, budget, steps, limit=12):
     """cProfile over managed steps: tottime per stored tensor of the
     deltad functions and the hooks."""
@@ -497,6 +527,12 @@ def profile_section(args, dt):
     for k, (ns, calls) in costs.items():
         lines.append(f"| {k} | {calls:.0f} | {ns:.0f} | "
                      f"{ns * calls / stored_per_step:.0f} |")
+    lines += ["", f"Entering and leaving a block, medians over {steps} "
+              f"blocks:", "", "| block | enter (us) | leave (us) |",
+              "|---|---:|---:|"]
+    for label, (enter, leave) in block_costs(dt, model, make_input, budget,
+                                             steps).items():
+        lines.append(f"| {label} | {enter:.1f} | {leave:.1f} |")
     rounds = 20 if args.smoke else 200
     lines += ["", f"The same parts timed over loops of 200 tensors of 64 "
               f"floats, each its own storage ({rounds} rounds; the loop's "

@@ -242,6 +242,36 @@ class ManagedTrainingTest(unittest.TestCase):
             self.assertTrue(torch.equal(a, p.grad))
 
 
+class ModelMemoryTest(unittest.TestCase):
+    """Parameters are saved as they are, never stored: the block knows
+    their storages, found again when they move between blocks."""
+
+    def stored_in_a_step(self, model, x):
+        with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                  budget_bytes=1 << 30) as manager:
+            model(x).sum().backward()
+        return manager.stats().saved_tensors
+
+    def test_a_parameter_that_moved_between_blocks_is_still_a_parameter(self):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 8))
+        x = torch.randn(4, 8)
+        stored = self.stored_in_a_step(model, x)
+        self.assertEqual(self.stored_in_a_step(model, x), stored)
+        # What model.to() does by default: the same Parameter, new data.
+        first = model[0].weight
+        first.data = first.data.clone()
+        self.assertEqual(self.stored_in_a_step(model, x), stored)
+        # A new Parameter object in its place.
+        model[0].weight = torch.nn.Parameter(first.detach().clone())
+        self.assertEqual(self.stored_in_a_step(model, x), stored)
+        # Another parameter than the first, moved: found by the walk that
+        # a moved first one starts (model.to() moves them all).
+        for p in model.parameters():
+            p.data = p.data.clone()
+        self.assertEqual(self.stored_in_a_step(model, x), stored)
+
+
 class ErrorsTest(unittest.TestCase):
 
     def test_out_of_memory_in_a_block_says_what_deltad_held(self):

@@ -71,7 +71,7 @@ class _Plan:
         self.unpack_order = []
         self.groups = 0
         self.memory = None  # _model_memory's answer, while `anchor` holds
-        self.anchor = None  # the first parameter's address then
+        self.anchor = None  # the first parameter then (_first_parameter)
 
 
 # The plan of blocks given no model.
@@ -81,13 +81,27 @@ _any_model_plan = _Plan()
 def _memory_of(model, plan):
     """_model_memory, walked again only when the model's parameters moved
     (model.to() and the like give them new storages): a block entered
-    every step would pay the walk every step."""
-    first = next(iter(model.parameters()), None)
-    anchor = None if first is None else first.data_ptr()
-    if plan.memory is None or anchor != plan.anchor:
-        plan.memory = _model_memory(model)
-        plan.anchor = anchor
+    every step would pay the walk every step. What moved is told by the
+    first parameter, looked up where it was found (its module's table and
+    name), not by walking the modules again."""
+    if plan.memory is not None and plan.anchor is not None:
+        table, name, address = plan.anchor
+        first = table.get(name)
+        if first is not None and first.data_ptr() == address:
+            return plan.memory
+    plan.memory = _model_memory(model)
+    plan.anchor = _first_parameter(model)
     return plan.memory
+
+
+def _first_parameter(model):
+    """(its module's parameter table, its name, its address) of the
+    model's first parameter; None without one."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                return module._parameters, name, p.data_ptr()
+    return None
 
 
 @dataclasses.dataclass
@@ -259,18 +273,24 @@ class Manager:
     def stats(self):
         """What the block did (after the block, as it ended)."""
         if self._final is not None:
-            return self._final
-        c = self.store.counters
-        connected = False
-        if self.client is not None:
-            try:
-                connected = self.client.stats().connected
-            except DeltadError:
-                connected = False
+            return self._stats(*self._final)
+        return self._stats(self.store.counters, self.activation_budget,
+                           self._connected(), self.recorder.recorded,
+                           self.iterations)
+
+    def _connected(self):
+        if self.client is None:
+            return False
+        try:
+            return self.client.stats().connected
+        except DeltadError:
+            return False
+
+    def _stats(self, c, budget, connected, recorded, iterations):
         return ManagerStats(
             device_bytes=c.resident_bytes,
             peak_device_bytes=c.peak_resident_bytes,
-            budget_bytes=self.activation_budget, host_bytes=c.host_bytes,
+            budget_bytes=budget, host_bytes=c.host_bytes,
             offloaded_bytes=c.offloaded_bytes,
             reloaded_bytes=c.reloaded_bytes, evictions=c.evictions,
             recomputes=c.recomputes, recompute_ns=c.recompute_ns,
@@ -278,14 +298,20 @@ class Manager:
             prefetches=c.prefetches, offloads=c.offloads,
             reloads=c.reloads, saved_tensors=c.saved_tensors,
             saved_storages=c.saved_groups,
-            recorded_calls=self.recorder.recorded,
+            recorded_calls=recorded,
             host_waits=c.host_waits, daemon_round_trips=self.round_trips,
-            iterations=self.iterations, overshoots=c.overshoots,
+            iterations=iterations, overshoots=c.overshoots,
             host_full=c.host_full)
 
     def _close(self):
         self.recorder.unwrap()
-        self._final = self.stats()
+        # What stats() reports from now on, frozen as the block ends (a
+        # graph of the block unpacked later still counts in the store);
+        # the ManagerStats is built only when asked for: a block entered
+        # every step would build one every step.
+        self._final = (self.store.counters.snapshot(), self.activation_budget,
+                       self._connected(), self.recorder.recorded,
+                       self.iterations)
         self.store.close()
 
 
@@ -404,7 +430,9 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
             device = _torch.device("cuda", _torch.cuda.current_device())
         policy = "offload"
     else:
-        plan = _plans.setdefault(model, _Plan())
+        plan = _plans.get(model)  # setdefault would make a weakref each time
+        if plan is None:
+            plan = _plans[model] = _Plan()
         device, fixed = _memory_of(model, plan)
     round_trips = 0
     if client is None and device.type == "cuda":
