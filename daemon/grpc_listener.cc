@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <linux/sockios.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
@@ -17,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "daemon/http2_refusal.h"
+#include "daemon/tcp_socket.h"
 #include "grpcpp/server_posix.h"
 
 namespace deltad::daemon {
@@ -30,10 +33,23 @@ absl::StatusOr<std::unique_ptr<GrpcListener>> GrpcListener::Start(
   if (flags < 0 || ::fcntl(listener->get(), F_SETFL, flags | O_NONBLOCK) != 0) {
     return absl::ErrnoToStatus(errno, "making the gRPC socket non-blocking");
   }
+  TcpListeners tcp;
+  if (!options.tcp_address.empty()) {
+    auto listening = ListenTcp(options.tcp_address);
+    if (!listening.ok()) {
+      ::unlink(options.path.c_str());
+      return absl::Status(
+          listening.status().code(),
+          absl::StrCat("tcp_address: ", listening.status().message()));
+    }
+    tcp = std::move(*listening);
+  }
   common::UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return absl::ErrnoToStatus(errno, "eventfd");
   std::unique_ptr<GrpcListener> l(new GrpcListener(
       server, std::move(options), std::move(*listener), std::move(wake)));
+  l->tcp_ = std::move(tcp.fds);
+  l->tcp_port_ = tcp.port;
   l->thread_ = std::thread([raw = l.get()] { raw->Loop(); });
   return l;
 }
@@ -66,8 +82,10 @@ void GrpcListener::Loop() {
   std::vector<pollfd> fds;
   for (;;) {
     fds.assign({{listener_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}});
-    for (const Lingering& l : lingering_)
+    for (const common::UniqueFd& t : tcp_) fds.push_back({t.get(), POLLIN, 0});
+    for (const Lingering& l : lingering_) {
       fds.push_back({l.fd.get(), POLLIN, 0});
+    }
     // Lingering connections are woken for at least every 25 ms, so that
     // each gets its GOAWAY and is closed close to when it is due.
     const int ready =
@@ -79,7 +97,12 @@ void GrpcListener::Loop() {
     }
     const absl::Time now = absl::Now();
     if (!lingering_.empty()) DrainLingering(now);
-    if (ready > 0 && (fds[0].revents & POLLIN) != 0) Accept();
+    if (ready > 0) {
+      if ((fds[0].revents & POLLIN) != 0) Accept(listener_.get(), false);
+      for (size_t i = 0; i < tcp_.size(); ++i) {
+        if ((fds[2 + i].revents & POLLIN) != 0) Accept(tcp_[i].get(), true);
+      }
+    }
     if (now - last_sweep >= options_.sweep_every) {
       Sweep(now);
       last_sweep = now;
@@ -87,10 +110,10 @@ void GrpcListener::Loop() {
   }
 }
 
-void GrpcListener::Accept() {
+void GrpcListener::Accept(int listening, bool tcp) {
   for (;;) {
-    common::UniqueFd fd(::accept4(listener_.get(), nullptr, nullptr,
-                                  SOCK_CLOEXEC | SOCK_NONBLOCK));
+    common::UniqueFd fd(
+        ::accept4(listening, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (!fd.valid()) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       // EAGAIN: all taken. EMFILE and the like: the next wake tries again
@@ -99,8 +122,19 @@ void GrpcListener::Accept() {
     }
     struct stat st;
     if (::fstat(fd.get(), &st) != 0) continue;
-    auto cred = common::PeerCredentials(fd.get());
-    const int64_t uid = cred.ok() ? static_cast<int64_t>(cred->uid) : -1;
+    // The user: the Unix socket's peer credentials, or the owner of a TCP
+    // client's socket on this machine. -1 (a TCP client elsewhere): all
+    // such count as one user.
+    int64_t uid = -1;
+    if (tcp) {
+      const int one = 1;
+      (void)::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      auto owner = LocalTcpPeerUid(fd.get());
+      if (owner.ok()) uid = static_cast<int64_t>(*owner);
+    } else {
+      auto cred = common::PeerCredentials(fd.get());
+      if (cred.ok()) uid = static_cast<int64_t>(cred->uid);
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       // A number accepted again was closed by gRPC since the last sweep.
@@ -114,7 +148,7 @@ void GrpcListener::Accept() {
       }
       size_t of_uid = 0;
       for (const Connection& c : connections_) of_uid += c.uid == uid;
-      if (uid >= 0 && of_uid >= options_.max_connections_per_uid) {
+      if (of_uid >= options_.max_connections_per_uid) {
         Refuse(std::move(fd), "max_grpc_connections_per_uid",
                absl::StrCat("uid ", uid, " already has the maximum of ",
                             options_.max_connections_per_uid,

@@ -22,9 +22,10 @@
 
 namespace deltad::daemon {
 
-// The gRPC Unix socket, accepted by the daemon and handed to gRPC one
-// connection at a time (grpc::AddInsecureChannelFromFd), for two things
-// gRPC does not do on its own:
+// The gRPC Unix socket (and the optional TCP port), accepted by the daemon
+// and handed to gRPC one connection at a time
+// (grpc::AddInsecureChannelFromFd), for two things gRPC does not do on its
+// own:
 // - connections are counted per user (SO_PEERCRED) and in all before gRPC
 //   sees them: one past a limit has each gRPC call it starts answered with
 //   RESOURCE_EXHAUSTED naming the limit, then an HTTP/2 GOAWAY naming it
@@ -45,6 +46,10 @@ class GrpcListener {
   struct Options {
     std::string path;
     mode_t mode = 0660;
+    // Also accepted the same way: gRPC on TCP ("host:port"; empty: none).
+    // A TCP client's user is its socket's owner when it runs on this
+    // machine (LocalTcpPeerUid); clients elsewhere count as one user.
+    std::string tcp_address;
     size_t max_connections = 4096;
     size_t max_connections_per_uid = 256;
     absl::Duration unread_for = absl::Seconds(80);
@@ -73,6 +78,10 @@ class GrpcListener {
   GrpcListener& operator=(const GrpcListener&) = delete;
   ~GrpcListener();  // Stop()
 
+  // The TCP port listened on (tcp_address's, or the one chosen for port
+  // 0); 0 without TCP.
+  int tcp_port() const { return tcp_port_; }
+
   // Stops accepting and sweeping and removes the socket file; the
   // connections already handed over stay gRPC's. Idempotent.
   void Stop();
@@ -90,7 +99,7 @@ class GrpcListener {
   GrpcListener(grpc::Server* server, Options options, common::UniqueFd listener,
                common::UniqueFd wake);
   void Loop();
-  void Accept();
+  void Accept(int listening, bool tcp);
   void Sweep(absl::Time now);
   // The refusal (Http2Refusal) begins; the descriptor lingers.
   void Refuse(common::UniqueFd fd, const char* limit, const std::string& why);
@@ -101,6 +110,8 @@ class GrpcListener {
   grpc::Server* server_;
   const Options options_;
   common::UniqueFd listener_;
+  std::vector<common::UniqueFd> tcp_;  // tcp_address's listening sockets
+  int tcp_port_ = 0;
   common::UniqueFd wake_;  // an eventfd: Stop() ends the loop's poll
   std::thread thread_;
   struct Lingering {

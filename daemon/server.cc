@@ -204,30 +204,20 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  // The Unix socket is the daemon's own (GrpcListener), not gRPC's.
-  if (!config.tcp_address().empty()) {
-    builder.AddListeningPort(config.tcp_address(),
-                             grpc::InsecureServerCredentials(), &s->tcp_port_);
-  }
+  // The Unix socket and the TCP port are the daemon's own (GrpcListener),
+  // not gRPC's: gRPC listens on nothing.
   const int max_message = static_cast<int>(config.limits().max_message_bytes());
-  // gRPC otherwise opens one SO_REUSEPORT listener per poller: with TCP port
-  // 0 each gets a port of its own, and deltad would serve on a port it
-  // never reported; with a fixed port, another process of deltad's user
-  // could bind it too and take a share of the connections.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(max_message);
   builder.SetMaxSendMessageSize(max_message);
   ApplyConnectionLimits(config.limits(), builder);
   builder.RegisterService(s->service_.get());
   s->grpc_ = builder.BuildAndStart();
   if (s->grpc_ == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat("gRPC could not start",
-                     config.tcp_address().empty() ? "" : " listening on ",
-                     config.tcp_address()));
+    return absl::UnavailableError("gRPC could not start");
   }
   GrpcListener::Options listen;
   listen.path = s->socket_path_;
+  listen.tcp_address = config.tcp_address();
   listen.mode = config.socket_mode();
   listen.max_connections_per_uid =
       static_cast<size_t>(config.limits().max_grpc_connections_per_uid());
@@ -245,6 +235,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   auto listener = GrpcListener::Start(s->grpc_.get(), std::move(listen));
   if (!listener.ok()) return listener.status();
   s->listener_ = std::move(*listener);
+  s->tcp_port_ = s->listener_->tcp_port();
   MemoryManagerService* service = s->service_.get();
   Metrics* counted = s->metrics_.get();
   auto side = SideChannel::Start(

@@ -109,9 +109,11 @@ class DaemonTest : public ::testing::Test {
   // A daemon with `limits { <limits> }` in its configuration. The drain at
   // the end of each test is bounded: what is left open by then (a test that
   // keeps a stream on purpose) must not slow the suite.
-  void StartDaemonWithLimits(const std::string& limits) {
+  // `extra`: more of the configuration, beside the limits.
+  void StartDaemonWithLimits(const std::string& limits,
+                             const std::string& extra = "") {
     DaemonOptions options;
-    options.config_text = absl::StrCat("limits { ", limits, " }\n");
+    options.config_text = absl::StrCat("limits { ", limits, " }\n", extra);
     options.flags = {"--drain_seconds=5"};
     StartDaemon(std::move(options));
   }

@@ -54,14 +54,18 @@ class HostileClientTest : public DaemonTest {
  protected:
   // Limits a derived fixture adds to the ones above.
   virtual std::string ExtraLimits() const { return ""; }
+  // Configuration a derived fixture adds beside the limits.
+  virtual std::string ExtraConfig() const { return ""; }
 
   void SetUp() override {
-    StartDaemonWithLimits(absl::StrCat(
-        "max_label_bytes: ", kMaxLabelBytes, " max_batch_events: ",
-        kMaxBatchEvents, " max_status_sessions: ", kMaxStatusSessions,
-        " max_queued_order_bytes: ", kMaxQueuedOrderBytes,
-        " max_side_connections_per_uid: ", kMaxSideConnectionsPerUid,
-        ExtraLimits()));
+    StartDaemonWithLimits(
+        absl::StrCat("max_label_bytes: ", kMaxLabelBytes,
+                     " max_batch_events: ", kMaxBatchEvents,
+                     " max_status_sessions: ", kMaxStatusSessions,
+                     " max_queued_order_bytes: ", kMaxQueuedOrderBytes,
+                     " max_side_connections_per_uid: ",
+                     kMaxSideConnectionsPerUid, ExtraLimits()),
+        ExtraConfig());
     // The honest session: a tensor on GPU 0, on a stream that reads.
     honest_ = MustOpen(peer_->token(), 0);
     honest_stream_ =

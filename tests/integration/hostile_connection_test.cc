@@ -3,14 +3,20 @@
 // read, and more connections than one user may hold, on the gRPC socket
 // and the side socket. As in hostile_client_test.cc, an honest session on
 // the same GPU must be unaffected (the fixture's TearDown).
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -357,6 +363,46 @@ TEST_F(HostileClientWithShortKeepaliveTest,
   EXPECT_THAT(daemon_->Output(), HasSubstr("left the daemon's bytes unread"));
 }
 
+// NodeStatus on a new channel (made by `channel`) with a deadline of
+// `wait`, how long it took, and its status.
+grpc::Status NodeStatusOn(
+    const std::function<std::shared_ptr<grpc::Channel>()>& channel,
+    absl::Duration wait, absl::Duration* took = nullptr) {
+  auto stub = v1::MemoryManager::NewStub(channel());
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + wait));
+  v1::NodeStatusResponse response;
+  const absl::Time start = absl::Now();
+  grpc::Status s =
+      stub->NodeStatus(&context, v1::NodeStatusRequest(), &response);
+  if (took != nullptr) *took = absl::Now() - start;
+  return s;
+}
+
+// A call past the limit fails at once with the limit's name.
+void ExpectRefusedByName(
+    const std::function<std::shared_ptr<grpc::Channel>()>& channel) {
+  absl::Duration took;
+  const grpc::Status s = NodeStatusOn(channel, absl::Seconds(5), &took);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << Describe(s);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("limits.max_grpc_connections_per_uid"));
+  EXPECT_LT(took, absl::Seconds(2)) << Describe(s);
+}
+
+// Served again, once the daemon has seen connections close: tries new
+// channels for up to 10 s.
+grpc::Status ServedAgain(
+    const std::function<std::shared_ptr<grpc::Channel>()>& channel) {
+  grpc::Status again = grpc::Status(grpc::StatusCode::UNKNOWN, "not tried");
+  for (int i = 0; i < 50 && !again.ok(); ++i) {
+    again = NodeStatusOn(channel, absl::Seconds(2));
+    if (!again.ok()) absl::SleepFor(absl::Milliseconds(200));
+  }
+  return again;
+}
+
 // Each gRPC connection costs the daemon memory and a descriptor: one user
 // may hold only so many, and the next one gets a GOAWAY naming the limit.
 constexpr int kMaxGrpcConnectionsPerUid = 8;
@@ -386,31 +432,11 @@ TEST_F(HostileClientWithGrpcLimitTest,
   // What a gRPC client sees, on a connection of its own: its call is
   // answered with the limit's name, at once (a GOAWAY alone would leave
   // it to reconnect until its deadline; a close, a broken pipe).
-  {
-    auto stub = v1::MemoryManager::NewStub(daemon_->NewChannel());
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    v1::NodeStatusResponse response;
-    const absl::Time start = absl::Now();
-    const grpc::Status s =
-        stub->NodeStatus(&context, v1::NodeStatusRequest(), &response);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
-        << Describe(s);
-    EXPECT_THAT(s.error_message(),
-                HasSubstr("limits.max_grpc_connections_per_uid"));
-    EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << Describe(s);
-  }
+  auto unix_channel = [this] { return daemon_->NewChannel(); };
+  ExpectRefusedByName(unix_channel);
   // One let go, another is served once the daemon has seen it closed.
   held.pop_back();
-  grpc::Status again = grpc::Status(grpc::StatusCode::UNKNOWN, "not tried");
-  for (int i = 0; i < 50 && !again.ok(); ++i) {
-    auto stub = v1::MemoryManager::NewStub(daemon_->NewChannel());
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-    v1::NodeStatusResponse response;
-    again = stub->NodeStatus(&context, v1::NodeStatusRequest(), &response);
-    if (!again.ok()) absl::SleepFor(absl::Milliseconds(200));
-  }
+  const grpc::Status again = ServedAgain(unix_channel);
   EXPECT_TRUE(again.ok()) << Describe(again);
   ExpectServing("connections past the limit");
   const std::string metrics =
@@ -418,6 +444,60 @@ TEST_F(HostileClientWithGrpcLimitTest,
   EXPECT_THAT(metrics, ::testing::ContainsRegex(
                            "deltad_refused_total\\{limit=\"max_grpc_"
                            "connections_per_uid\"\\} [1-9]"));
+}
+
+// The TCP port, when configured, is accepted as the Unix socket is: a
+// client on this machine counts as its socket's owner.
+class HostileClientWithGrpcLimitOverTcpTest
+    : public HostileClientWithGrpcLimitTest {
+ protected:
+  std::string ExtraConfig() const override {
+    return "tcp_address: \"127.0.0.1:0\"\n";
+  }
+  int TcpPort() const {
+    const std::string out = daemon_->Output();
+    const size_t at = out.find(" and 127.0.0.1:");
+    return at == std::string::npos ? 0 : std::atoi(out.c_str() + at + 15);
+  }
+};
+
+common::UniqueFd ConnectTcp(int port) {
+  common::UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    return common::UniqueFd();
+  }
+  return fd;
+}
+
+TEST_F(HostileClientWithGrpcLimitOverTcpTest,
+       TcpConnectionsCountForTheirUserAndAreRefusedByName) {
+  const int port = TcpPort();
+  ASSERT_GT(port, 0) << daemon_->Output();
+  std::vector<common::UniqueFd> held;
+  std::string refused_with;
+  for (int i = 0; i <= kMaxGrpcConnectionsPerUid && refused_with.empty(); ++i) {
+    common::UniqueFd fd = ConnectTcp(port);
+    ASSERT_TRUE(fd.valid());
+    refused_with = GoawayWithin(fd.get(), absl::Milliseconds(300));
+    if (refused_with.empty()) held.push_back(std::move(fd));
+  }
+  // This process's Unix-socket channels count for the same user.
+  EXPECT_THAT(refused_with, HasSubstr("limits.max_grpc_connections_per_uid"));
+  EXPECT_THAT(refused_with, HasSubstr(absl::StrCat("uid ", ::getuid())));
+  EXPECT_LT(static_cast<int>(held.size()), kMaxGrpcConnectionsPerUid);
+  auto tcp_channel = [port] {
+    return grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
+                               grpc::InsecureChannelCredentials());
+  };
+  ExpectRefusedByName(tcp_channel);
+  held.clear();
+  // Served over TCP again once the connections are gone.
+  const grpc::Status again = ServedAgain(tcp_channel);
+  EXPECT_TRUE(again.ok()) << Describe(again);
 }
 
 }  // namespace
