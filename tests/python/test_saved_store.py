@@ -201,5 +201,31 @@ class PendingCopiesAtCloseTest(unittest.TestCase):
             saved._torch = real
 
 
+class MisusedCoreTest(unittest.TestCase):
+    """The C part of the store refuses what it cannot work with, with an
+    error, never a crash: a store not set up, a foreign object to unpack."""
+
+    def test_a_core_not_set_up_raises(self):
+        from deltad import saved
+        core = saved._core.Core()
+        t = torch.randn(4)
+        self.assertIs(core.hook_pack(t), t)  # not configured: keeps nothing
+        storage = saved._storage(t)
+        with self.assertRaisesRegex(RuntimeError, "no lock"):
+            core.pack(t, storage.data_ptr(), storage)
+        with self.assertRaises(TypeError):
+            core.unpack(t)
+        self.assertIs(core.hook_unpack(t), t)  # not a SavedTensor: as it is
+
+    def test_a_core_without_its_python_half_raises(self):
+        from deltad import saved
+        core = saved._core.Core()
+        core.lock = __import__("threading").RLock()
+        t = torch.randn(4)
+        storage = saved._storage(t)
+        with self.assertRaisesRegex(AttributeError, "_new_iteration"):
+            core.pack(t, storage.data_ptr(), storage)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -408,6 +408,12 @@ static PyObject* store_pack(Core* c, PyObject* tensor, PyObject* key,
     if (PyList_Append(g->tensors, tensor) < 0) goto done;
     g->live++;
     result = saved_create(g, index, version);
+    if (result == NULL) {
+      /* Not saved after all: the group is as it was. */
+      g->live--;
+      Py_INCREF(Py_None);
+      (void)PyList_SetItem(g->tensors, index, Py_None);
+    }
     goto done;
   }
   if (c->alive == 0) {
@@ -420,6 +426,10 @@ static PyObject* store_pack(Core* c, PyObject* tensor, PyObject* key,
   long long nbytes;
   if (call_ll(storage, s_nbytes, &nbytes) < 0) goto done;
   PyObject* call = Py_None; /* the module call that produced it, if known */
+  if (c->recompute == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "deltad: the store has no recorder");
+    goto done;
+  }
   PyObject* calls = PyObject_GetAttr(c->recompute, s_calls);
   if (calls == NULL) goto done;
   if (PyDict_Check(calls) && PyDict_Size(calls) > 0) {
@@ -688,6 +698,11 @@ static PyObject* core_hook_pack(PyObject* self, PyObject* tensor) {
     } else {
       Py_DECREF(base);
     }
+  }
+  if (c->storage_fn == NULL) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "deltad: hook_pack before configure_hooks");
+    return NULL;
   }
   PyObject* storage = PyObject_CallFunctionObjArgs(c->storage_fn, tensor, NULL);
   if (storage == NULL) return NULL;
