@@ -251,7 +251,7 @@ void GrpcListener::Sweep(absl::Time now) {
       stderr,
       "deltad: shut down %lld gRPC connection(s) (the last of uid "
       "%lld) whose clients left the daemon's bytes unread for %lld "
-      "s (keepalive_time_ms + keepalive_timeout_ms; %lld such lines "
+      "s (keepalive_time_ms; %lld such lines "
       "held back before this one)\n",
       static_cast<long long>(shut), static_cast<long long>(shut_uid),
       static_cast<long long>(absl::ToInt64Seconds(options_.unread_for)),

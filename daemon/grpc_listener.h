@@ -52,7 +52,7 @@ class GrpcListener {
     std::string tcp_address;
     size_t max_connections = 4096;
     size_t max_connections_per_uid = 256;
-    absl::Duration unread_for = absl::Seconds(80);
+    absl::Duration unread_for = absl::Seconds(60);
     absl::Duration sweep_every = absl::Seconds(1);
     // How long a refused connection stays open for its client to read the
     // GOAWAY, and how many may at once (past it the oldest is closed: a

@@ -333,11 +333,14 @@ TEST_F(HostileClientWithPingStrikesTest,
 // gRPC closes a connection only once its writes are done: one whose client
 // never reads would stay open, holding its memory, for as long as the
 // client likes. The daemon shuts it down once its bytes have sat unread
-// for keepalive_time_ms + keepalive_timeout_ms (4 s here), and counts it.
+// for keepalive_time_ms (2 s here), and counts it: sooner than gRPC's own
+// keepalive would close it uncounted (a ping sent before the bytes piled
+// up, unanswered for keepalive_timeout_ms, 5 s here; it won that race once
+// in CI when the two were equal).
 class HostileClientWithShortKeepaliveTest : public HostileClientTest {
  protected:
   std::string ExtraLimits() const override {
-    return " keepalive_time_ms: 2000 keepalive_timeout_ms: 2000";
+    return " keepalive_time_ms: 2000 keepalive_timeout_ms: 5000";
   }
 };
 
