@@ -699,11 +699,8 @@ static PyObject* core_hook_pack(PyObject* self, PyObject* tensor) {
       Py_DECREF(base);
     }
   }
-  if (c->storage_fn == NULL) {
-    PyErr_SetString(PyExc_RuntimeError,
-                    "deltad: hook_pack before configure_hooks");
-    return NULL;
-  }
+  /* Set with `strided` by configure_hooks: without it the layout check
+   * above has returned already. */
   PyObject* storage = PyObject_CallFunctionObjArgs(c->storage_fn, tensor, NULL);
   if (storage == NULL) return NULL;
   PyObject* key = PyObject_CallMethodObjArgs(storage, s_data_ptr, NULL);
