@@ -13,8 +13,8 @@ that says, per target, the measured figure and met or missed, or why it
 was not measured. Every model gets every row: the ResNet-50 targets read
 as well for GPT-2 and the reverse.
 
-Imported by torch_bench.py from its own folder; scripts/gpu-pack ships it
-beside it. Standard library only.
+Imported by torch_report.py (torch_bench's report) from its own folder;
+scripts/gpu-pack ships it beside it. Standard library only.
 """
 
 QUIET_RATIO = 0.97      # nothing released: deltad vs none
