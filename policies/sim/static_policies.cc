@@ -5,7 +5,6 @@
 #include <limits>
 #include <utility>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -89,20 +88,48 @@ bool OnDevice(StorageState state) {
          state == StorageState::kReloading;
 }
 
-// The most memory, beyond what is in use now, that the steps after `t` up
-// to `until` need at once for themselves if nothing else is released: their
-// new storages, workspace, and the reads that are not on or coming to the
-// device (`except` aside), less what they free. A prefetch holds its memory
-// from now until its use, so it may start only if this still fits beside
-// it: the ops come first, as in the frameworks these baselines come from.
-// Unchecked, a prefetch still in flight (which nothing can release) could
-// leave an op no room at all.
-int64_t RoomForSteps(const SimContext& ctx, int32_t t, int32_t until,
-                     int32_t except) {
+// Storages marked by a walk, without a set allocated per walk: a prefetch
+// rule walks up to the whole backward pass after every step, and the sets
+// and their allocations were most of a swap baseline's run time.
+class StorageMarks {
+ public:
+  // A new walk over `n` storages: nothing marked.
+  void Begin(size_t n) {
+    if (mark_.size() < n) mark_.resize(n, 0);
+    if (++epoch_ == 0) {  // wrapped: old marks would read as current
+      std::fill(mark_.begin(), mark_.end(), 0);
+      epoch_ = 1;
+    }
+  }
+  bool contains(int32_t s) const { return mark_[s] == epoch_; }
+  // Whether `s` was not marked yet.
+  bool insert(int32_t s) {
+    if (mark_[s] == epoch_) return false;
+    mark_[s] = epoch_;
+    return true;
+  }
+  void erase(int32_t s) { mark_[s] = 0; }
+
+ private:
+  std::vector<uint32_t> mark_;
+  uint32_t epoch_ = 0;
+};
+
+// Whether the steps after `t` up to `until` find `room` bytes beyond what is
+// in use now enough for themselves if nothing else is released: at no step
+// do their new storages, workspace, and the reads that are not on or coming
+// to the device (`except` aside), less what they free, need more. A
+// prefetch holds its memory from now until its use, so it may start only if
+// this still fits beside it: the ops come first, as in the frameworks these
+// baselines come from. Unchecked, a prefetch still in flight (which nothing
+// can release) could leave an op no room at all. The walk stops at the
+// first step that does not fit.
+bool StepsFit(const SimContext& ctx, int32_t t, int32_t until, int32_t except,
+              int64_t room, StorageMarks& added) {
   const Program& program = ctx.program();
-  absl::flat_hash_set<int32_t> added;  // brought in by the walk
+  added.Begin(program.storages.size());  // brought in by the walk
   int64_t running = 0;
-  int64_t worst = 0;
+  std::vector<int32_t> taken_over;
   for (int32_t j = t + 1; j <= until; ++j) {
     const Step& step = program.steps[j];
     auto in_memory = [&](int32_t s) {
@@ -114,32 +141,33 @@ int64_t RoomForSteps(const SimContext& ctx, int32_t t, int32_t until,
     };
     int64_t add = 0;
     for (int32_t s : step.reads) {
-      if (s != except && !in_memory(s) && added.insert(s).second) {
+      if (s != except && !in_memory(s) && added.insert(s)) {
         add += program.storages[s].bytes;
       }
     }
-    absl::flat_hash_set<int32_t> taken_over;
+    taken_over.clear();
     for (int32_t s : step.creates) {
       added.insert(s);
       bool reuses = false;
       for (const InPlace& ip : step.in_place) {
         if (ip.created == s && frees(ip.old) && in_memory(ip.old)) {
-          taken_over.insert(ip.old);
+          taken_over.push_back(ip.old);
           reuses = true;
         }
       }
       if (!reuses) add += program.storages[s].bytes;
     }
-    worst = std::max(worst, running + add + step.workspace_bytes);
+    if (running + add + step.workspace_bytes > room) return false;
     running += add;
     for (int32_t s : step.frees) {
-      if (in_memory(s) && !taken_over.contains(s)) {
+      if (in_memory(s) && std::find(taken_over.begin(), taken_over.end(), s) ==
+                              taken_over.end()) {
         running -= program.storages[s].bytes;
       }
       added.erase(s);
     }
   }
-  return worst;
+  return true;
 }
 
 // ---------------------------------------------------------------------------
@@ -181,6 +209,10 @@ class StaticSwapPolicy final : public SimPolicy {
     bytes_of_.clear();
     for (const Storage& st : program.storages) bytes_of_.push_back(st.bytes);
     pool_.clear();
+    // The engine resets every activation as an iteration begins: none is
+    // offloaded.
+    offloaded_.clear();
+    offloaded_at_.assign(program.storages.size(), -1);
     offload_after_.assign(program.steps.size(), {});
     std::vector<int32_t> planned;
     switch (options_.selection) {
@@ -215,6 +247,25 @@ class StaticSwapPolicy final : public SimPolicy {
     }
     window_bytes_ = static_cast<int64_t>(options_.window_fraction *
                                          static_cast<double>(ctx.budget()));
+    in_pool_.assign(program.storages.size(), false);
+    for (int32_t s : pool_) in_pool_[s] = true;
+  }
+
+  // The pool's offloaded storages, kept as they change: scanning the whole
+  // pool after every step cost a swap baseline most of its run time.
+  void OnStateChange(SimContext& /*ctx*/, int32_t s, StorageState from,
+                     StorageState to) override {
+    if (static_cast<size_t>(s) >= in_pool_.size() || !in_pool_[s]) return;
+    if (to == StorageState::kOffloaded) {
+      offloaded_at_[s] = static_cast<int32_t>(offloaded_.size());
+      offloaded_.push_back(s);
+    } else if (from == StorageState::kOffloaded) {
+      const int32_t i = offloaded_at_[s];
+      offloaded_[i] = offloaded_.back();
+      offloaded_at_[offloaded_[i]] = i;
+      offloaded_.pop_back();
+      offloaded_at_[s] = -1;
+    }
   }
 
   void AfterStep(SimContext& ctx, int32_t step) override {
@@ -294,8 +345,7 @@ class StaticSwapPolicy final : public SimPolicy {
       return;
     }
     std::vector<std::pair<int32_t, int32_t>> due;  // (next use, s)
-    for (int32_t s : pool_) {
-      if (ctx.state(s) != StorageState::kOffloaded) continue;
+    for (int32_t s : offloaded_) {
       if (!WouldPrefetch(s, t)) continue;
       due.emplace_back(analysis_.NextUse(s, next), s);
     }
@@ -303,18 +353,24 @@ class StaticSwapPolicy final : public SimPolicy {
     // In order of use: a later tensor never takes the memory an earlier one
     // is waiting for.
     for (const auto& [use, s] : due) {
-      const int64_t after = ctx.device_used() + bytes_of_[s] +
-                            RoomForSteps(ctx, t, use, /*except=*/s);
-      if (after > ctx.budget() || !ctx.Prefetch(s)) break;
+      const int64_t room = ctx.budget() - ctx.device_used() - bytes_of_[s];
+      if (room < 0 || !StepsFit(ctx, t, use, /*except=*/s, room, marks_) ||
+          !ctx.Prefetch(s)) {
+        break;
+      }
     }
   }
 
   SwapOptions options_;
   Analysis analysis_;
-  std::vector<int32_t> pool_;  // candidates, creation order
+  std::vector<int32_t> pool_;          // candidates, creation order
+  std::vector<bool> in_pool_;          // by storage
+  std::vector<int32_t> offloaded_;     // of the pool, in no order
+  std::vector<int32_t> offloaded_at_;  // by storage: index there, or -1
   std::vector<std::vector<int32_t>> offload_after_;  // per step
   std::vector<int64_t> bytes_of_;
   int64_t window_bytes_ = 0;
+  StorageMarks marks_;
 };
 
 // ---------------------------------------------------------------------------
