@@ -18,8 +18,13 @@ namespace deltad::policy {
 // its own and a member list; union relabels the smaller side (O(log n)
 // amortised per member). Removing a member with at most one neighbour inside
 // its component cannot disconnect it and costs O(degree); that is the usual
-// case, since recompute runs ancestors first. Only a member that joins two or
-// more others makes the component re-form from its members' adjacency.
+// case, since recompute runs ancestors first. A member that joins two or
+// more others starts a search from each of them, in turn one member at a
+// time, until at most one search is still going: the finished ones are the
+// parts cut off, which leave the component, and the work is bounded by the
+// smaller parts rather than the component (re-forming it whole made a
+// recompute-heavy run quadratic in its longest chain). Only a hub with more
+// neighbours inside than kMaxSearches still re-forms its component.
 //
 // Keys are the table's slot numbers. Not thread safe.
 class EvictedComponents {
@@ -50,14 +55,34 @@ class EvictedComponents {
 
  private:
   static constexpr uint32_t kNone = UINT32_MAX;
+  // Past this many starts, Erase re-forms the component instead of
+  // searching (measured on the Adam model traces' optimizer step).
+  static constexpr size_t kMaxSearches = 16;
   struct Group {
     int64_t cost = 0;
     std::vector<uint32_t> members;
   };
 
+  // One of Erase's searches: the members it reached, in order, and how
+  // many of them it has expanded.
+  struct Search {
+    std::vector<uint32_t> reached;
+    size_t expanded = 0;
+    uint32_t joined = 0;  // the search it met (itself if none): union-find
+    bool going() const { return expanded < reached.size(); }
+  };
+
   void Grow(uint32_t slot);
   uint32_t NewGroup();
   void DropMember(uint32_t slot);
+  // Re-forms the component of `member` from its members' adjacency.
+  void Reform(uint32_t member, NeighbourFn neighbours);
+  // Starts a pass of seen_ marks: nothing marked.
+  void NewPass();
+  // Searches from every start at once (marked seen in this pass); moves the
+  // parts that are cut off from their component into groups of their own.
+  void Split(const std::vector<uint32_t>& starts, NeighbourFn neighbours);
+  uint32_t Joined(uint32_t search);
 
   std::vector<uint32_t> component_;  // per slot; kNone: not a member
   std::vector<uint32_t> position_;   // per slot: index in its member list
@@ -65,6 +90,13 @@ class EvictedComponents {
   std::vector<Group> groups_;
   std::vector<uint32_t> free_groups_;
   size_t count_ = 0;
+  // Erase's scratch, kept to spare allocations: per slot, the search that
+  // reached it in the pass numbered `pass_` (seen_ == pass_).
+  std::vector<uint32_t> seen_;
+  std::vector<uint32_t> reached_by_;
+  uint32_t pass_ = 0;
+  std::vector<Search> searches_;
+  std::vector<uint32_t> starts_;
 };
 
 }  // namespace deltad::policy
