@@ -125,7 +125,7 @@ class ManagerStats(ClientStats):
 def _measure_bandwidth(device):
     """Host-to-device bytes/s (CUDA: one 64 MiB pinned copy; CPU: one
     memcpy of 16 MiB), measured once per device and process."""
-    key = str(device)
+    key = device  # hashable: no str() per block
     if key not in _bandwidths:
         if device.type == "cuda":
             nbytes = 64 << 20
@@ -402,7 +402,10 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
     if model is not None and not isinstance(model, _torch.nn.Module):
         raise TypeError(
             f"managed() takes an nn.Module, got {type(model).__name__}")
-    if model is not None and hasattr(model, "_orig_mod"):
+    # (torch.compile's wrapper keeps the module among its submodules; a
+    # hasattr would go through Module.__getattr__ and raise inside, which
+    # costs a block entered every step more than the rest of this check.)
+    if model is not None and "_orig_mod" in model._modules:
         # torch.compile's OptimizedModule. Saved-tensor hooks and module
         # wrappers under compiled autograd have not been tried yet.
         raise NotImplementedError(
