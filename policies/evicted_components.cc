@@ -11,7 +11,6 @@ void EvictedComponents::Grow(uint32_t slot) {
   component_.resize(n, kNone);
   position_.resize(n, 0);
   own_cost_.resize(n, 0);
-  seen_.resize(n, 0);
   reached_by_.resize(n, 0);
 }
 
@@ -74,11 +73,11 @@ void EvictedComponents::DropMember(uint32_t slot) {
 
 void EvictedComponents::Erase(uint32_t slot, NeighbourFn neighbours) {
   if (!Contains(slot)) return;
-  NewPass();
+  seen_.Clear(component_.size());
   starts_.clear();
   neighbours(slot, [&](uint32_t n) {
-    if (n == slot || !Contains(n) || seen_[n] == pass_) return;
-    seen_[n] = pass_;  // a neighbour listed twice starts one search
+    // A neighbour listed twice starts one search.
+    if (n == slot || !Contains(n) || !seen_.insert(n)) return;
     starts_.push_back(n);
   });
   DropMember(slot);
@@ -108,13 +107,6 @@ void EvictedComponents::Reform(uint32_t member, NeighbourFn neighbours) {
   }
 }
 
-void EvictedComponents::NewPass() {
-  if (++pass_ == 0) {  // wrapped: old marks would read as this pass's
-    std::fill(seen_.begin(), seen_.end(), 0);
-    pass_ = 1;
-  }
-}
-
 uint32_t EvictedComponents::Joined(uint32_t search) {
   uint32_t root = search;
   while (searches_[root].joined != root) root = searches_[root].joined;
@@ -137,7 +129,6 @@ void EvictedComponents::Split(const std::vector<uint32_t>& starts,
     search.reached.assign(1, starts[i]);
     search.expanded = 0;
     search.joined = i;
-    seen_[starts[i]] = pass_;
     reached_by_[starts[i]] = i;
   }
   // One member per going search per round, until at most one part is still
@@ -168,8 +159,7 @@ void EvictedComponents::Split(const std::vector<uint32_t>& starts,
       uint32_t met_part = kNone;
       neighbours(m, [&](uint32_t n) {
         if (!Contains(n)) return;
-        if (seen_[n] != pass_) {
-          seen_[n] = pass_;
+        if (seen_.insert(n)) {
           reached_by_[n] = i;
           searches_[i].reached.push_back(n);
           return;

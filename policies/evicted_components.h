@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/functional/function_ref.h"
+#include "policies/epoch_marks.h"
 
 namespace deltad::policy {
 
@@ -77,8 +78,6 @@ class EvictedComponents {
   void DropMember(uint32_t slot);
   // Re-forms the component of `member` from its members' adjacency.
   void Reform(uint32_t member, NeighbourFn neighbours);
-  // Starts a pass of seen_ marks: nothing marked.
-  void NewPass();
   // Searches from every start at once (marked seen in this pass); moves the
   // parts that are cut off from their component into groups of their own.
   void Split(const std::vector<uint32_t>& starts, NeighbourFn neighbours);
@@ -90,11 +89,10 @@ class EvictedComponents {
   std::vector<Group> groups_;
   std::vector<uint32_t> free_groups_;
   size_t count_ = 0;
-  // Erase's scratch, kept to spare allocations: per slot, the search that
-  // reached it in the pass numbered `pass_` (seen_ == pass_).
-  std::vector<uint32_t> seen_;
+  // Erase's scratch, kept to spare allocations: the members a search
+  // reached in this Erase, and which search reached each.
+  EpochMarks seen_;
   std::vector<uint32_t> reached_by_;
-  uint32_t pass_ = 0;
   std::vector<Search> searches_;
   std::vector<uint32_t> starts_;
 };

@@ -240,19 +240,12 @@ uint32_t TensorTable::Insert(const TensorSpec& spec, int64_t now_ns) {
 }
 
 void TensorTable::LinkParents(uint32_t slot, absl::Span<const TensorId> ids) {
-  if (parent_mark_.size() < slots_.size()) {
-    parent_mark_.resize(slots_.size(), 0);
-  }
-  if (++mark_epoch_ == 0) {  // wrapped: old marks would read as current
-    std::fill(parent_mark_.begin(), parent_mark_.end(), 0);
-    mark_epoch_ = 1;
-  }
+  listed_.Clear(slots_.size());
   auto& parents = slots_[slot].parents;
-  for (uint32_t ps : parents) parent_mark_[ps] = mark_epoch_;
+  for (uint32_t ps : parents) listed_.insert(ps);
   for (TensorId p : ids) {
     const uint32_t ps = index_.at(p);
-    if (parent_mark_[ps] == mark_epoch_) continue;  // listed twice
-    parent_mark_[ps] = mark_epoch_;
+    if (!listed_.insert(ps)) continue;  // listed twice
     parents.push_back(ps);
     slots_[ps].children.push_back(slot);
     ++slots_[ps].live_children;

@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "policies/epoch_marks.h"
 #include "policies/evicted_components.h"
 #include "policies/tensor.h"
 
@@ -137,12 +138,10 @@ class TensorTable {
   absl::flat_hash_map<SessionId, GpuId> session_gpu_;
   absl::flat_hash_map<std::pair<SessionId, uint64_t>, uint32_t> by_key_;
   EvictedComponents components_;
-  // LinkParents' marks, per slot: a parent already listed has
-  // parent_mark_ == mark_epoch_ (a tensor of an optimizer step or a
-  // concatenation has hundreds of parents; checking each against the list
-  // was quadratic in them).
-  std::vector<uint32_t> parent_mark_;
-  uint32_t mark_epoch_ = 0;
+  // LinkParents' parents already listed (a tensor of an optimizer step or a
+  // concatenation has hundreds; checking each against the list was
+  // quadratic in them).
+  EpochMarks listed_;
 };
 
 }  // namespace deltad::policy

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "policies/epoch_marks.h"
 
 namespace deltad::sim {
 
@@ -88,33 +89,6 @@ bool OnDevice(StorageState state) {
          state == StorageState::kReloading;
 }
 
-// Storages marked by a walk, without a set allocated per walk: a prefetch
-// rule walks up to the whole backward pass after every step, and the sets
-// and their allocations were most of a swap baseline's run time.
-class StorageMarks {
- public:
-  // A new walk over `n` storages: nothing marked.
-  void Begin(size_t n) {
-    if (mark_.size() < n) mark_.resize(n, 0);
-    if (++epoch_ == 0) {  // wrapped: old marks would read as current
-      std::fill(mark_.begin(), mark_.end(), 0);
-      epoch_ = 1;
-    }
-  }
-  bool contains(int32_t s) const { return mark_[s] == epoch_; }
-  // Whether `s` was not marked yet.
-  bool insert(int32_t s) {
-    if (mark_[s] == epoch_) return false;
-    mark_[s] = epoch_;
-    return true;
-  }
-  void erase(int32_t s) { mark_[s] = 0; }
-
- private:
-  std::vector<uint32_t> mark_;
-  uint32_t epoch_ = 0;
-};
-
 // Whether the steps after `t` up to `until` find `room` bytes beyond what is
 // in use now enough for themselves if nothing else is released: at no step
 // do their new storages, workspace, and the reads that are not on or coming
@@ -125,9 +99,9 @@ class StorageMarks {
 // can release) could leave an op no room at all. The walk stops at the
 // first step that does not fit.
 bool StepsFit(const SimContext& ctx, int32_t t, int32_t until, int32_t except,
-              int64_t room, StorageMarks& added) {
+              int64_t room, policy::EpochMarks& added) {
   const Program& program = ctx.program();
-  added.Begin(program.storages.size());  // brought in by the walk
+  added.Clear(program.storages.size());  // brought in by the walk
   int64_t running = 0;
   std::vector<int32_t> taken_over;
   for (int32_t j = t + 1; j <= until; ++j) {
@@ -370,7 +344,7 @@ class StaticSwapPolicy final : public SimPolicy {
   std::vector<std::vector<int32_t>> offload_after_;  // per step
   std::vector<int64_t> bytes_of_;
   int64_t window_bytes_ = 0;
-  StorageMarks marks_;
+  policy::EpochMarks marks_;  // StepsFit's
 };
 
 // ---------------------------------------------------------------------------
