@@ -40,11 +40,11 @@
 #include "policies/sim/device_profile.h"
 #include "policies/sim/dtr_log.h"
 #include "policies/sim/dtr_measured.h"
+#include "policies/sim/lower_bounds.h"
 #include "policies/sim/model_traces.h"
 #include "policies/sim/policy_registry.h"
 #include "policies/sim/program.h"
 #include "policies/sim/simulator.h"
-#include "policies/sim/static_policies.h"
 #include "policies/sim/trace_io.h"
 
 ABSL_FLAG(std::string, traces, "",

@@ -1,15 +1,12 @@
 #ifndef DELTAD_POLICIES_SIM_STATIC_POLICIES_H_
 #define DELTAD_POLICIES_SIM_STATIC_POLICIES_H_
 
-#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "policies/sim/device_profile.h"
-#include "policies/sim/program.h"
 #include "policies/sim/simulator.h"
 
 namespace deltad::sim {
@@ -27,42 +24,14 @@ namespace deltad::sim {
 //   chen-greedy     Chen et al.'s budget greedy plan.
 //   offload-greedy  GREEDY of the optimal-offloading paper: offload the first
 //                   k saved activations, prefetch in order of use.
+// The swap baselines are in swap_policies.h, the checkpointing ones in
+// checkpoint_policies.h, what they know of the program in
+// program_analysis.h, and the bounds they are measured against in
+// lower_bounds.h.
 std::vector<std::string> StaticPolicyNames();
 
 absl::StatusOr<std::unique_ptr<SimPolicy>> MakeStaticPolicy(
     absl::string_view name);
-
-// Makespan lower bounds for a budget. compute_ns: every op must run.
-// swap_only_ns: the offloading paper's LB (Proposition 3),
-// max(compute, 2 (peak - budget) / beta): at least peak - budget bytes must
-// leave the device before the peak step and come back after it. Each way is
-// charged at its own rate (excess / d2h + excess / h2d), which is the
-// paper's bound for a symmetric link and still a bound for an asymmetric
-// one. It assumes what is offloaded is read again (true of saved
-// activations).
-struct LowerBounds {
-  int64_t compute_ns = 0;
-  int64_t swap_only_ns = 0;
-};
-
-LowerBounds ComputeLowerBounds(const Program& program,
-                               const DeviceProfile& device,
-                               int64_t budget_bytes);
-
-// The plans, exposed for tests and reports.
-
-// Storages created in the forward pass and read again in a backward step,
-// in creation order: what the static baselines release.
-std::vector<int32_t> SavedActivations(const Program& program);
-
-// Chen et al.'s sqrt(n) checkpoints: every ceil(sqrt(n))-th saved activation.
-std::vector<int32_t> ChenSqrtCheckpoints(const Program& program);
-
-// GREEDY's offload set: the shortest prefix of SavedActivations() whose
-// bytes reach peak - budget (all of them when none does; none when the
-// program fits).
-std::vector<int32_t> OffloadGreedyPrefix(const Program& program,
-                                         int64_t budget_bytes);
 
 }  // namespace deltad::sim
 

@@ -11,8 +11,12 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "policies/sim/checkpoint_policies.h"
+#include "policies/sim/lower_bounds.h"
 #include "policies/sim/program.h"
+#include "policies/sim/program_analysis.h"
 #include "policies/sim/simulator.h"
+#include "policies/sim/swap_policies.h"
 #include "policies/sim/trace.h"
 
 namespace deltad::sim {
