@@ -1,0 +1,217 @@
+// The training step the traces model: gradient buffers, in-place updates,
+// the optimizer's state, when values are released and what backward reads.
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "policies/sim/device_profile.h"
+#include "policies/sim/model_traces.h"
+#include "policies/sim/trace.h"
+#include "tests/unit/sim/model_traces_test_helpers.h"
+
+namespace deltad::sim {
+namespace {
+
+using ::testing::HasSubstr;
+using Kind = TraceValue::Kind;
+
+TEST(ModelTraces, EveryParameterHasAGradientBufferOfItsSize) {
+  for (const std::string& model : ModelNames()) {
+    SCOPED_TRACE(model);
+    const Trace t = Build(model, 1);
+    for (const TraceValue& v : t.values) {
+      if (!IsParameter(v)) continue;
+      const TraceValue* grad = Find(t, v.name + ".grad");
+      ASSERT_NE(grad, nullptr) << v.name;
+      EXPECT_EQ(grad->bytes, v.bytes) << v.name;
+    }
+  }
+}
+
+TEST(ModelTraces, WeightsAndGradientsAreUpdatedInPlace) {
+  for (const std::string& model : ModelNames()) {
+    SCOPED_TRACE(model);
+    const Trace t = Build(model, 2);
+    const int32_t last = static_cast<int32_t>(t.ops.size()) - 1;
+    std::map<int32_t, int> weight_versions;
+    std::map<int32_t, int> grad_versions;
+    for (const TraceValue& v : t.values) {
+      if (v.kind != Kind::kVersion) continue;
+      int32_t root = v.base;
+      while (t.values[root].kind == Kind::kVersion) root = t.values[root].base;
+      const TraceValue& r = t.values[root];
+      if (IsParameter(r)) {
+        ++weight_versions[root];
+        EXPECT_EQ(v.op, last) << r.name << " updated before the step";
+      } else if (r.kind == Kind::kConstant && absl::EndsWith(r.name, ".grad")) {
+        ++grad_versions[root];
+        EXPECT_EQ(t.ops[v.op].phase, Phase::kBackward) << r.name;
+        EXPECT_NE(v.op, last) << r.name;
+      }
+    }
+    for (int32_t v = 0; v < static_cast<int32_t>(t.values.size()); ++v) {
+      const TraceValue& value = t.values[v];
+      if (IsParameter(value)) {
+        EXPECT_EQ(weight_versions[v], 1) << value.name;
+      } else if (value.kind == Kind::kConstant &&
+                 absl::EndsWith(value.name, ".grad")) {
+        // The tied GPT embedding collects from the LM head and the lookup.
+        const int expected = value.name == "wte.weight.grad" ? 2 : 1;
+        EXPECT_EQ(grad_versions[v], expected) << value.name;
+      }
+    }
+    EXPECT_EQ(t.ops.back().phase, Phase::kBackward);
+  }
+}
+
+TEST(ModelTraces, OptimizerNamesParseBackAndUnknownOnesAreRefused) {
+  for (Optimizer o :
+       {Optimizer::kSgd, Optimizer::kSgdMomentum, Optimizer::kAdam}) {
+    absl::StatusOr<Optimizer> parsed = ParseOptimizer(OptimizerName(o));
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(*parsed, o);
+  }
+  absl::StatusOr<Optimizer> bad = ParseOptimizer("lamb");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("'lamb'"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("adam"));
+}
+
+TEST(ModelTraces, OptimizerStateIsOneOrTwoCopiesOfEachWeightUpdatedByTheStep) {
+  struct Case {
+    Optimizer optimizer;
+    std::vector<std::string> suffixes;
+    const char* name;
+  };
+  for (const Case& c : {Case{Optimizer::kSgd, {}, "resnet50-b2-fp32"},
+                        Case{Optimizer::kSgdMomentum,
+                             {".momentum_buffer"},
+                             "resnet50-b2-fp32-momentum"},
+                        Case{Optimizer::kAdam,
+                             {".exp_avg", ".exp_avg_sq"},
+                             "resnet50-b2-fp32-adam"}}) {
+    SCOPED_TRACE(c.name);
+    ModelOptions o;
+    o.batch = 2;
+    o.optimizer = c.optimizer;
+    const Trace t = Build("resnet50", o);
+    EXPECT_EQ(t.name, c.name);
+    const TraceOp& step = t.ops.back();
+    ASSERT_EQ(step.name, "optimizer_step");
+    std::set<int32_t> inputs(step.inputs.begin(), step.inputs.end());
+    int64_t weights = 0;
+    int states = 0;
+    for (int32_t v = 0; v < static_cast<int32_t>(t.values.size()); ++v) {
+      const TraceValue& value = t.values[v];
+      if (IsParameter(value)) weights += value.bytes;
+      if (value.kind != Kind::kConstant) continue;
+      for (const std::string& suffix : c.suffixes) {
+        if (!absl::EndsWith(value.name, suffix)) continue;
+        ++states;
+        const std::string weight =
+            value.name.substr(0, value.name.size() - suffix.size());
+        EXPECT_EQ(value.bytes, BytesOf(t, weight)) << value.name;
+        EXPECT_TRUE(inputs.count(v)) << value.name << " not read by the step";
+      }
+    }
+    int params = 0;
+    for (const TraceValue& v : t.values) params += IsParameter(v) ? 1 : 0;
+    EXPECT_EQ(states, params * static_cast<int>(c.suffixes.size()));
+    // Traffic: the gradient, and the weight and each state both ways.
+    const double bytes = (3.0 + 2.0 * c.suffixes.size()) * weights;
+    EXPECT_NEAR(step.time_ns, bytes / A100().memory_bytes_per_s * 1e9,
+                step.time_ns * 0.01 + 1000);
+    // Adam's multi-tensor step makes the square roots of exp_avg_sq anew.
+    EXPECT_EQ(step.workspace_bytes,
+              c.optimizer == Optimizer::kAdam ? weights : 0);
+  }
+}
+
+TEST(ModelTraces, ValuesAreReleasedRightAfterTheirLastUse) {
+  for (const std::string& model : ModelNames()) {
+    SCOPED_TRACE(model);
+    const Trace t = Build(model, 2);
+    const size_t n = t.values.size();
+    std::vector<int32_t> last_use(n, -1);
+    std::vector<int32_t> released_at(n, -1);
+    std::vector<bool> superseded(n, false);
+    for (size_t i = 0; i < t.ops.size(); ++i) {
+      for (int32_t v : t.ops[i].inputs) last_use[v] = static_cast<int32_t>(i);
+      for (int32_t v : t.ops[i].releases) {
+        EXPECT_EQ(released_at[v], -1) << t.values[v].name;
+        released_at[v] = static_cast<int32_t>(i);
+      }
+    }
+    for (const TraceValue& v : t.values) {
+      if (v.kind == Kind::kVersion) superseded[v.base] = true;
+    }
+    EXPECT_TRUE(t.initial_releases.empty());
+    for (size_t v = 0; v < n; ++v) {
+      const TraceValue& value = t.values[v];
+      size_t root = v;
+      while (t.values[root].kind == Kind::kVersion) root = t.values[root].base;
+      if (t.values[root].kind == Kind::kConstant || superseded[v]) {
+        EXPECT_EQ(released_at[v], -1) << value.name << " must stay";
+        continue;
+      }
+      EXPECT_EQ(released_at[v], std::max(value.op, last_use[v])) << value.name;
+    }
+    EXPECT_EQ(WalkLiveMemory(t).live_at_end, 0);
+  }
+}
+
+TEST(ModelTraces, BackwardOpsReadWhatAutogradSaves) {
+  for (const std::string& model : ModelNames()) {
+    SCOPED_TRACE(model);
+    const Trace t = Build(model, 2);
+    const std::vector<LayerPair> pairs = PairLayers(t);
+    ASSERT_FALSE(pairs.empty());
+    for (const auto& [f, b] : pairs) {
+      SCOPED_TRACE(f->name);
+      // What the backward op reads from the forward pass, parameters and
+      // gradient buffers aside.
+      std::set<int32_t> saved;
+      for (int32_t v : b->inputs) {
+        const TraceValue& value = t.values[v];
+        const bool from_backward =
+            value.op >= 0 && t.ops[value.op].phase == Phase::kBackward;
+        if (!from_backward && !IsStateConstant(value)) saved.insert(v);
+      }
+      std::set<int32_t> expected;
+      const std::string& op = f->name;
+      if (op == "relu" || op == "softmax" || op == "log_softmax") {
+        expected = {f->outputs[0]};  // the output
+      } else if (op == "dropout") {
+        expected = {f->outputs[1]};  // the mask only
+        EXPECT_TRUE(absl::EndsWith(t.values[f->outputs[1]].name, ".mask"));
+      } else if (op == "max_pool2d") {
+        expected = {f->inputs[0], f->outputs[1]};  // input and indices
+      } else if (op == "batch_norm" || op == "layer_norm") {
+        expected = {f->inputs[0], f->outputs[1]};  // input and statistics
+      } else if (op == "matmul" || op == "nll_loss") {
+        expected = {f->inputs[0], f->inputs[1]};
+      } else if (op == "embedding") {
+        expected = {f->inputs[1]};  // the indices
+      } else if (op == "cat" || op == "split") {
+        expected = {};  // slicing or concatenating the gradient needs none
+      } else {
+        // conv2d, conv_transpose2d, linear, gelu and the pools: the input.
+        expected = {f->inputs[0]};
+      }
+      EXPECT_EQ(saved, expected);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace deltad::sim
