@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <future>
 #include <string>
 #include <thread>
 #include <utility>
@@ -11,6 +10,7 @@
 #include "common/monotonic_clock.h"
 #include "common/protocol_version.h"
 #include "daemon/request_parser.h"
+#include "daemon/session_stream.h"
 #include "grpc/grpc.h"
 
 #ifndef DELTAD_VERSION
@@ -19,12 +19,6 @@
 
 namespace deltad::daemon {
 
-namespace {
-// How long a stream's writer may take to deliver what is queued once the
-// stream has ended, before the call is cancelled to unblock it.
-constexpr std::chrono::seconds kWriterGrace{2};
-
-// Parses a request off the wire (see ParseRequest).
 absl::Status ParseBuffer(const grpc::ByteBuffer& buffer,
                          google::protobuf::Message& message) {
   std::vector<grpc::Slice> slices;  // a small slice holds its bytes inline
@@ -45,13 +39,10 @@ absl::Status ParseBuffer(const grpc::ByteBuffer& buffer,
   return ParseRequest(joined, message);
 }
 
-// A refused batch, as the stream tells it; the stream carries on.
-v1::Orders Rejected(const absl::Status& status) {
-  v1::Orders refused;
-  refused.set_rejected_batch(std::string(status.message()));
-  refused.set_rejected_code(static_cast<int32_t>(status.code()));
-  return refused;
-}
+namespace {
+// The Session method's index among the methods the constructor adds, in
+// their order (OpenSession, CloseSession, Session, ...).
+constexpr int kSessionMethod = 2;
 
 // Parses and validates one request off the wire.
 template <typename Request>
@@ -62,23 +53,34 @@ absl::Status Decode(const grpc::ByteBuffer& buffer, const RequestLimits& limits,
 }
 }  // namespace
 
-bool Mailboxes::Open(SessionId session, std::function<void()> on_overflow) {
+bool Mailboxes::Open(SessionId session, std::function<void()> on_overflow,
+                     std::shared_ptr<MailboxListener> listener) {
   std::lock_guard<std::mutex> lock(mu_);
   Box box;
   box.on_overflow = std::move(on_overflow);
+  box.listener = std::move(listener);
   return boxes_.emplace(session, std::move(box)).second;
 }
 
+std::shared_ptr<MailboxListener> Mailboxes::ListenerOf(SessionId session) {
+  auto it = boxes_.find(session);
+  return it == boxes_.end() ? nullptr : it->second.listener;
+}
+
 void Mailboxes::Close(SessionId session) {
+  std::shared_ptr<MailboxListener> listener;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = boxes_.find(session);
-    if (it != boxes_.end()) it->second.closed = true;
+    if (it == boxes_.end()) return;
+    it->second.closed = true;
+    listener = it->second.listener;
   }
-  cv_.notify_all();
+  if (listener) listener->Ready();
 }
 
 bool Mailboxes::Post(SessionId session, v1::Orders orders) {
+  std::shared_ptr<MailboxListener> listener;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = boxes_.find(session);
@@ -90,17 +92,20 @@ bool Mailboxes::Post(SessionId session, v1::Orders orders) {
       box.queue.clear();
       box.bytes = 0;
       if (box.on_overflow) std::exchange(box.on_overflow, nullptr)();
-      cv_.notify_all();
       return false;
     }
     box.bytes += bytes;
     box.queue.push_back({std::move(orders), bytes});
+    listener = box.listener;
   }
-  cv_.notify_all();
+  // Outside the lock: the listener takes the orders out, and another
+  // session's stream may be posting to this one's meanwhile.
+  if (listener) listener->Ready();
   return true;
 }
 
 void Mailboxes::Broadcast(const v1::Orders& orders) {
+  std::vector<std::shared_ptr<MailboxListener>> listeners;
   {
     std::lock_guard<std::mutex> lock(mu_);
     // Unbounded, once: a few bytes per box.
@@ -109,29 +114,28 @@ void Mailboxes::Broadcast(const v1::Orders& orders) {
       if (box.closed) continue;
       box.queue.push_back({orders, bytes});
       box.bytes += bytes;
+      if (box.listener) listeners.push_back(box.listener);
     }
   }
-  cv_.notify_all();
+  for (const auto& listener : listeners) listener->Ready();
 }
 
-bool Mailboxes::Take(SessionId session, v1::Orders* out) {
-  std::unique_lock<std::mutex> lock(mu_);
-  for (;;) {
-    auto it = boxes_.find(session);
-    if (it == boxes_.end()) return false;
-    Box& box = it->second;
-    if (!box.queue.empty()) {
-      *out = std::move(box.queue.front().orders);
-      box.bytes -= box.queue.front().bytes;
-      box.queue.pop_front();
-      return true;
-    }
-    if (box.closed) {
-      boxes_.erase(it);
-      return false;
-    }
-    cv_.wait(lock);
+Mailboxes::Taken Mailboxes::Take(SessionId session, v1::Orders* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = boxes_.find(session);
+  if (it == boxes_.end()) return Taken::kClosed;
+  Box& box = it->second;
+  if (!box.queue.empty()) {
+    *out = std::move(box.queue.front().orders);
+    box.bytes -= box.queue.front().bytes;
+    box.queue.pop_front();
+    return Taken::kOrders;
   }
+  if (box.closed) {
+    boxes_.erase(it);
+    return Taken::kClosed;
+  }
+  return Taken::kEmpty;
 }
 
 void Mailboxes::Remove(SessionId session) {
@@ -204,16 +208,17 @@ MemoryManagerService::MemoryManagerService(Node& node, RequestLimits limits,
            &MemoryManagerService::OpenSession);
   AddUnary("/deltad.v1.MemoryManager/CloseSession",
            &MemoryManagerService::CloseSession);
+  // The stream is served by gRPC's callback threads, not a thread of its
+  // own (daemon/session_stream.h).
   AddMethod(new grpc::internal::RpcServiceMethod(
       "/deltad.v1.MemoryManager/Session",
-      grpc::internal::RpcMethod::BIDI_STREAMING,
-      new grpc::internal::BidiStreamingHandler<MemoryManagerService,
-                                               grpc::ByteBuffer, v1::Orders>(
-          [](MemoryManagerService* service, grpc::ServerContext* context,
-             grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream) {
-            return service->Session(context, stream);
-          },
-          this)));
+      grpc::internal::RpcMethod::BIDI_STREAMING, nullptr));
+  MarkMethodCallback(
+      kSessionMethod,
+      new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, v1::Orders>(
+          [this](grpc::CallbackServerContext* context) {
+            return new SessionStream(*this, context);
+          }));
   AddUnary("/deltad.v1.MemoryManager/Release", &MemoryManagerService::Release);
   AddUnary("/deltad.v1.MemoryManager/NodeStatus",
            &MemoryManagerService::NodeStatus);
@@ -261,20 +266,11 @@ void MemoryManagerService::WatchLeases() {
   }
 }
 
-bool MemoryManagerService::ReadMessage(
-    grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream,
-    v1::SessionMessage* message, absl::Status* unparsed) {
-  grpc::ByteBuffer raw;
-  if (!stream->Read(&raw)) return false;
-  *unparsed = ParseBuffer(raw, *message);
-  return unparsed->ok();
-}
-
 void MemoryManagerService::CountInvalid() {
   if (metrics_ != nullptr) metrics_->AddRefusal(Refusal::kInvalidRequest);
 }
 
-void MemoryManagerService::EndUnread(grpc::ServerContext* context,
+void MemoryManagerService::EndUnread(grpc::ServerContextBase* context,
                                      SessionId session) {
   if (metrics_ != nullptr) metrics_->AddRefusal(Refusal::kQueuedOrderBytes);
   const std::string why = absl::StrCat(
@@ -331,110 +327,6 @@ grpc::Status MemoryManagerService::CloseSession(
   if (session.ok()) mailboxes_.Close(session->id);
   Deliver(*others);
   return grpc::Status::OK;
-}
-
-grpc::Status MemoryManagerService::Session(
-    grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream) {
-  v1::SessionMessage message;
-  absl::Status unparsed;
-  if (!ReadMessage(stream, &message, &unparsed)) {
-    if (!unparsed.ok()) CountInvalid();
-    return ToGrpc(unparsed);
-  }
-  const std::string token = message.session_token();
-  auto session = node_.registry().Authorize(token);
-  if (!session.ok()) return ToGrpc(session.status());
-  const SessionId id = session->id;
-  if (!mailboxes_.Open(id, [this, context, id] { EndUnread(context, id); })) {
-    return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
-                        "this session already has a stream");
-  }
-  // The only writer of this stream: orders from every source go through the
-  // session's mailbox.
-  node_.SetReachable(id, true);
-  if (message.heartbeats()) leases_.Add(id, common::MonotonicNs());
-  std::promise<void> writer_done;
-  std::future<void> writer_finished = writer_done.get_future();
-  std::thread writer([this, id, stream, &writer_done] {
-    v1::Orders orders;
-    while (mailboxes_.Take(id, &orders)) {
-      if (!stream->Write(orders)) break;
-    }
-    writer_done.set_value();
-  });
-  absl::Status end;  // what the stream ends with
-  // Marks the session busy while its message is worked on (see
-  // SessionLeases::Busy), whichever way the loop body is left.
-  struct Working {
-    SessionLeases& leases;
-    SessionId id;
-    Working(SessionLeases& l, SessionId s) : leases(l), id(s) {
-      leases.Busy(id, true);
-    }
-    ~Working() { leases.Busy(id, false); }
-  };
-  do {
-    Working working(leases_, id);
-    if (message.has_unlisted_chunk_bytes()) {
-      // A figure out of range is dropped: the rest of the message stands.
-      if (!node_.SetUnlisted(token, message.unlisted_chunk_bytes()).ok()) {
-        CountInvalid();
-      }
-    }
-    if (!message.session_token().empty() && message.session_token() != token) {
-      mailboxes_.Post(id, Rejected(absl::InvalidArgumentError(
-                              "a stream carries one session's batches")));
-      continue;
-    }
-    if (!message.has_batch()) continue;
-    auto orders = node_.Apply(token, message.batch());
-    batches_.Applied(id);
-    if (!orders.ok()) {
-      if (orders.status().code() == absl::StatusCode::kUnauthenticated) {
-        end = orders.status();  // closed meanwhile: the stream ends
-        break;
-      }
-      mailboxes_.Post(id, Rejected(orders.status()));
-      continue;
-    }
-    Deliver(*orders);
-  } while (ReadMessage(stream, &message, &unparsed));
-  // A message that does not parse ends the stream: what else the client
-  // meant cannot be known.
-  if (end.ok() && !unparsed.ok()) {
-    CountInvalid();
-    end = unparsed;
-  }
-  // The stream ended: the process closed it or went away. Reclaim now. The
-  // writer gets a moment to deliver what is queued; a client that stopped
-  // reading would leave it blocked in Write for ever, and cancelling the
-  // call wakes it.
-  // Reads end without a cancel only after the process's WritesDone: a
-  // close. Anything else (a cut connection, the process cancelling a
-  // stream it gave up on) broke the stream.
-  const bool cancelled = context->IsCancelled();
-  {
-    std::lock_guard<std::mutex> lock(lease_mu_);
-    leases_.Remove(id);
-  }
-  node_.SetReachable(id, false);
-  mailboxes_.Close(id);
-  const bool stuck =
-      writer_finished.wait_for(kWriterGrace) != std::future_status::ready;
-  if (stuck) context->TryCancel();
-  writer.join();
-  mailboxes_.Remove(id);
-  batches_.Forget(id);
-  replies_.Forget(id);
-  auto others = node_.CloseSession(
-      token,
-      cancelled || stuck ? SessionEnd::kStreamBroken : SessionEnd::kClosed,
-      stuck       ? "the process stopped reading its orders"
-      : cancelled ? "cancelled or cut off"
-                  : "");
-  if (others.ok()) Deliver(*others);
-  return ToGrpc(end);
 }
 
 grpc::Status MemoryManagerService::Release(grpc::ServerContext* context,

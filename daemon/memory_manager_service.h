@@ -22,9 +22,19 @@
 
 namespace deltad::daemon {
 
+// Told that a session's box has orders to take or was closed. Called
+// outside the boxes' lock, on the thread that posted or closed, possibly
+// after the box is gone: it must tolerate a call that finds nothing.
+class MailboxListener {
+ public:
+  virtual ~MailboxListener() = default;
+  virtual void Ready() = 0;
+};
+
 // Orders waiting to go out on each session's stream. A session's orders may
-// come from any thread (another session's release, a rebalance); one writer
-// per stream takes them out, since gRPC allows a single writer at a time.
+// come from any thread (another session's release, a rebalance); the
+// stream takes them out one write at a time, since gRPC allows a single
+// write in flight, and a post wakes it through its listener.
 //
 // A box holds at most `max_queued_bytes` of orders: a process that does not
 // read its stream would otherwise grow the daemon without bound. A post
@@ -37,16 +47,22 @@ class Mailboxes {
       : max_queued_bytes_(max_queued_bytes) {}
 
   // False when the session already has an open box (a second stream).
-  bool Open(SessionId session, std::function<void()> on_overflow = nullptr);
-  // Wakes the writer, which then finds the box closed.
+  // `listener` (kept while the box lives) hears of every post and the
+  // close.
+  bool Open(SessionId session, std::function<void()> on_overflow = nullptr,
+            std::shared_ptr<MailboxListener> listener = nullptr);
+  // Tells the listener, which then finds the box closed once it is empty.
   void Close(SessionId session);
   // False, and dropped, when the session has no open box (no stream), or
   // when the box overflows.
   bool Post(SessionId session, v1::Orders orders);
   // Every open box gets the same orders (draining).
   void Broadcast(const v1::Orders& orders);
-  // Waits for orders; false once the box is closed and empty.
-  bool Take(SessionId session, v1::Orders* out);
+  enum class Taken { kOrders, kEmpty, kClosed };
+  // The oldest orders into `out` (kOrders); kEmpty when none wait; kClosed
+  // once the box is closed and empty, or gone (the box is then forgotten).
+  // Never waits.
+  Taken Take(SessionId session, v1::Orders* out);
   // Forgets the box and whatever is still queued in it (the stream is gone).
   void Remove(SessionId session);
 
@@ -60,10 +76,13 @@ class Mailboxes {
     int64_t bytes = 0;  // of the orders queued
     bool closed = false;
     std::function<void()> on_overflow;
+    std::shared_ptr<MailboxListener> listener;
   };
+  // The listener of `session`'s box, if any (mu_ held).
+  std::shared_ptr<MailboxListener> ListenerOf(SessionId session);
+
   const int64_t max_queued_bytes_;
   std::mutex mu_;
-  std::condition_variable cv_;
   std::map<SessionId, Box> boxes_;
 };
 
@@ -89,9 +108,14 @@ class BatchCounter {
 // their numbering.
 grpc::Status ToGrpc(const absl::Status& status);
 
+// Parses a request off the wire (see ParseRequest).
+absl::Status ParseBuffer(const grpc::ByteBuffer& buffer,
+                         google::protobuf::Message& message);
+
 // The MemoryManager service: translates between the wire and the Node and
 // holds no policy of its own. A session's Session stream is its lifeline:
-// when it ends, the session is reclaimed. Thread safe.
+// when it ends, the session is reclaimed (daemon/session_stream.h). Thread
+// safe.
 //
 // Requests arrive as bytes and are parsed and checked here (ParseRequest,
 // Validate), not by gRPC: a request that does not parse, or whose fields
@@ -112,11 +136,6 @@ class MemoryManagerService final : public grpc::Service {
   grpc::Status CloseSession(grpc::ServerContext* context,
                             const v1::CloseSessionRequest* request,
                             v1::CloseSessionResponse* response);
-  // The stream's messages are parsed one by one as they come; one that
-  // does not parse ends the stream with INVALID_ARGUMENT.
-  grpc::Status Session(
-      grpc::ServerContext* context,
-      grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream);
   grpc::Status Release(grpc::ServerContext* context,
                        const v1::ReleaseRequest* request,
                        v1::ReleaseResponse* response);
@@ -144,15 +163,14 @@ class MemoryManagerService final : public grpc::Service {
   void AddUnary(const char* name,
                 grpc::Status (MemoryManagerService::*handler)(
                     grpc::ServerContext*, const Request*, Response*));
-  // The stream's next message, parsed: false at the end of the stream,
-  // and with `*unparsed` set when the bytes were not a SessionMessage.
+  // The Session stream (daemon/session_stream.h) works with the service's
+  // parts below.
+  friend class SessionStream;
+
   // The session's stream was not read while its orders piled up past
   // limits.max_queued_order_bytes: ends the call with RESOURCE_EXHAUSTED.
-  void EndUnread(grpc::ServerContext* context, SessionId session);
+  void EndUnread(grpc::ServerContextBase* context, SessionId session);
   void CountInvalid();
-  static bool ReadMessage(
-      grpc::ServerReaderWriter<v1::Orders, grpc::ByteBuffer>* stream,
-      v1::SessionMessage* message, absl::Status* unparsed);
 
   // Ticks the leases and carries out what changed (Node::MarkUnresponsive
   // and the others), until the service is destroyed.

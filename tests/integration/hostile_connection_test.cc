@@ -186,8 +186,9 @@ std::string GoawayWithin(int fd, absl::Duration wait) {
   ReadGoaway(received, seen);
   return seen.goaway_debug;
 }
-// Every side-socket connection holds a thread: one user may hold only so
-// many, and the next one is closed with the limit's name, not served.
+// Every side-socket connection holds a descriptor and a peer token: one
+// user may hold only so many, and the next one is closed with the limit's
+// name, not served.
 TEST_F(HostileClientTest, SideConnectionsOfOneUserAreBoundedAndNamed) {
   std::vector<Peer> held;  // beside peer_, the fixture's own
   for (int i = 1; i < kMaxSideConnectionsPerUid; ++i) {

@@ -3,9 +3,11 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/protocol_version.h"
@@ -206,6 +208,58 @@ TEST_F(ServiceTest, TheEndOfAStreamReclaimsItsSession) {
   EXPECT_TRUE(service_->mailboxes().Open(a.session_id()));
 }
 
+// The threads of this process now (the server, its clients and the test).
+int Threads() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  }
+  return -1;
+}
+
+TEST_F(ServiceTest, OpenStreamsHoldNoThreadsOfTheirOwn) {
+  // Warm: gRPC starts its callback threads with the first stream.
+  const v1::OpenSessionResponse first = Open(100, 0);
+  grpc::ClientContext first_ctx;
+  auto first_stream = stub_->Session(&first_ctx);
+  ASSERT_TRUE(first_stream->Write(Batch(first.session_token(), 1, kMiB)));
+  ASSERT_TRUE(WaitForUsed(0, kMiB));
+  const int before = Threads();
+  ASSERT_GT(before, 0);
+  // As many as admission lets in on the two GPUs (floors of 1 GiB each).
+  constexpr int kStreams = 16;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<
+      std::unique_ptr<grpc::ClientReaderWriter<v1::SessionMessage, v1::Orders>>>
+      streams;
+  for (int i = 0; i < kStreams; ++i) {
+    const v1::OpenSessionResponse s = Open(200 + i, i % 2);
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    streams.push_back(stub_->Session(contexts.back().get()));
+    ASSERT_TRUE(streams.back()->Write(Batch(s.session_token(), 1, kMiB)));
+  }
+  ASSERT_TRUE(WaitForUsed(0, (1 + kStreams / 2) * kMiB));
+  ASSERT_TRUE(WaitForUsed(1, kStreams / 2 * kMiB));
+  // A thread to read and one to write each stream would add 32.
+  EXPECT_LT(Threads() - before, kStreams / 2)
+      << before << " threads before the streams";
+  // Each stream has budget orders to read (the sessions after it cut its
+  // budget); the status comes after them.
+  v1::Orders orders;
+  for (int i = 0; i < kStreams; ++i) {
+    streams[i]->WritesDone();
+    while (streams[i]->Read(&orders)) {
+    }
+    EXPECT_TRUE(streams[i]->Finish().ok()) << i;
+  }
+  first_stream->WritesDone();
+  while (first_stream->Read(&orders)) {
+  }
+  EXPECT_TRUE(first_stream->Finish().ok());
+  EXPECT_TRUE(WaitForSessions(0));
+}
+
 TEST_F(ServiceTest, ASessionHasOneStreamAndATokenOpensNoOther) {
   const v1::OpenSessionResponse a = Open(100, 0);
   grpc::ClientContext first_ctx;
@@ -377,7 +431,7 @@ TEST(Mailboxes, APostPastTheLimitClosesTheBoxAndCallsOnOverflowOnce) {
   EXPECT_FALSE(boxes.Post(7, OrdersOfBytes(1)));
   EXPECT_EQ(overflows, 1);
   v1::Orders out;
-  EXPECT_FALSE(boxes.Take(7, &out));
+  EXPECT_EQ(boxes.Take(7, &out), Mailboxes::Taken::kClosed);
 }
 
 TEST(Mailboxes, TakingOrdersMakesRoomAgain) {
@@ -387,9 +441,46 @@ TEST(Mailboxes, TakingOrdersMakesRoomAgain) {
   v1::Orders out;
   for (int i = 0; i < 10; ++i) {
     ASSERT_TRUE(boxes.Post(7, OrdersOfBytes(600))) << i;
-    ASSERT_TRUE(boxes.Take(7, &out));
+    ASSERT_EQ(boxes.Take(7, &out), Mailboxes::Taken::kOrders);
   }
   EXPECT_EQ(overflows, 0);
+}
+
+TEST(Mailboxes, AListenerHearsOfEachPostAndTheCloseAndMayTakeAtOnce) {
+  Mailboxes boxes(1000);
+  // Takes what it hears of, from inside the call: the boxes' lock is not
+  // held then.
+  struct Taker : MailboxListener {
+    Mailboxes* boxes = nullptr;
+    int taken = 0;
+    bool closed = false;
+    void Ready() override {
+      v1::Orders out;
+      for (;;) {
+        const Mailboxes::Taken t = boxes->Take(7, &out);
+        if (t == Mailboxes::Taken::kOrders) {
+          ++taken;
+          continue;
+        }
+        closed = closed || t == Mailboxes::Taken::kClosed;
+        return;
+      }
+    }
+  };
+  auto taker = std::make_shared<Taker>();
+  taker->boxes = &boxes;
+  ASSERT_TRUE(boxes.Open(7, nullptr, taker));
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(boxes.Post(7, OrdersOfBytes(600)));
+  v1::Orders draining;
+  draining.set_draining(true);
+  boxes.Broadcast(draining);
+  EXPECT_EQ(taker->taken, 6);
+  EXPECT_FALSE(taker->closed);
+  boxes.Close(7);
+  EXPECT_TRUE(taker->closed);
+  // Closed and taken empty: the box is gone.
+  EXPECT_FALSE(boxes.Post(7, OrdersOfBytes(1)));
+  EXPECT_TRUE(boxes.Open(7));
 }
 
 }  // namespace
