@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "daemon/heap_return.h"
+#include "daemon/metrics.h"
 #include "daemon/node.h"
 #include "daemon/release_replies.h"
 #include "daemon/request_limits.h"

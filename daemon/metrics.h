@@ -9,6 +9,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "daemon/session_lifecycle.h"
 
 namespace prometheus {
 class Counter;
@@ -58,23 +59,6 @@ enum class Refusal {
   kGrpcConnectionsPerUid,  // "max_grpc_connections_per_uid": and per user
   kUnreadConnection,       // "unread_connection": a gRPC connection shut down,
                            // its client leaving the daemon's bytes unread
-};
-
-// Why a session ended, label `reason` of deltad_sessions_ended_total.
-enum class SessionEnd {
-  kClosed,        // the process ended its stream: reason="closed"
-  kStreamBroken,  // the stream broke or was cancelled first: "stream_broken"
-  kProcessGone,   // its side connection closed first (exit, crash, a link
-                  // the process dropped): "process_gone"
-};
-
-// What happened to a session's lease, label `event` of
-// deltad_unresponsive_total.
-enum class LeaseEvent {
-  kMarked,    // silent past its lease: "marked"
-  kAnswered,  // heard again after that: "answered"
-  kEnded,     // its process sent SIGKILL (lease.end_unresponsive_after_ms):
-              // "ended"
 };
 
 // The daemon's Prometheus metrics. Call sites use the typed methods and never

@@ -15,46 +15,17 @@ namespace {
 
 using common::MonotonicNs;
 
-void CountApplied(Metrics* metrics, int gpu, const AppliedCounts& c) {
-  if (metrics == nullptr) return;
-  metrics->AddTransferred(gpu, Direction::kDeviceToHost, c.offloaded_bytes);
-  metrics->AddTransferred(gpu, Direction::kHostToDevice, c.reloaded_bytes);
-  for (int64_t i = 0; i < c.evictions; ++i) metrics->AddEviction(gpu);
-  for (int64_t i = 0; i < c.recomputes; ++i) {
-    // The costs arrive summed; each recompute is counted once and the time
-    // goes with the first.
-    metrics->AddRecompute(
-        gpu, i == 0 ? static_cast<double>(c.recompute_ns) / 1e9 : 0.0);
-  }
-}
-
-void CountOrders(Metrics* metrics, int gpu, const v1::Orders& orders) {
-  if (metrics == nullptr) return;
-  int64_t offloads = 0;
-  int64_t evictions = 0;
-  for (const v1::ReleaseOrder& o : orders.release()) {
-    (o.action() == v1::ReleaseOrder::OFFLOAD ? offloads : evictions) += 1;
-  }
-  metrics->AddOrders(gpu, OrderKind::kOffload, offloads);
-  metrics->AddOrders(gpu, OrderKind::kEvict, evictions);
-  metrics->AddOrders(gpu, OrderKind::kPrefetch,
-                     orders.prefetch_tensor_ids_size());
-  metrics->AddOrders(gpu, OrderKind::kBudget,
-                     orders.new_budget_bytes() > 0 ? 1 : 0);
-}
-
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Node>> Node::Create(DeviceBackend& backend,
-                                                   HostPool& pool,
-                                                   Metrics* metrics,
-                                                   NodeOptions options) {
+absl::StatusOr<std::unique_ptr<Node>> Node::Create(
+    DeviceBackend& backend, HostPool& pool, std::unique_ptr<NodeEvents> events,
+    NodeOptions options) {
   if (!(options.gpu_share > 0) || options.gpu_share > 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("gpu_share must be in (0, 1], got ", options.gpu_share));
   }
   std::unique_ptr<Node> node(
-      new Node(backend, pool, metrics, std::move(options)));
+      new Node(backend, pool, std::move(events), std::move(options)));
   for (const GpuInfo& info : backend.gpus()) {
     // In whole chunks: the budget is handed out as chunks, and a part of
     // one could never be mapped, so counting it would promise room that a
@@ -75,12 +46,10 @@ absl::StatusOr<std::unique_ptr<Node>> Node::Create(DeviceBackend& backend,
     if (!engine.ok()) return engine.status();
     gpu->policy = std::move(*engine);
     node->gpus_.push_back(std::move(gpu));
-    if (metrics != nullptr) metrics->SetGpuBudget(info.index, budget);
+    node->events_->GpuBudget(info.index, budget);
   }
-  if (metrics != nullptr) {  // the pool from the start, not the first session
-    const HostPoolStats stats = pool.Stats();
-    metrics->SetHostPool(stats.free_bytes, stats.granted_bytes);
-  }
+  // The pool from the start, not from the first session.
+  node->events_->HostPoolChanged(pool.Stats());
   return node;
 }
 
@@ -93,21 +62,17 @@ void Node::AddBudgetOrders(const std::vector<BudgetChange>& changes,
   }
 }
 
-void Node::UpdateGpuMetrics(int gpu_index, Gpu& gpu) {
-  if (metrics_ == nullptr) return;
-  metrics_->SetGpuUsed(gpu_index, gpu.policy->device_bytes());
-  metrics_->SetSessions(gpu_index,
-                        static_cast<int64_t>(gpu.arbiter.sessions()));
-  int64_t unresponsive_bytes = 0;
+void Node::ReportGpu(int gpu_index, Gpu& gpu) {
+  GpuState state;
+  state.used_bytes = gpu.policy->device_bytes();
+  state.sessions = static_cast<int64_t>(gpu.arbiter.sessions());
+  state.unresponsive_sessions = static_cast<int64_t>(gpu.unresponsive.size());
   for (const auto& [id, silence] : gpu.unresponsive) {
-    unresponsive_bytes += chunks_.held_bytes(id);
+    state.unresponsive_bytes += chunks_.held_bytes(id);
   }
-  metrics_->SetUnresponsive(gpu_index,
-                            static_cast<int64_t>(gpu.unresponsive.size()),
-                            unresponsive_bytes);
-  metrics_->SetUnlisted(gpu_index, gpu.UnlistedTotal());
-  const HostPoolStats pool = pool_.Stats();
-  metrics_->SetHostPool(pool.free_bytes, pool.granted_bytes);
+  state.unlisted_bytes = gpu.UnlistedTotal();
+  events_->GpuChanged(gpu_index, state);
+  events_->HostPoolChanged(pool_.Stats());
 }
 
 absl::StatusOr<Node::Opened> Node::OpenSession(
@@ -136,10 +101,10 @@ absl::StatusOr<Node::Opened> Node::OpenSession(
   auto session = registry_.Open(peer_token, g, request.priority(),
                                 request.label(), &refused_at);
   if (!session.ok()) {
-    if (metrics_ != nullptr && refused_at != SessionLimit::kNone) {
-      metrics_->AddRefusal(refused_at == SessionLimit::kPerUid
-                               ? Refusal::kSessionsPerUid
-                               : Refusal::kSessionsPerGpu);
+    if (refused_at != SessionLimit::kNone) {
+      events_->OpenRefused(g, refused_at == SessionLimit::kPerUid
+                                  ? OpenRefusal::kSessionsPerUid
+                                  : OpenRefusal::kSessionsPerGpu);
     }
     return session.status();
   }
@@ -152,8 +117,8 @@ absl::StatusOr<Node::Opened> Node::OpenSession(
                                           request.min_budget_bytes());
     if (!changes.ok()) {
       (void)registry_.Close(session->token);
-      if (metrics_ != nullptr && absl::IsResourceExhausted(changes.status())) {
-        metrics_->AddRefusal(Refusal::kAdmission);
+      if (absl::IsResourceExhausted(changes.status())) {
+        events_->OpenRefused(g, OpenRefusal::kAdmission);
       }
       return changes.status();
     }
@@ -209,7 +174,7 @@ absl::StatusOr<Node::Opened> Node::OpenSession(
     chunks_.AddSession(session->id, g);
     r.set_d2h_bytes_per_second(info.d2h_bytes_per_s);
     r.set_h2d_bytes_per_second(info.h2d_bytes_per_s);
-    UpdateGpuMetrics(g, gpu);
+    ReportGpu(g, gpu);
   }
   return opened;
 }
@@ -266,8 +231,9 @@ OrdersBySession Node::Reclaim(const SessionInfo& session, SessionEnd why,
   if (!keep_slab_contents_.load()) (void)pool_.ReleaseSession(session.id);
   {
     std::lock_guard<std::mutex> lock(gpu.mu);
-    UpdateGpuMetrics(session.gpu, gpu);
+    ReportGpu(session.gpu, gpu);
   }
+  events_->SessionEnded(session.gpu, session.id, why);
   end_log_.Ended(session, why, detail, held);
   return others;
 }
@@ -351,7 +317,7 @@ OrdersBySession Node::PeerGone(absl::string_view peer_token) {
     const bool settled = left->second.settled;
     gpu.left_mapped.erase(left);
     if (settled) ShareWithoutLeftMapped(gpu, others);
-    UpdateGpuMetrics(static_cast<int>(g), gpu);
+    ReportGpu(static_cast<int>(g), gpu);
   }
   return others;
 }
@@ -374,7 +340,7 @@ OrdersBySession Node::SettleLeftMapped(int64_t settle_ns) {
     }
     if (!settled) continue;
     ShareWithoutLeftMapped(gpu, changed);
-    UpdateGpuMetrics(static_cast<int>(g), gpu);
+    ReportGpu(static_cast<int>(g), gpu);
   }
   return changed;
 }
@@ -398,7 +364,7 @@ absl::Status Node::SetUnlisted(absl::string_view token, int64_t bytes) {
   } else {
     gpu.unlisted[session->id] = bytes;
   }
-  UpdateGpuMetrics(session->gpu, gpu);
+  ReportGpu(session->gpu, gpu);
   return absl::OkStatus();
 }
 
@@ -414,14 +380,10 @@ absl::StatusOr<OrdersBySession> Node::Apply(absl::string_view token,
   }
   const auto start = std::chrono::steady_clock::now();
   std::map<SessionId, v1::Orders> orders = gpu.policy->Plan(session->id, now);
-  if (metrics_ != nullptr) {
-    metrics_->ObserveDecision(
-        session->gpu,
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-            .count());
-    for (const auto& [id, o] : orders) CountOrders(metrics_, session->gpu, o);
-  }
-  UpdateGpuMetrics(session->gpu, gpu);
+  events_->Decided(session->gpu, session->id,
+                   std::chrono::steady_clock::now() - start);
+  for (const auto& [id, o] : orders) events_->Ordered(session->gpu, id, o);
+  ReportGpu(session->gpu, gpu);
   return OrdersBySession(orders.begin(), orders.end());
 }
 
@@ -438,7 +400,7 @@ absl::Status Node::ApplyBatch(const SessionInfo& session, Gpu& gpu,
       !s.ok()) {
     return s;
   }
-  CountApplied(metrics_, session.gpu, applied);
+  events_->BatchApplied(session.gpu, session.id, applied);
   if (batch.iteration_peak_bytes() > 0) {
     return gpu.arbiter.SetIterationPeak(session.id,
                                         batch.iteration_peak_bytes());
@@ -473,28 +435,27 @@ absl::StatusOr<Node::Released> Node::Release(
   }
   const auto start = std::chrono::steady_clock::now();
   auto orders = gpu.policy->MakeRoom(session->id, request.bytes(), now);
-  if (metrics_ != nullptr) {
-    metrics_->ObserveDecision(
-        session->gpu,
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-            .count());
-  }
+  events_->Decided(session->gpu, session->id,
+                   std::chrono::steady_clock::now() - start);
   if (!orders.ok()) return orders.status();
   Released released;
   // MakeRoom succeeded: once its orders are carried out, the GPU has room.
   released.response.set_room_available(true);
+  // The asker's own orders are gathered as Orders, to be reported like
+  // anyone else's, and then moved into the reply.
+  v1::Orders own;
   // Orders already sent on the stream count as done in MakeRoom's sums but
   // may still be on their way: repeated here, so that the process carries
   // them out before it allocates.
   for (v1::ReleaseOrder& o : gpu.policy->TakeStreamReleases(session->id)) {
     released.response.set_bytes(released.response.bytes() + o.bytes());
-    *released.response.add_release() = std::move(o);
+    *own.add_release() = std::move(o);
   }
   for (auto& [id, list] : *orders) {
     if (id == session->id) {
       for (v1::ReleaseOrder& o : list) {
         released.response.set_bytes(released.response.bytes() + o.bytes());
-        *released.response.add_release() = std::move(o);
+        *own.add_release() = std::move(o);
       }
     } else {
       for (v1::ReleaseOrder& o : list) {
@@ -502,15 +463,12 @@ absl::StatusOr<Node::Released> Node::Release(
       }
     }
   }
-  if (metrics_ != nullptr) {
-    v1::Orders own;
-    *own.mutable_release() = released.response.release();
-    CountOrders(metrics_, session->gpu, own);
-    for (const auto& [id, o] : released.others) {
-      CountOrders(metrics_, session->gpu, o);
-    }
+  events_->Ordered(session->gpu, session->id, own);
+  for (const auto& [id, o] : released.others) {
+    events_->Ordered(session->gpu, id, o);
   }
-  UpdateGpuMetrics(session->gpu, gpu);
+  released.response.mutable_release()->Swap(own.mutable_release());
+  ReportGpu(session->gpu, gpu);
   return released;
 }
 

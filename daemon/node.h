@@ -20,7 +20,7 @@
 #include "daemon/gpu_arbiter.h"
 #include "daemon/gpu_policy.h"
 #include "daemon/host_pool.h"
-#include "daemon/metrics.h"
+#include "daemon/node_events.h"
 #include "daemon/session_end_log.h"
 #include "daemon/session_registry.h"
 #include "deltad/v1/memory_manager.pb.h"
@@ -50,14 +50,15 @@ using OrdersBySession = std::map<SessionId, v1::Orders>;
 // sessions and their credentials, each GPU's arbiter and policy engine, the
 // host pool. The gRPC service and the side socket only translate to and from
 // it. Each GPU has its own lock, so sessions on different GPUs never wait
-// for each other. Does not own the backend, the pool or the metrics; they
-// must outlive it. Thread safe.
+// for each other. What it does is reported to its NodeEvents (the metrics
+// watch it through MetricsObserver). Does not own the backend or the pool;
+// they must outlive it. Thread safe.
 class Node {
  public:
-  static absl::StatusOr<std::unique_ptr<Node>> Create(DeviceBackend& backend,
-                                                      HostPool& pool,
-                                                      Metrics* metrics,
-                                                      NodeOptions options);
+  // `events` may be null: nothing watches.
+  static absl::StatusOr<std::unique_ptr<Node>> Create(
+      DeviceBackend& backend, HostPool& pool,
+      std::unique_ptr<NodeEvents> events, NodeOptions options);
 
   SessionRegistry& registry() { return registry_; }
 
@@ -70,7 +71,7 @@ class Node {
   absl::StatusOr<Opened> OpenSession(absl::string_view peer_token,
                                      const v1::OpenSessionRequest& request);
   // Returns the budget changes of the sessions that remain. `why` and
-  // `detail` are logged and counted (see SessionEndLog).
+  // `detail` are logged (see SessionEndLog); `why` is reported.
   absl::StatusOr<OrdersBySession> CloseSession(
       absl::string_view token, SessionEnd why = SessionEnd::kClosed,
       absl::string_view detail = {});
@@ -196,22 +197,23 @@ class Node {
     explicit Gpu(GpuArbiter a) : arbiter(std::move(a)) {}
   };
 
-  Node(DeviceBackend& backend, HostPool& pool, Metrics* metrics,
-       NodeOptions options)
+  Node(DeviceBackend& backend, HostPool& pool,
+       std::unique_ptr<NodeEvents> events, NodeOptions options)
       : backend_(backend),
         pool_(pool),
-        metrics_(metrics),
+        events_(events != nullptr ? std::move(events)
+                                  : std::make_unique<NodeEvents>()),
         options_(std::move(options)),
         registry_(options_.max_sessions_per_gpu, options_.max_sessions_per_uid),
-        chunks_(backend),
-        end_log_(metrics) {}
+        chunks_(backend) {}
   // Removes a session from its GPU and the pool; the lock of its GPU must
   // not be held.
   OrdersBySession Reclaim(const SessionInfo& session, SessionEnd why,
                           absl::string_view detail);
   void AddBudgetOrders(const std::vector<BudgetChange>& changes,
                        SessionId except, Gpu& gpu, OrdersBySession& out);
-  void UpdateGpuMetrics(int gpu_index, Gpu& gpu);
+  // The GPU's state and the pool's to events_; the GPU's lock is held.
+  void ReportGpu(int gpu_index, Gpu& gpu);
   // The budgets shared without the GPU's settled left-mapped chunks, their
   // changes into `out`; the GPU's lock is held.
   void ShareWithoutLeftMapped(Gpu& gpu, OrdersBySession& out);
@@ -224,7 +226,7 @@ class Node {
 
   DeviceBackend& backend_;
   HostPool& pool_;
-  Metrics* metrics_;
+  const std::unique_ptr<NodeEvents> events_;  // never null
   const NodeOptions options_;
   SessionRegistry registry_;
   ChunkLedger chunks_;

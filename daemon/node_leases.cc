@@ -50,9 +50,9 @@ OrdersBySession Node::MarkUnresponsive(SessionId session, int64_t silent_ns) {
         " ms and holds ", held, " bytes of GPU ", info->gpu,
         "; budgets do not count on them until it answers or exits");
     for (auto& [id, orders] : others) orders.set_budget_note(note);
-    UpdateGpuMetrics(info->gpu, gpu);
+    ReportGpu(info->gpu, gpu);
   }
-  if (metrics_ != nullptr) metrics_->AddLeaseEvent(LeaseEvent::kMarked);
+  events_->LeaseChanged(info->gpu, session, LeaseEvent::kMarked);
   int64_t held_back = 0;
   if (lease_log_.Allow(&held_back)) {
     std::fprintf(stderr,
@@ -84,9 +84,9 @@ OrdersBySession Node::MarkAnswered(SessionId session, int64_t silent_ns) {
     // Its own budget too: it is told its share again, and gives back what
     // it holds past it.
     AddBudgetOrders(*changes, 0, gpu, changed);
-    UpdateGpuMetrics(info->gpu, gpu);
+    ReportGpu(info->gpu, gpu);
   }
-  if (metrics_ != nullptr) metrics_->AddLeaseEvent(LeaseEvent::kAnswered);
+  events_->LeaseChanged(info->gpu, session, LeaseEvent::kAnswered);
   int64_t held_back = 0;
   if (lease_log_.Allow(&held_back)) {
     std::fprintf(stderr,
@@ -108,8 +108,8 @@ absl::Status Node::EndUnresponsive(SessionId session, int64_t silent_ns) {
   if (!info.has_value()) return absl::NotFoundError("the session ended");
   const absl::Status killed =
       KillProcess(info->peer.pid, info->peer.start_time);
-  if (killed.ok() && metrics_ != nullptr) {
-    metrics_->AddLeaseEvent(LeaseEvent::kEnded);
+  if (killed.ok()) {
+    events_->LeaseChanged(info->gpu, session, LeaseEvent::kEnded);
   }
   int64_t held_back = 0;
   if (lease_log_.Allow(&held_back)) {

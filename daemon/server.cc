@@ -15,6 +15,7 @@
 #include "daemon/backend/sim_backend.h"
 #include "daemon/config.h"
 #include "daemon/library_log.h"
+#include "daemon/metrics_observer.h"
 #ifdef DELTAD_HAVE_CUDA
 #include "daemon/backend/cuda_backend.h"
 #endif
@@ -183,7 +184,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   auto options = NodeOptionsFrom(config);
   if (!options.ok()) return options.status();
   auto node =
-      Node::Create(*s->backend_, *s->pool_, s->metrics_.get(), *options);
+      Node::Create(*s->backend_, *s->pool_,
+                   std::make_unique<MetricsObserver>(*s->metrics_), *options);
   if (!node.ok()) return node.status();
   s->node_ = std::move(*node);
   LeaseOptions leases;

@@ -11,7 +11,6 @@ namespace deltad::daemon {
 void SessionEndLog::Ended(const SessionInfo& session, SessionEnd why,
                           absl::string_view detail,
                           const absl::StatusOr<SessionUsage>& usage) {
-  if (metrics_ != nullptr) metrics_->AddSessionEnded(why);
   if (why == SessionEnd::kClosed) return;
   int64_t held_back = 0;
   if (!limit_.Allow(&held_back)) return;

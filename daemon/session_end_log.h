@@ -7,21 +7,19 @@
 #include "absl/strings/string_view.h"
 #include "common/log_limit.h"
 #include "daemon/gpu_policy.h"
-#include "daemon/metrics.h"
+#include "daemon/session_lifecycle.h"
 #include "daemon/session_registry.h"
 
 namespace deltad::daemon {
 
-// Says that a session ended and why: counted in
-// deltad_sessions_ended_total{reason}, and, unless its process closed it,
-// one line on stderr naming the session, its process and what it held. When
+// Says that a session ended and why, unless its process closed it: one
+// line on stderr naming the session, its process and what it held. When
 // many end at once (a node's jobs killed together) at most 10 lines a
-// second are written, the next one saying how many were held back. Does not
-// own the metrics (may be null), which must outlive it. Thread safe.
+// second are written, the next one saying how many were held back. The
+// count by reason is the Node's to report (NodeEvents::SessionEnded).
+// Thread safe.
 class SessionEndLog {
  public:
-  explicit SessionEndLog(Metrics* metrics) : metrics_(metrics) {}
-
   // `usage`: what the session held when it ended, if known; `detail`: what
   // ended it (the stream's status), may be empty.
   void Ended(const SessionInfo& session, SessionEnd why,
@@ -29,7 +27,6 @@ class SessionEndLog {
              const absl::StatusOr<SessionUsage>& usage);
 
  private:
-  Metrics* const metrics_;
   common::LogLimit limit_{10, std::chrono::seconds(1)};
 };
 

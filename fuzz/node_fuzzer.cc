@@ -22,6 +22,7 @@
 #include "daemon/backend/sim_backend.h"
 #include "daemon/host_pool.h"
 #include "daemon/metrics.h"
+#include "daemon/metrics_observer.h"
 #include "daemon/node.h"
 #include "deltad/v1/memory_manager.pb.h"
 #include "fuzz/fuzz_target.h"
@@ -120,7 +121,9 @@ class Harness {
     // Out of descriptors, say: nothing to learn from this input.
     if (!pool.ok()) return false;
     pool_ = std::move(*pool);
-    auto node = Node::Create(*backend_, *pool_, SharedMetrics(), Options());
+    auto node = Node::Create(
+        *backend_, *pool_,
+        std::make_unique<daemon::MetricsObserver>(*SharedMetrics()), Options());
     DELTAD_FUZZ_CHECK(node.ok());
     node_ = std::move(*node);
     return true;

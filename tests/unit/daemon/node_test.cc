@@ -2,12 +2,16 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "daemon/node_events.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/unit/daemon/sim_node.h"
@@ -378,6 +382,104 @@ TEST_F(NodeTest, ListTensorsOfAnUnknownSessionIsNotFound) {
   EXPECT_EQ(empty->tensors_size(), 0);
   ASSERT_TRUE(node_->CloseSession(a.response.session_token()).ok());
   EXPECT_EQ(node_->ListTensors(r).status().code(), absl::StatusCode::kNotFound);
+}
+
+// What a Node reports, kept as it came: the node seen without Prometheus.
+class RecordedEvents : public NodeEvents {
+ public:
+  struct Decision {
+    int gpu = 0;
+    SessionId session = 0;
+  };
+  struct Ordering {
+    int gpu = 0;
+    SessionId session = 0;
+    v1::Orders orders;
+  };
+
+  void GpuBudget(int gpu, int64_t budget_bytes) override {
+    budgets.push_back({gpu, budget_bytes});
+  }
+  void GpuChanged(int gpu, const GpuState& state) override {
+    if (gpu == 0) gpu0_used = state.used_bytes;
+  }
+  void Decided(int gpu, SessionId session,
+               std::chrono::nanoseconds took) override {
+    EXPECT_GE(took.count(), 0);
+    decisions.push_back({gpu, session});
+  }
+  void Ordered(int gpu, SessionId session, const v1::Orders& orders) override {
+    ordered.push_back({gpu, session, orders});
+  }
+
+  std::vector<std::pair<int, int64_t>> budgets;
+  int64_t gpu0_used = -1;
+  std::vector<Decision> decisions;
+  std::vector<Ordering> ordered;
+};
+
+TEST(NodeEventsTest, AReleaseReportsItsDecisionAndTheOrdersItGave) {
+  SimBackendOptions sim;
+  sim.gpus = 2;
+  sim.memory_bytes = 10 * kGiB;
+  auto backend = SimBackend::Create(sim);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto pool = HostPool::Create(kGiB, 64 * kMiB);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto recorded = std::make_unique<RecordedEvents>();
+  const RecordedEvents& seen = *recorded;
+  NodeOptions options;
+  options.min_session_bytes = kGiB;
+  options.default_host_quota_bytes = 256 * kMiB;
+  auto node = Node::Create(**backend, **pool, std::move(recorded), options);
+  ASSERT_TRUE(node.ok()) << node.status();
+  const int64_t budget = static_cast<int64_t>(0.9 * 10 * kGiB);
+  EXPECT_EQ(seen.budgets,
+            (std::vector<std::pair<int, int64_t>>{{0, budget}, {1, budget}}));
+
+  PeerIdentity peer;
+  peer.pid = 100;
+  peer.uid = 1000;
+  auto peer_token = (*node)->registry().RegisterPeer(peer);
+  ASSERT_TRUE(peer_token.ok()) << peer_token.status();
+  v1::OpenSessionRequest open;
+  open.set_gpu(0);
+  auto opened = (*node)->OpenSession(*peer_token, open);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const SessionId id = opened->response.session_id();
+  // 8 GiB held of the GPU's 9 GiB budget.
+  v1::EventBatch batch;
+  for (uint64_t t = 1; t <= 16; ++t) {
+    v1::TensorCreated* c = batch.add_created();
+    c->set_tensor_id(t);
+    c->set_bytes(512 * kMiB);
+    c->set_compute_cost_ns(1000);
+  }
+  ASSERT_TRUE((*node)->Apply(opened->response.session_token(), batch).ok());
+  const size_t decisions_before = seen.decisions.size();
+  const size_t ordered_before = seen.ordered.size();
+
+  v1::ReleaseRequest r;
+  r.set_session_token(opened->response.session_token());
+  r.set_bytes(2 * kGiB);
+  auto released = (*node)->Release(r);
+  ASSERT_TRUE(released.ok()) << released.status();
+  ASSERT_GT(released->response.release_size(), 0);
+
+  // One decision, for the session that asked, on its GPU.
+  ASSERT_EQ(seen.decisions.size(), decisions_before + 1);
+  EXPECT_EQ(seen.decisions.back().gpu, 0);
+  EXPECT_EQ(seen.decisions.back().session, id);
+  // Its orders as the reply carries them, reported as the session's.
+  ASSERT_EQ(seen.ordered.size(), ordered_before + 1);
+  const RecordedEvents::Ordering& own = seen.ordered.back();
+  EXPECT_EQ(own.gpu, 0);
+  EXPECT_EQ(own.session, id);
+  v1::Orders replied;
+  *replied.mutable_release() = released->response.release();
+  EXPECT_EQ(own.orders.DebugString(), replied.DebugString());
+  // And the GPU as it stands after them.
+  EXPECT_EQ(seen.gpu0_used, (*node)->Status().gpus(0).used_bytes());
 }
 
 }  // namespace

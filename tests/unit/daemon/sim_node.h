@@ -9,6 +9,7 @@
 #include "daemon/backend/sim_backend.h"
 #include "daemon/host_pool.h"
 #include "daemon/metrics.h"
+#include "daemon/metrics_observer.h"
 #include "daemon/node.h"
 
 namespace deltad::daemon::testing_util {
@@ -42,7 +43,9 @@ inline absl::StatusOr<SimNode> MakeSimNode(int64_t pool_bytes,
   auto metrics = Metrics::Create(labels, "test", "sim");
   if (!metrics.ok()) return metrics.status();
   n.metrics = std::move(*metrics);
-  auto node = Node::Create(*n.backend, *n.pool, n.metrics.get(), options);
+  auto node =
+      Node::Create(*n.backend, *n.pool,
+                   std::make_unique<MetricsObserver>(*n.metrics), options);
   if (!node.ok()) return node.status();
   n.node = std::move(*node);
   return n;
