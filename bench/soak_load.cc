@@ -161,6 +161,9 @@ bool Soak::StartJob(Job job, const std::vector<std::string>& extra) {
       absl::StrCat("--gpu=", job.gpu),
       "--label=" + job.label,
       absl::StrFormat("--scale=%.9g", settings_.scale),
+      // The daemon's chunks, also for a trainer that starts before it
+      // answers and makes its own (they must match to attach later).
+      absl::StrCat("--chunk_kib=", settings_.chunk >> 10),
   };
   args.insert(args.end(), extra.begin(), extra.end());
   job.pid = Spawn(args, job.output, settings_.trainer_nice);

@@ -126,9 +126,9 @@ Memory MemoryFigures(const SoakSettings& settings,
   m.slope = RssSlopeMibPerMin(samples, settings.duration / 2.0,
                               static_cast<double>(settings.duration));
   // From the middle: the first half holds the allocator's climb to its
-  // high-water mark (glibc's per-thread arenas, one per gRPC thread that
-  // ever allocated, and the cached stacks of exited threads), which a
-  // process reaches once; a leak goes on climbing through the second half.
+  // high-water mark (glibc's per-thread arenas, one per thread that ever
+  // allocated, and the cached stacks of exited threads), which a process
+  // reaches once; a leak goes on climbing through the second half.
   m.growth = m.rss_mid > 0 ? (m.rss_end - m.rss_mid) / m.rss_mid : 0;
   m.flat =
       m.slope < settings.flat_mib_per_min && m.growth <= settings.flat_growth;
@@ -345,8 +345,9 @@ void WriteMemoryOverTime(std::ostringstream& md, const SoakSettings& settings,
      << absl::StrFormat("%.0f%%", 100 * settings.flat_growth)
      << " above the RSS in the middle. The first half is left out: it holds "
         "the allocator's climb to its high-water mark (the anonymous memory "
-        "column: glibc's per-thread arenas for the gRPC threads, one per "
-        "open stream, and the stacks it caches for exited threads), which a "
+        "column: glibc's per-thread arenas for gRPC's threads, which serve "
+        "every stream and call (no thread is a session's own), and the "
+        "stacks it caches for exited threads), which a "
         "process reaches once and does not give back. A leak keeps "
         "climbing: one tensor record (~100 bytes) per release decision "
         "would add several MiB a minute at the decision rates above, while "

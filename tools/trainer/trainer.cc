@@ -49,6 +49,10 @@ ABSL_FLAG(std::string, memory, "chunks",
 ABSL_FLAG(std::string, device, "a100-80gb",
           "device profile for compute times and link bandwidth");
 ABSL_FLAG(double, scale, 1.0 / 16, "bytes are multiplied by this");
+ABSL_FLAG(int, chunk_kib, 0,
+          "device chunk size, KiB, when the chunks are made in-process (no "
+          "daemon yet): the daemon's, so that the job can attach when the "
+          "daemon answers (0: CUDA's 2 MiB at --scale)");
 ABSL_FLAG(double, budget, 0.6,
           "budget to request, as a fraction of the unmanaged peak");
 ABSL_FLAG(int, iterations, 3, "training iterations");
@@ -340,9 +344,14 @@ int main(int argc, char** argv) {
     // CUDA's 2 MiB granularity, scaled like the tensors so that rounding
     // wastes what it would at full size; the daemon's sim chunk size
     // should match (scripts/run sets it so).
+    // An arena holds chunks of one size: made in-process at another size
+    // than the daemon's, they keep the job from ever attaching.
     const int64_t page = sysconf(_SC_PAGESIZE);
-    const int64_t local_chunk = std::max<int64_t>(
-        page, static_cast<int64_t>((2 << 20) * scale) / page * page);
+    const int64_t local_chunk =
+        absl::GetFlag(FLAGS_chunk_kib) > 0
+            ? int64_t{absl::GetFlag(FLAGS_chunk_kib)} << 10
+            : std::max<int64_t>(
+                  page, static_cast<int64_t>((2 << 20) * scale) / page * page);
     auto chunked =
         deltad::client::SimChunkDevice::Create(memory, d2h, h2d, local_chunk);
     if (!chunked.ok()) return Fail(chunked.status().ToString());
