@@ -62,11 +62,6 @@ bool Mailboxes::Open(SessionId session, std::function<void()> on_overflow,
   return boxes_.emplace(session, std::move(box)).second;
 }
 
-std::shared_ptr<MailboxListener> Mailboxes::ListenerOf(SessionId session) {
-  auto it = boxes_.find(session);
-  return it == boxes_.end() ? nullptr : it->second.listener;
-}
-
 void Mailboxes::Close(SessionId session) {
   std::shared_ptr<MailboxListener> listener;
   {

@@ -79,8 +79,6 @@ class Mailboxes {
     std::function<void()> on_overflow;
     std::shared_ptr<MailboxListener> listener;
   };
-  // The listener of `session`'s box, if any (mu_ held).
-  std::shared_ptr<MailboxListener> ListenerOf(SessionId session);
 
   const int64_t max_queued_bytes_;
   std::mutex mu_;
