@@ -379,24 +379,47 @@ absl::StatusOr<UniqueFd> ListenUnix(absl::string_view path, mode_t mode) {
   }
   if (absl::Status s = RemoveStaleSocket(path, *addr); !s.ok()) return s;
 
+  // The socket is bound under a private name, given its mode, made to
+  // listen, and only then linked under `path`: a client that sees the file
+  // can connect at once (a file bound in place refuses connections until
+  // listen(), and clients wait for the file). link() does not replace a
+  // file, so of two daemons started together on one path, one fails.
+  const std::string private_path = absl::StrCat(path, ".", ::getpid(), ".new");
+  absl::StatusOr<struct sockaddr_un> private_addr = UnixAddress(private_path);
+  const bool in_place = !private_addr.ok();  // too long: bind `path` itself
+  const struct sockaddr_un& bound = in_place ? *addr : *private_addr;
+  if (!in_place) ::unlink(bound.sun_path);  // ours, left by a crash
+
   absl::StatusOr<UniqueFd> fd = NewStreamSocket();
   if (!fd.ok()) return fd.status();
-  if (::bind(fd->get(), reinterpret_cast<const struct sockaddr*>(&*addr),
-             sizeof(*addr)) != 0) {
+  if (::bind(fd->get(), reinterpret_cast<const struct sockaddr*>(&bound),
+             sizeof(bound)) != 0) {
     return absl::ErrnoToStatus(errno, absl::StrCat("bind to ", path));
   }
+  auto fail = [&](const std::string& what) {
+    const int err = errno;
+    ::unlink(bound.sun_path);
+    return absl::ErrnoToStatus(err, what);
+  };
   // chmod before listen(): until listen() every connect() is refused, so no
   // client can slip in while the file still has the umask's mode.
-  if (::chmod(addr->sun_path, mode) != 0) {
-    const int err = errno;
-    ::unlink(addr->sun_path);
-    return absl::ErrnoToStatus(
-        err, absl::StrCat("chmod ", Octal(mode), " of socket ", path));
+  if (::chmod(bound.sun_path, mode) != 0) {
+    return fail(absl::StrCat("chmod ", Octal(mode), " of socket ", path));
   }
   if (::listen(fd->get(), SOMAXCONN) != 0) {
-    const int err = errno;
-    ::unlink(addr->sun_path);
-    return absl::ErrnoToStatus(err, absl::StrCat("listen on ", path));
+    return fail(absl::StrCat("listen on ", path));
+  }
+  if (!in_place) {
+    if (::link(bound.sun_path, addr->sun_path) != 0) {
+      if (errno == EEXIST) {
+        ::unlink(bound.sun_path);
+        return absl::AlreadyExistsError(
+            absl::StrCat("another process created socket ", path,
+                         " while this one started"));
+      }
+      return fail(absl::StrCat("link of socket ", path));
+    }
+    ::unlink(bound.sun_path);
   }
   return fd;
 }

@@ -73,7 +73,9 @@ def main():
             page = s.metrics_page()
             s.wait_sample_after(end)
         except (st.StackError, OSError) as e:  # URLError is an OSError
-            print(f"FAIL: {e}\n{s.diagnostics()}", flush=True)
+            # The reason again after the logs: a CI report that keeps only
+            # the start and the end of the output lost it once.
+            print(f"FAIL: {e}\n{s.diagnostics()}\nFAIL: {e}", flush=True)
             return 1
 
         # The target is healthy: Prometheus parsed every scrape.

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -12,11 +13,13 @@
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -431,6 +434,45 @@ TEST(ListenUnix, RefusesToTakeOverALiveSocket) {
   EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(second.status().message(), HasSubstr("another process"));
   EXPECT_TRUE(ConnectUnix(path).ok()) << "the first one must still work";
+}
+
+// Clients wait for the socket file, then connect: the file must not appear
+// before the socket listens (a CI run once saw "connection refused" there).
+TEST(ListenUnix, AClientThatSeesTheFileConnectsAtOnce) {
+  TempDir dir;
+  for (int i = 0; i < 50; ++i) {
+    const std::string path = dir.Path(absl::StrCat("race", i, ".sock"));
+    absl::Status connected = absl::UnknownError("never saw the file");
+    std::thread client([&] {
+      struct stat st;
+      while (::stat(path.c_str(), &st) != 0) std::this_thread::yield();
+      connected = ConnectUnix(path).status();
+    });
+    auto listener = ListenUnix(path, 0660);
+    client.join();
+    ASSERT_TRUE(listener.ok()) << listener.status();
+    ASSERT_TRUE(connected.ok()) << "try " << i << ": " << connected;
+  }
+  int files = 0;  // no private name is left behind
+  for (const auto& entry : std::filesystem::directory_iterator(dir.Path(""))) {
+    EXPECT_THAT(entry.path().filename().string(), testing::EndsWith(".sock"));
+    ++files;
+  }
+  EXPECT_EQ(files, 50);
+}
+
+TEST(ListenUnix, APathWithNoRoomForItsPrivateNameIsBoundInPlace) {
+  TempDir dir;
+  const size_t most = sizeof(sockaddr_un{}.sun_path) - 1;
+  const std::string path =
+      dir.Path(std::string(most - dir.Path("").size(), 'p'));
+  ASSERT_EQ(path.size(), most);
+  auto listener = ListenUnix(path, 0600);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  struct stat st;
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  EXPECT_TRUE(ConnectUnix(path).ok());
 }
 
 TEST(ListenUnix, RefusesToReplaceSomethingThatIsNotASocket) {
