@@ -177,7 +177,15 @@ class GpuPolicy {
     // a session that never asks synchronously does not grow it for ever.
     size_t stream_releases_cap = 4096;
     std::unique_ptr<policy::Prefetcher> prefetcher;
-    bool reachable = false;  // see SetReachable
+    // No prefetch is ordered before this time. A refused prefetch (the
+    // process had no room for it, by its own count or its chunks') holds
+    // the session's prefetches for kRefusalBackoffNs, doubled for each
+    // refusal in a row up to kMaxPrefetchHoldShift doublings: ordered again
+    // at once, the same tensor went back and forth with every batch (over
+    // 13,000 orders a second under bench/soak).
+    int64_t prefetch_held_until_ns = 0;
+    int prefetch_refusals = 0;  // in a row; a prefetch done resets it
+    bool reachable = false;     // see SetReachable
   };
 
   // Whose tensors a release may take, in this order (see the class comment).
@@ -273,6 +281,7 @@ class GpuPolicy {
   // bench/soak: hundreds of thousands of orders a minute for one pinned
   // session).
   static constexpr int64_t kRefusalBackoffNs = 20'000'000;
+  static constexpr int kMaxPrefetchHoldShift = 6;  // 1.28 s at most
   // The most compute cost one tensor may report. Costs are summed over
   // evicted components (a session's tensors, at most
   // max_tensors_per_session of them): bounded per tensor, those sums stay

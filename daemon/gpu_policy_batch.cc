@@ -1,5 +1,6 @@
 // GpuPolicy::Apply: a session's batch validated whole, then applied.
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -459,11 +460,17 @@ absl::Status GpuPolicy::ApplyPlan(Session& s, const BatchPlan& plan,
         if (step.to == TensorState::kOffloaded) {
           s.prefetcher->OnOffloaded(step.id);
           if (from == TensorState::kOffloading) c.offloaded_bytes += bytes;
+          if (from == TensorState::kReloading) {  // a prefetch refused
+            const int shift =
+                std::min(s.prefetch_refusals++, kMaxPrefetchHoldShift);
+            s.prefetch_held_until_ns = now_ns + (kRefusalBackoffNs << shift);
+          }
         } else if (step.to == TensorState::kResident &&
                    (from == TensorState::kReloading ||
                     from == TensorState::kOffloaded)) {
           // Prefetched (reloading), or reloaded on the process's own.
           c.reloaded_bytes += bytes;
+          if (from == TensorState::kReloading) s.prefetch_refusals = 0;
         } else if (step.to == TensorState::kEvicted &&
                    from == TensorState::kResident) {
           ++c.evictions;

@@ -349,7 +349,7 @@ std::map<SessionId, v1::Orders> GpuPolicy::Plan(SessionId session,
           table_.SessionStats(session).committed_bytes(),
       Fraction(watermarks_.high(), gpu_budget_bytes_) -
           AccountableBytes(session) - table_.GpuStats(gpu_).releasing_bytes);
-  if (room > 0) {
+  if (room > 0 && now_ns >= s.prefetch_held_until_ns) {
     const std::vector<TensorId> ids = s.prefetcher->Plan(
         table_, room, static_cast<int>(s.reloading.size()), nullptr, session);
     for (TensorId id : ids) {
@@ -358,8 +358,8 @@ std::map<SessionId, v1::Orders> GpuPolicy::Plan(SessionId session,
       out[session].add_prefetch_tensor_ids(s.locals.at(id));
     }
   } else if (s.prefetcher->queued() > 2 * s.locals.size() + 64) {
-    // Without room the session does not plan, and the queue would keep every
-    // offload while it stays above its mark.
+    // Without room (or while held) the session does not plan, and the queue
+    // would keep every offload meanwhile.
     s.prefetcher->DropStale(table_);
   }
   return out;

@@ -332,6 +332,41 @@ TEST_F(GpuPolicyTest, PlanStopsPrefetchingAtTheHighWatermark) {
   EXPECT_EQ(U(kA).host_bytes, 200);
 }
 
+// A refused prefetch is ordered again only after a hold that doubles with
+// each refusal in a row: re-queued and ordered by the very batch that
+// reported the refusal, one tensor went back and forth thousands of times a
+// second.
+TEST_F(GpuPolicyTest, ARefusedPrefetchHoldsTheSessionsPrefetchesForABackOff) {
+  Make(1000);
+  AddSession(kA, 1000);
+  Fill(kA, 1, 2, 100);
+  ASSERT_TRUE(Apply(kA, Events({{kOffloaded, 1}, {kOffloaded, 2}})).ok());
+  ASSERT_THAT(Plan(kA)[kA].prefetch_tensor_ids(), ElementsAre(2, 1));
+  ASSERT_TRUE(
+      Apply(kA, Events({{kReleaseFailed, 2}, {kReleaseFailed, 1}})).ok());
+  EXPECT_THAT(Plan(kA), IsEmpty());  // two refusals: held 20 ms << 1
+  now_ += 30'000'000;
+  EXPECT_THAT(Plan(kA), IsEmpty());
+  now_ += 15'000'000;
+  ASSERT_THAT(Plan(kA)[kA].prefetch_tensor_ids(), ElementsAre(1, 2));
+  // A prefetch done ends the run of refusals: the next hold is short.
+  ASSERT_TRUE(Apply(kA, Events({{kReloaded, 1}, {kReleaseFailed, 2}})).ok());
+  EXPECT_THAT(Plan(kA), IsEmpty());
+  now_ += 25'000'000;
+  EXPECT_THAT(Plan(kA)[kA].prefetch_tensor_ids(), ElementsAre(2));
+  // Refused for ever, it is tried about once every 1.28 s at most.
+  ASSERT_TRUE(Apply(kA, Events({{kReleaseFailed, 2}})).ok());
+  int orders = 0;
+  for (int ms = 0; ms < 10'000; ++ms) {
+    now_ += 1'000'000;
+    if (Plan(kA)[kA].prefetch_tensor_ids_size() == 0) continue;
+    ++orders;
+    ASSERT_TRUE(Apply(kA, Events({{kReleaseFailed, 2}})).ok());
+  }
+  EXPECT_GE(orders, 7);
+  EXPECT_LE(orders, 14);
+}
+
 TEST_F(GpuPolicyTest, PrefetchOrderSurvivesALongStayAboveTheMark) {
   Make(10000);
   AddSession(kA, 1000);
