@@ -57,9 +57,11 @@ ABSL_FLAG(int, chunk_kib, 0,
           "device chunk size, KiB (0: CUDA's 2 MiB at --scale, or larger "
           "where the descriptor limit cannot hold one per chunk)");
 ABSL_FLAG(int, iterations, 4, "training iterations of each trainer");
-ABSL_FLAG(int, trainer_nice, 10,
+ABSL_FLAG(int, trainer_nice, 19,
           "nice value of the trainers: with more processes than cores, the "
-          "daemon (which serves them all) should not wait behind them");
+          "daemon (which serves them all) should not wait behind them (at "
+          "10, 64 trainers on 2 cores outweighed its few threads, and 16 of "
+          "them timed out opening a session in a 60 s run; at 19, none)");
 ABSL_FLAG(int, storm_every, 30, "seconds from one storm's start to the next");
 ABSL_FLAG(int, storm_length, 10, "seconds a storm lasts");
 ABSL_FLAG(int, storm_per_gpu, 1, "extra trainers per GPU in a storm");
