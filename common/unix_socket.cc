@@ -73,8 +73,29 @@ absl::Status SendFds(int socket, uint64_t tag, absl::Span<const int> fds,
         absl::StrCat("cannot send a payload of ", payload.size(),
                      " bytes, the most is ", kMaxPayloadBytes));
   }
-  // Header (tag, payload length) and payload go as one buffer, so a short
-  // write is finished by the same loop.
+  // Header and payload go as one buffer, so a short write is finished by
+  // the same loop.
+  const std::string wire = EncodeMessage(tag, payload);
+  ssize_t sent = SendWithFds(socket, wire, fds);
+  if (sent < 0) {
+    return absl::ErrnoToStatus(
+        errno,
+        absl::StrCat("sendmsg of ", fds.size(), " descriptors on fd ", socket));
+  }
+  // A short write (possible on a stream socket) leaves only bytes.
+  size_t done = static_cast<size_t>(sent);
+  while (done < wire.size()) {
+    sent = SendWithFds(socket, absl::string_view(wire).substr(done), {});
+    if (sent < 0) {
+      return absl::ErrnoToStatus(
+          errno, absl::StrCat("send of a message on fd ", socket));
+    }
+    done += static_cast<size_t>(sent);
+  }
+  return absl::OkStatus();
+}
+
+std::string EncodeMessage(uint64_t tag, absl::string_view payload) {
   std::string wire(kHeaderBytes + payload.size(), '\0');
   const uint32_t length = static_cast<uint32_t>(payload.size());
   std::memcpy(wire.data(), &tag, sizeof(tag));
@@ -83,10 +104,14 @@ absl::Status SendFds(int socket, uint64_t tag, absl::Span<const int> fds,
   if (!payload.empty()) {
     std::memcpy(wire.data() + kHeaderBytes, payload.data(), payload.size());
   }
-  struct iovec iov;
-  iov.iov_base = wire.data();
-  iov.iov_len = wire.size();
+  return wire;
+}
 
+ssize_t SendWithFds(int socket, absl::string_view bytes,
+                    absl::Span<const int> fds, int flags) {
+  struct iovec iov;
+  iov.iov_base = const_cast<char*>(bytes.data());
+  iov.iov_len = bytes.size();
   // Aligned storage for the largest control message we may send.
   alignas(
       struct cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
@@ -95,6 +120,10 @@ absl::Status SendFds(int socket, uint64_t tag, absl::Span<const int> fds,
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
   if (!fds.empty()) {
+    if (fds.size() > static_cast<size_t>(kMaxFdsPerMessage)) {
+      errno = EINVAL;
+      return -1;
+    }
     const size_t data_len = sizeof(int) * fds.size();
     std::memset(control, 0, CMSG_SPACE(data_len));
     msg.msg_control = control;
@@ -105,32 +134,13 @@ absl::Status SendFds(int socket, uint64_t tag, absl::Span<const int> fds,
     cmsg->cmsg_len = CMSG_LEN(data_len);
     std::memcpy(CMSG_DATA(cmsg), fds.data(), data_len);
   }
-
-  // MSG_NOSIGNAL: a client that went away must be an error for the daemon,
-  // not a SIGPIPE that kills it.
+  // MSG_NOSIGNAL: a peer that went away must be an error, not a SIGPIPE
+  // that kills the sender.
   ssize_t sent;
   do {
-    sent = ::sendmsg(socket, &msg, MSG_NOSIGNAL);
+    sent = ::sendmsg(socket, &msg, flags | MSG_NOSIGNAL);
   } while (sent < 0 && errno == EINTR);
-  if (sent < 0) {
-    return absl::ErrnoToStatus(
-        errno,
-        absl::StrCat("sendmsg of ", fds.size(), " descriptors on fd ", socket));
-  }
-  // The descriptors travel with the first byte; a short write (possible on
-  // a stream socket) only leaves message bytes to finish.
-  size_t done = static_cast<size_t>(sent);
-  while (done < wire.size()) {
-    ssize_t n =
-        ::send(socket, wire.data() + done, wire.size() - done, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      return absl::ErrnoToStatus(
-          errno, absl::StrCat("send of a message on fd ", socket));
-    }
-    done += static_cast<size_t>(n);
-  }
-  return absl::OkStatus();
+  return sent;
 }
 
 namespace {

@@ -75,6 +75,19 @@ struct ReceivedFds {
   std::vector<int> fds;
 };
 
+// One message of SendFds as it goes on the wire, descriptors aside: the
+// header (`tag`, the payload's length) and `payload`. The caller keeps
+// `payload` within kMaxPayloadBytes.
+std::string EncodeMessage(uint64_t tag, absl::string_view payload);
+
+// One sendmsg(2) of `bytes` with `fds` attached (SCM_RIGHTS; none when
+// empty), retried on EINTR, MSG_NOSIGNAL added to `flags`: the bytes sent,
+// or -1 with errno set. The descriptors go with the first byte sent, so a
+// caller finishing a short write passes none. For a socket that must not
+// block (MSG_DONTWAIT), where SendFds would wait.
+ssize_t SendWithFds(int socket, absl::string_view bytes,
+                    absl::Span<const int> fds, int flags = 0);
+
 // Sends one message over a connected Unix socket: `tag` and the length of
 // `payload` (host byte order: both ends are on one machine), then
 // `payload` (at most kMaxPayloadBytes), with `fds` attached (SCM_RIGHTS).

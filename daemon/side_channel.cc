@@ -259,13 +259,7 @@ bool SideChannel::ReadRequest(Connection& c) {
 
 void SideChannel::Queue(Connection& c, uint64_t tag, absl::string_view payload,
                         common::UniqueFd fd) {
-  Outgoing& m = c.out.emplace_back();
-  const uint32_t length = static_cast<uint32_t>(payload.size());
-  m.wire.resize(common::kHeaderBytes);
-  std::memcpy(m.wire.data(), &tag, sizeof(tag));
-  std::memcpy(m.wire.data() + sizeof(tag), &length, sizeof(length));
-  m.wire.append(payload.data(), payload.size());
-  m.fd = std::move(fd);
+  c.out.push_back({common::EncodeMessage(tag, payload), std::move(fd)});
 }
 
 // The socket takes what fits and the rest waits for POLLOUT: closing the
@@ -275,31 +269,15 @@ void SideChannel::Queue(Connection& c, uint64_t tag, absl::string_view payload,
 bool SideChannel::Flush(Connection& c) {
   while (!c.out.empty()) {
     Outgoing& m = c.out.front();
-    iovec iov{m.wire.data() + m.sent, m.wire.size() - m.sent};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
-    if (m.sent == 0 && m.fd.valid()) {
-      std::memset(control, 0, sizeof(control));
-      msg.msg_control = control;
-      msg.msg_controllen = sizeof(control);
-      cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
-      cmsg->cmsg_level = SOL_SOCKET;
-      cmsg->cmsg_type = SCM_RIGHTS;
-      cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-      const int fd = m.fd.get();
-      std::memcpy(CMSG_DATA(cmsg), &fd, sizeof(fd));
-    }
-    // MSG_NOSIGNAL: a process that went away is a closed connection, not a
-    // SIGPIPE for the daemon.
-    const ssize_t n = ::sendmsg(c.fd.get(), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return WouldBlock(errno);
-    }
-    // The descriptor went with the first byte; a short write leaves only
-    // bytes.
+    // The descriptor goes with the first byte; the rest of a short write
+    // is only bytes.
+    const int fd = m.fd.get();
+    const ssize_t n = common::SendWithFds(
+        c.fd.get(), absl::string_view(m.wire).substr(m.sent),
+        m.sent == 0 && m.fd.valid() ? absl::Span<const int>(&fd, 1)
+                                    : absl::Span<const int>(),
+        MSG_DONTWAIT);
+    if (n < 0) return WouldBlock(errno);
     m.sent += static_cast<size_t>(n);
     if (m.sent == m.wire.size()) c.out.pop_front();
   }
