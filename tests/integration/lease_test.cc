@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -58,13 +59,15 @@ std::string Metrics(DaemonProcess& daemon) {
 
 // A process alone on the GPU, lent 80 MiB of its 86.25 MiB; returned once
 // it maps at least 64 MiB (a null process, and the test failed, if not).
-// `rpc_timeout_ms` is also how long a write on its stream may wait before
-// it gives the stream up.
-SteadyClient StartHolder(DaemonProcess& daemon, int rpc_timeout_ms = 1000) {
+// `rpc_timeout_ms` (0: the steady client's own default) is also how long a
+// write on its stream may wait before it gives the stream up.
+SteadyClient StartHolder(DaemonProcess& daemon, int rpc_timeout_ms = 0) {
+  std::vector<std::string> flags = {"--budget_mib=80", "--window_mib=90"};
+  if (rpc_timeout_ms > 0) {
+    flags.push_back(absl::StrCat("--rpc_timeout_ms=", rpc_timeout_ms));
+  }
   SteadyClient holder =
-      StartSteadyClient(daemon.dir(), "holder", daemon.socket_path(),
-                        {"--budget_mib=80", "--window_mib=90",
-                         absl::StrCat("--rpc_timeout_ms=", rpc_timeout_ms)});
+      StartSteadyClient(daemon.dir(), "holder", daemon.socket_path(), flags);
   if (holder.process == nullptr) return holder;
   const pid_t pid = holder.process->pid();
   const bool lent = StatusBecomes(daemon, [&](const v1::NodeStatusResponse& s) {
