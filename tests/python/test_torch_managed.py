@@ -403,7 +403,7 @@ class CudaBudgetWithDeltadAllocatorTest(unittest.TestCase):
     (allocator mode "global"), and torch.cuda.memory_allocated then raises
     ("CUDAPluggableAllocator does not yet support getDeviceStats"): the
     budget of an iteration must come from the allocator's own count. (A
-    stand-in for CUDA: this checks Manager._on_iteration alone.)"""
+    stand-in for CUDA: this checks _Engine._on_iteration alone.)"""
 
     def test_the_iteration_budget_reads_the_allocators_count(self):
         import types
@@ -427,7 +427,7 @@ class CudaBudgetWithDeltadAllocatorTest(unittest.TestCase):
             device_bytes=100 << 20, peak_device_bytes=100 << 20,
             budget_bytes=1 << 30, blocks=1)
         try:
-            deltad.torch.Manager._on_iteration(stand_in)
+            deltad.torch._Engine._on_iteration(stand_in)
         finally:
             (torch.cuda.memory_allocated, allocator.mode,
              allocator.stats) = saved

@@ -68,7 +68,9 @@ class _Installation:
 
 def disabled():
     """True when DELTAD_DISABLE turns deltad off (1, true, yes or on)."""
-    return os.environ.get("DELTAD_DISABLE", "").strip().lower() in (
+    value = os.environ.get("DELTAD_DISABLE")
+    # (Unset is the common case, and a block entered every step asks.)
+    return value is not None and value.strip().lower() in (
         "1", "true", "yes", "on")
 
 

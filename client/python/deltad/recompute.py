@@ -93,6 +93,12 @@ class Recorder:
         self.wrapped = []
         self.recorded = 0
 
+    def reset(self):
+        """Forgets the calls of a block whose saved tensors are all gone
+        (and with them the modules and inputs they keep)."""
+        self.calls = {}
+        self.recorded = 0
+
     # --- wrapping
 
     def wrap(self, model):

@@ -535,6 +535,24 @@ class SavedStore(_core.Core):
             self.by_position = []
             self.director = self.on_iteration = None
 
+    def idle(self):
+        """Whether nothing of its last block is left: no saved tensor
+        alive, no copy running, no member's death pending."""
+        return (self.closed and not self.alive and not self.groups and
+                not self.in_flight and not self.dying)
+
+    def reopen(self, budget, prefetch_bytes, director, on_iteration):
+        """An idle store (idle()) serves the next block: its counters
+        start from 0, its lock, copy stream and hooks stay."""
+        with self.lock:
+            self.counters.reset()
+            self.budget = budget
+            self.prefetch_bytes = prefetch_bytes
+            self.director = director
+            self.on_iteration = on_iteration
+            self.released_this_iteration = False
+            self.closed = False
+
 
 def _changed(group, saved, tensor):
     """Whether a member whose version differs from its SavedTensor's was

@@ -64,7 +64,8 @@ class OutOfMemoryError(_torch.cuda.OutOfMemoryError):
 
 
 class _Plan:
-    __slots__ = ("pressure", "unpack_order", "groups", "memory", "anchor")
+    __slots__ = ("pressure", "unpack_order", "groups", "memory", "anchor",
+                 "spare")
 
     def __init__(self):
         self.pressure = False
@@ -72,6 +73,7 @@ class _Plan:
         self.groups = 0
         self.memory = None  # _model_memory's answer, while `anchor` holds
         self.anchor = None  # the first parameter then (_first_parameter)
+        self.spare = None  # an idle _Engine its next block may take
 
 
 # The plan of blocks given no model.
@@ -162,22 +164,29 @@ def _half_the_memory():
 _HOST_DEFAULT = _half_the_memory()
 
 
-class Manager:
-    """The hooks of one `managed` block, its store and its recorder."""
+class _Engine:
+    """What a managed block runs on: its store (deltad.saved), its
+    recorder (deltad.recompute) and the hooks, built for one set of
+    settings. Building them is most of what entering a block costs, so a
+    block entered every step takes the one its model's last block left
+    idle (_Plan.spare: nothing of that block is saved any more) when the
+    settings are the same."""
 
-    def __init__(self, model, plan, device, fixed, budget_bytes, min_bytes,
-                 policy, prefetch_bytes, max_depth, host_bytes,
+    def __init__(self, settings, model, plan, device, fixed, budget_bytes,
+                 min_bytes, policy, prefetch_bytes, max_depth, host_bytes,
                  reserve_bytes, client, link_bytes_per_second):
+        self.settings = settings
         self.model = model
         self.device = device
+        self.fixed = fixed
         self.cuda = device.type == "cuda"
         self.requested_budget = budget_bytes
         self.min_bytes = min_bytes
         self.policy = policy
+        self.prefetch_bytes = prefetch_bytes
         self.reserve = reserve_bytes
         self.client = client
-        self.round_trips = 0
-        self.iterations = 0
+        self.iterations = 0  # over all the blocks it served
         self.plan = plan
         self.bandwidth = link_bytes_per_second or _measure_bandwidth(device)
         self.recorder = Recorder(device, min_bytes, max_depth)
@@ -187,7 +196,6 @@ class Manager:
         # Weak: the store keeps the recorder for rebuilds, and a cycle
         # would leave every block's objects to the garbage collector.
         self.recorder.store = weakref.proxy(self.store)
-        self._final = None
         # The hooks: the hot path of the block, in C (deltad/_savedcore.c).
         # `fixed`: the storages of parameters and buffers, the model's
         # memory, not autograd's: saved as they are (BatchNorm saves its
@@ -202,6 +210,35 @@ class Manager:
                        if self.cuda else None),
             strided=_torch.strided, fixed=fixed, storage=_storage)
         self.pack, self.unpack = self.store.hook_pack, self.store.hook_unpack
+
+    def serves(self, settings, device, fixed):
+        return (self.settings == settings and self.device == device and
+                self.fixed is fixed)
+
+    def reopen(self, model):
+        """Serves another block, if nothing of the last one is left."""
+        if not self.store.idle():
+            return False
+        self.model = model
+        self.store.reopen(self.requested_budget, self.prefetch_bytes,
+                          self._director, self._on_iteration)
+        return True
+
+    def close(self):
+        """The block ended."""
+        self.recorder.unwrap()
+        self.store.close()
+
+    def lay_aside(self):
+        """Whether it can wait for the next block of its model: only when
+        idle, and then without what its block recorded, nor the model (the
+        model's plan keeps it, and must not keep the model alive)."""
+        if not self.store.idle():
+            return False
+        if self.recorder.recorded or self.recorder.calls:
+            self.recorder.reset()
+        self.model = None
+        return True
 
     # --- budget and decisions
 
@@ -256,8 +293,6 @@ class Manager:
         c_s = 2e9 * group.nbytes / self.bandwidth  # out and back, ns
         return "evict" if c_r <= c_s else "offload"
 
-    # --- stats and end
-
     def describe_memory(self):
         """What deltad held and could release, for an out-of-memory error."""
         held, releasable, storages = self.store.holding()
@@ -270,21 +305,42 @@ class Manager:
                 f"{_size(c.host_bytes)} offloaded to host memory. Lower the "
                 f"batch, raise the budget, or use policy='recompute'.")
 
-    def stats(self):
-        """What the block did (after the block, as it ended)."""
-        if self._final is not None:
-            return self._stats(*self._final)
-        return self._stats(self.store.counters, self.activation_budget,
-                           self._connected(), self.recorder.recorded,
-                           self.iterations)
-
-    def _connected(self):
+    def connected(self):
         if self.client is None:
             return False
         try:
             return self.client.stats().connected
         except DeltadError:
             return False
+
+
+class Manager:
+    """One managed block, as `managed` yields it: its stats(), and its
+    engine's store, recorder, hooks and budget (read through it)."""
+
+    def __init__(self, engine, round_trips):
+        self._engine = engine
+        self._iterations_before = engine.iterations
+        self.round_trips = round_trips
+        self._final = None
+
+    def __getattr__(self, name):
+        if name == "_engine":  # not set yet: no recursion
+            raise AttributeError(name)
+        return getattr(self._engine, name)
+
+    @property
+    def iterations(self):
+        return self._engine.iterations - self._iterations_before
+
+    def stats(self):
+        """What the block did (after the block, as it ended)."""
+        if self._final is not None:
+            return self._stats(*self._final)
+        e = self._engine
+        return self._stats(e.store.counters, e.activation_budget,
+                           e.connected(), e.recorder.recorded,
+                           self.iterations)
 
     def _stats(self, c, budget, connected, recorded, iterations):
         return ManagerStats(
@@ -304,15 +360,14 @@ class Manager:
             host_full=c.host_full)
 
     def _close(self):
-        self.recorder.unwrap()
+        e = self._engine
         # What stats() reports from now on, frozen as the block ends (a
         # graph of the block unpacked later still counts in the store);
         # the ManagerStats is built only when asked for: a block entered
         # every step would build one every step.
-        self._final = (self.store.counters.snapshot(), self.activation_budget,
-                       self._connected(), self.recorder.recorded,
-                       self.iterations)
-        self.store.close()
+        self._final = (e.store.counters.snapshot(), e.activation_budget,
+                       e.connected(), e.recorder.recorded, self.iterations)
+        e.close()
 
 
 def _model_memory(model):
@@ -450,11 +505,17 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
         prefetch_bytes = budget_bytes // 4
     if reserve_bytes is None:
         reserve_bytes = budget_bytes // 8 if device.type == "cuda" else 0
-    manager = Manager(model, plan, device, fixed, budget_bytes, min_bytes,
-                      policy, prefetch_bytes, max_depth,
-                      host_bytes or _HOST_DEFAULT, reserve_bytes, client,
-                      link_bytes_per_second)
-    manager.round_trips = round_trips
+    host_bytes = host_bytes or _HOST_DEFAULT
+    settings = (budget_bytes, min_bytes, policy, prefetch_bytes, max_depth,
+                host_bytes, reserve_bytes, client, link_bytes_per_second)
+    engine, plan.spare = plan.spare, None
+    if (engine is None or not engine.serves(settings, device, fixed) or
+            not engine.reopen(model)):
+        engine = _Engine(settings, model, plan, device, fixed, budget_bytes,
+                         min_bytes, policy, prefetch_bytes, max_depth,
+                         host_bytes, reserve_bytes, client,
+                         link_bytes_per_second)
+    manager = Manager(engine, round_trips)
     if policy == "recompute":
         manager.recorder.wrap(model)
     try:
@@ -468,6 +529,8 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
             f"{str(e).strip()}\n{manager.describe_memory()}") from e
     finally:
         manager._close()
+        if engine.lay_aside():
+            plan.spare = engine
 
 
 def _size(nbytes):

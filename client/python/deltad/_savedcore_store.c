@@ -1,0 +1,481 @@
+/* deltad._savedcore's Core: the store's pack and unpack, a member's
+ * death, and the saved-tensor hooks (_savedcore.c says why in C). */
+
+#include "_savedcore.h"
+
+/* ---- Core's helpers. */
+
+static int lock_acquire(Core* c) {
+  if (c->acquire == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "deltad: the store has no lock");
+    return -1;
+  }
+  PyObject* r = PyObject_CallObject(c->acquire, NULL);
+  if (r == NULL) return -1;
+  Py_DECREF(r);
+  return 0;
+}
+
+/* Releases the lock whether or not an error is pending (kept). */
+static void lock_release(Core* c) {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyObject* r = PyObject_CallObject(c->release, NULL);
+  if (r == NULL) {
+    PyErr_WriteUnraisable(c->release);
+  } else {
+    Py_DECREF(r);
+  }
+  PyErr_Restore(type, value, traceback);
+}
+
+static int get_ll(PyObject* obj, PyObject* name, long long* out) {
+  PyObject* v = PyObject_GetAttr(obj, name);
+  if (v == NULL) return -1;
+  *out = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int call_ll(PyObject* obj, PyObject* name, long long* out) {
+  PyObject* v = PyObject_CallMethodObjArgs(obj, name, NULL);
+  if (v == NULL) return -1;
+  *out = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* 1, 0, or -1 on error. */
+static int get_truth(PyObject* obj, PyObject* name) {
+  PyObject* v = PyObject_GetAttr(obj, name);
+  if (v == NULL) return -1;
+  int r = PyObject_IsTrue(v);
+  Py_DECREF(v);
+  return r;
+}
+
+static int check_list(PyObject* o, const char* what) {
+  if (o != NULL && PyList_Check(o)) return 0;
+  PyErr_Format(PyExc_TypeError, "deltad: the store's %s is not a list", what);
+  return -1;
+}
+
+static int check_dict(PyObject* o) {
+  if (o != NULL && PyDict_Check(o)) return 0;
+  PyErr_SetString(PyExc_TypeError, "deltad: the store's groups are not a dict");
+  return -1;
+}
+
+/* Raises (through saved.py) if a member changed in place since it was
+ * saved; its version differs from the saved one. */
+static int check_version(Core* c, Saved* s, PyObject* tensor) {
+  long long version;
+  if (get_ll(tensor, s_version, &version) < 0) return -1;
+  if (version == s->version) return 0;
+  PyObject* r = PyObject_CallMethodObjArgs(
+      (PyObject*)c, s_check_version, s->group, (PyObject*)s, tensor, NULL);
+  if (r == NULL) return -1;
+  Py_DECREF(r);
+  return 0;
+}
+
+/* ---- Core: pack, unpack, a member's death. */
+
+static PyObject* store_pack(Core* c, PyObject* tensor, PyObject* key,
+                            PyObject* storage) {
+  if (lock_acquire(c) < 0) return NULL;
+  PyObject* result = NULL;
+  Group* g = NULL;
+  c->counters->saved_tensors++;
+  if (check_dict(c->groups) < 0) goto done;
+  PyObject* found = PyDict_GetItemWithError(c->groups, key);
+  if (found == NULL && PyErr_Occurred()) goto done;
+  long long version;
+  if (found != NULL && Py_TYPE(found) == GroupType &&
+      ((Group*)found)->state == RESIDENT) {
+    /* Another view of a storage saved already. */
+    g = (Group*)found;
+    Py_INCREF(g);
+    if (check_list(g->tensors, "group's tensors") < 0) goto done;
+    if (get_ll(tensor, s_version, &version) < 0) goto done;
+    Py_ssize_t index = PyList_Size(g->tensors);
+    if (PyList_Append(g->tensors, tensor) < 0) goto done;
+    g->live++;
+    result = saved_create(g, index, version);
+    if (result == NULL) {
+      /* Not saved after all: the group is as it was. */
+      g->live--;
+      Py_INCREF(Py_None);
+      (void)PyList_SetItem(g->tensors, index, Py_None);
+    }
+    goto done;
+  }
+  if (c->alive == 0) {
+    /* No saved tensor is alive: a new forward begins. */
+    PyObject* r =
+        PyObject_CallMethodObjArgs((PyObject*)c, s_new_iteration, NULL);
+    if (r == NULL) goto done;
+    Py_DECREF(r);
+  }
+  long long nbytes;
+  if (call_ll(storage, s_nbytes, &nbytes) < 0) goto done;
+  PyObject* call = Py_None; /* the module call that produced it, if known */
+  if (c->recompute == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "deltad: the store has no recorder");
+    goto done;
+  }
+  PyObject* calls = PyObject_GetAttr(c->recompute, s_calls);
+  if (calls == NULL) goto done;
+  if (PyDict_Check(calls) && PyDict_Size(calls) > 0) {
+    call = PyDict_GetItemWithError(calls, key);
+    if (call == NULL) {
+      if (PyErr_Occurred()) {
+        Py_DECREF(calls);
+        goto done;
+      }
+      call = Py_None;
+    }
+  }
+  if (check_list(c->by_position, "by_position") < 0 ||
+      check_list(c->order, "order") < 0) {
+    Py_DECREF(calls);
+    goto done;
+  }
+  g = group_create((PyObject*)c, key, (Py_ssize_t)nbytes,
+                   PyList_Size(c->by_position), call);
+  Py_DECREF(calls);
+  if (g == NULL) goto done;
+  if (get_ll(tensor, s_version, &version) < 0) goto done;
+  if (PyList_Append(g->tensors, tensor) < 0) goto done;
+  g->live = 1;
+  if (check_dict(c->groups) < 0 ||
+      PyDict_SetItem(c->groups, key, (PyObject*)g) < 0)
+    goto done;
+  c->alive++;
+  if (PyList_Append(c->order, (PyObject*)g) < 0 ||
+      PyList_Append(c->by_position, (PyObject*)g) < 0)
+    goto done;
+  Counters* k = c->counters;
+  k->saved_groups++;
+  k->resident_bytes += nbytes;
+  if (k->resident_bytes > k->peak_resident_bytes) {
+    /* Past the budget only until the release below. */
+    k->peak_resident_bytes = k->resident_bytes;
+  }
+  PyObject* saved = saved_create(g, 0, version);
+  if (saved == NULL) goto done;
+  if (k->resident_bytes > c->budget) {
+    PyObject* r = PyObject_CallMethodObjArgs((PyObject*)c, s_pack_over_budget,
+                                             (PyObject*)g, NULL);
+    if (r == NULL) {
+      Py_DECREF(saved);
+      goto done;
+    }
+    Py_DECREF(r);
+  }
+  result = saved;
+done:
+  lock_release(c);
+  Py_XDECREF(g);
+  return result;
+}
+
+static PyObject* core_pack(PyObject* self, PyObject* args) {
+  PyObject *tensor, *key, *storage;
+  if (!PyArg_ParseTuple(args, "OOO", &tensor, &key, &storage)) return NULL;
+  return store_pack((Core*)self, tensor, key, storage);
+}
+
+/* The tensor at `index` of a group's members (new reference), or None. */
+static PyObject* member(Group* g, Py_ssize_t index) {
+  if (g->tensors == NULL || !PyList_Check(g->tensors) || index < 0 ||
+      index >= PyList_Size(g->tensors))
+    Py_RETURN_NONE;
+  PyObject* t = PyList_GetItem(g->tensors, index);
+  Py_INCREF(t);
+  return t;
+}
+
+static PyObject* store_unpack(Core* c, Saved* s) {
+  Group* g = (Group*)s->group;
+  PyObject* tensor;
+  if (g->used && is_none(g->flat)) {
+    /* Used already by backward: resident, never released again. */
+    tensor = member(g, s->index);
+    if (tensor != Py_None) {
+      if (check_version(c, s, tensor) < 0) {
+        Py_DECREF(tensor);
+        return NULL;
+      }
+      return tensor;
+    }
+    Py_DECREF(tensor);
+  }
+  if (lock_acquire(c) < 0) return NULL;
+  tensor = NULL;
+  if (g->state == RESIDENT && is_none(g->flat) &&
+      c->counters->host_bytes == 0) {
+    /* Resident and nothing to prefetch: the first use marks the group. */
+    tensor = member(g, s->index);
+    if (tensor == Py_None) {
+      Py_CLEAR(tensor);
+    } else if (!g->used) {
+      PyObject* position = PyLong_FromSsize_t(g->position);
+      if (position == NULL || check_list(c->unpacked, "unpacked") < 0 ||
+          PyList_Append(c->unpacked, position) < 0) {
+        Py_XDECREF(position);
+        Py_CLEAR(tensor);
+        lock_release(c);
+        return NULL;
+      }
+      Py_DECREF(position);
+      g->used = 1;
+    }
+  }
+  lock_release(c);
+  if (tensor == NULL) {
+    /* Released, restored or prefetching: saved.py's work. */
+    return PyObject_CallMethodObjArgs((PyObject*)c, s_unpack_slow, (PyObject*)s,
+                                      NULL);
+  }
+  if (check_version(c, s, tensor) < 0) {
+    Py_DECREF(tensor);
+    return NULL;
+  }
+  return tensor;
+}
+
+static PyObject* core_unpack(PyObject* self, PyObject* saved) {
+  if (!PyObject_TypeCheck(saved, SavedType)) {
+    PyErr_SetString(PyExc_TypeError, "unpack takes a SavedTensor");
+    return NULL;
+  }
+  return store_unpack((Core*)self, (Saved*)saved);
+}
+
+/* A SavedTensor died: autograd let go of it. The group's bytes are let go
+ * with its last member, unless an evicted group's recompute still reads
+ * them. 0, or -1 with an error. */
+int member_died(Core* c, Group* g, Py_ssize_t index) {
+  if (lock_acquire(c) < 0) return -1;
+  int rc = -1;
+  PyObject* tensor = NULL; /* dropped once the lock is let go */
+  if (c->busy) {
+    /* Collected inside the store's own work (same thread, the lock is
+     * re-entrant): the group may be half released or restored, so it is
+     * handled once that work is done. */
+    PyObject* entry = Py_BuildValue("(On)", (PyObject*)g, index);
+    if (entry == NULL || check_list(c->dying, "dying") < 0 ||
+        PyList_Append(c->dying, entry) < 0) {
+      Py_XDECREF(entry);
+      goto done;
+    }
+    Py_DECREF(entry);
+    rc = 0;
+    goto done;
+  }
+  tensor = member(g, index);
+  if (tensor != Py_None) {
+    Py_INCREF(Py_None);
+    if (PyList_SetItem(g->tensors, index, Py_None) < 0) goto done;
+  }
+  g->live--;
+  if (g->live > 0) {
+    rc = 0;
+    goto done;
+  }
+  if (g->dependents > 0) {
+    /* An evicted group's recompute still reads these bytes. */
+    if (g->state == RESIDENT && tensor != Py_None) {
+      Py_INCREF(tensor);
+      set_slot(&g->retained, tensor);
+    }
+    rc = 0;
+    goto done;
+  }
+  int sources =
+      is_none(g->evicted_sources) ? 0 : PyObject_IsTrue(g->evicted_sources);
+  if (sources < 0) goto done;
+  if (g->state == RESIDENT && is_none(g->flat) && !sources) {
+    /* The common end of a saved storage: backward used it. */
+    if (check_dict(c->groups) < 0) goto done;
+    PyObject* found = PyDict_GetItemWithError(c->groups, g->key);
+    if (found == NULL && PyErr_Occurred()) goto done;
+    if (found == (PyObject*)g && PyDict_DelItem(c->groups, g->key) < 0)
+      goto done;
+    c->alive--;
+    c->counters->resident_bytes -= g->nbytes;
+    Py_INCREF(Py_None);
+    set_slot(&g->state, Py_None);
+    set_slot(&g->call, NULL);
+    set_slot(&g->retained, NULL);
+    PyObject* empty = PyList_New(0);
+    if (empty == NULL) goto done;
+    set_slot(&g->tensors, empty);
+    rc = 0;
+    goto done;
+  }
+  PyObject* r =
+      PyObject_CallMethodObjArgs((PyObject*)c, s_drop, (PyObject*)g, NULL);
+  if (r == NULL) goto done;
+  Py_DECREF(r);
+  rc = 0;
+done:
+  lock_release(c);
+  Py_XDECREF(tensor);
+  return rc;
+}
+
+static PyObject* core_member_died(PyObject* self, PyObject* args) {
+  PyObject* group;
+  Py_ssize_t index;
+  if (!PyArg_ParseTuple(args, "O!n", GroupType, &group, &index)) return NULL;
+  if (member_died((Core*)self, (Group*)group, index) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* ---- The hooks. */
+
+/* The pack hook: what the store keeps (a SavedTensor), or the tensor as it
+ * is when it is not the store's (another device, sparse, small, a
+ * parameter's storage, or a CUDA graph being captured). */
+static PyObject* core_hook_pack(PyObject* self, PyObject* tensor) {
+  Core* c = (Core*)self;
+  int r = get_truth(tensor, s_is_cuda);
+  if (r < 0) return NULL;
+  if (r != c->cuda) goto as_it_is;
+  if (c->cuda) {
+    long long index;
+    if (call_ll(tensor, s_get_device, &index) < 0) return NULL;
+    if (index != c->device_index) goto as_it_is;
+    if (!is_none(c->capturing)) {
+      /* A CUDA graph being captured keeps its tensors where they are. */
+      PyObject* v = PyObject_CallObject(c->capturing, NULL);
+      if (v == NULL) return NULL;
+      r = PyObject_IsTrue(v);
+      Py_DECREF(v);
+      if (r < 0) return NULL;
+      if (r) goto as_it_is;
+    }
+  }
+  PyObject* layout = PyObject_GetAttr(tensor, s_layout);
+  if (layout == NULL) return NULL;
+  Py_DECREF(layout); /* compared by identity only */
+  if (layout != c->strided) goto as_it_is;
+  long long numel;
+  if (call_ll(tensor, s_numel, &numel) < 0) return NULL;
+  if (c->min_bytes > 1) {
+    long long size;
+    if (call_ll(tensor, s_element_size, &size) < 0) return NULL;
+    if (numel * size < c->min_bytes) goto as_it_is;
+  } else if (numel < c->min_bytes) {
+    goto as_it_is; /* an element has at least one byte */
+  }
+  if (is_none(c->fixed)) {
+    /* No model to list its parameters: leaves that need grad and their
+     * views are taken for them. */
+    int grad = get_truth(tensor, s_requires_grad);
+    if (grad < 0) return NULL;
+    if (grad) {
+      int leaf = get_truth(tensor, s_is_leaf);
+      if (leaf < 0) return NULL;
+      if (leaf) goto as_it_is;
+    }
+    PyObject* base = PyObject_GetAttr(tensor, s_base);
+    if (base == NULL) return NULL;
+    if (base != Py_None) {
+      int leaf = get_truth(base, s_is_leaf);
+      int base_grad = leaf > 0 ? get_truth(base, s_requires_grad) : 0;
+      Py_DECREF(base);
+      if (leaf < 0 || base_grad < 0) return NULL;
+      if (leaf && base_grad) goto as_it_is;
+    } else {
+      Py_DECREF(base);
+    }
+  }
+  /* Set with `strided` by configure_hooks: without it the layout check
+   * above has returned already. */
+  PyObject* storage = PyObject_CallFunctionObjArgs(c->storage_fn, tensor, NULL);
+  if (storage == NULL) return NULL;
+  PyObject* key = PyObject_CallMethodObjArgs(storage, s_data_ptr, NULL);
+  if (key == NULL) {
+    Py_DECREF(storage);
+    return NULL;
+  }
+  if (!is_none(c->fixed)) {
+    /* A parameter's or buffer's storage: the model's memory. */
+    r = PySequence_Contains(c->fixed, key);
+    if (r != 0) {
+      Py_DECREF(storage);
+      Py_DECREF(key);
+      if (r < 0) return NULL;
+      goto as_it_is;
+    }
+  }
+  PyObject* saved = store_pack(c, tensor, key, storage);
+  Py_DECREF(storage);
+  Py_DECREF(key);
+  return saved;
+as_it_is:
+  Py_INCREF(tensor);
+  return tensor;
+}
+
+static PyObject* core_hook_unpack(PyObject* self, PyObject* saved) {
+  if (Py_TYPE(saved) != SavedType) {
+    Py_INCREF(saved);
+    return saved;
+  }
+  return store_unpack((Core*)self, (Saved*)saved);
+}
+
+static PyObject* core_configure_hooks(PyObject* self, PyObject* args,
+                                      PyObject* kwargs) {
+  Core* c = (Core*)self;
+  int cuda;
+  Py_ssize_t index;
+  long long min_bytes;
+  PyObject *capturing, *strided, *fixed, *storage_fn;
+  static char* names[] = {"cuda",    "device_index", "min_bytes", "capturing",
+                          "strided", "fixed",        "storage",   NULL};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "pnLOOOO", names, &cuda,
+                                   &index, &min_bytes, &capturing, &strided,
+                                   &fixed, &storage_fn))
+    return NULL;
+  if (!PyCallable_Check(storage_fn)) {
+    PyErr_SetString(PyExc_TypeError, "storage must be callable");
+    return NULL;
+  }
+  c->cuda = (char)cuda;
+  c->device_index = index;
+  c->min_bytes = min_bytes;
+  Py_INCREF(capturing);
+  set_slot(&c->capturing, capturing);
+  Py_INCREF(strided);
+  set_slot(&c->strided, strided);
+  Py_INCREF(fixed);
+  set_slot(&c->fixed, fixed);
+  Py_INCREF(storage_fn);
+  set_slot(&c->storage_fn, storage_fn);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef core_methods[] = {
+    {"pack", core_pack, METH_VARARGS,
+     "pack(tensor, key, storage): records `tensor`, whose storage (at "
+     "`key`) the hook looked up; returns its SavedTensor."},
+    {"unpack", core_unpack, METH_O, "unpack(saved): the saved tensor."},
+    {"_member_died", core_member_died, METH_VARARGS,
+     "_member_died(group, index): a SavedTensor of `group` died."},
+    {"hook_pack", core_hook_pack, METH_O,
+     "The saved-tensor pack hook (see configure_hooks)."},
+    {"hook_unpack", core_hook_unpack, METH_O, "The saved-tensor unpack hook."},
+    {"configure_hooks", (PyCFunction)(void (*)(void))core_configure_hooks,
+     METH_VARARGS | METH_KEYWORDS,
+     "configure_hooks(cuda, device_index, min_bytes, capturing, strided, "
+     "fixed, storage): what hook_pack keeps: tensors on this device "
+     "(capturing(): whether a CUDA graph is being captured, or None), of "
+     "layout `strided`, of at least min_bytes, whose storage "
+     "(storage(tensor).data_ptr()) is not in `fixed` (None: no model; "
+     "leaves that need grad and their views are left out)."},
+    {NULL, NULL, 0, NULL}};
