@@ -35,140 +35,20 @@ every mode, where the CPU's copies block) while offloading and
 prefetching across the iterations of one block.
 """
 
-import os
-
-# cuBLAS is deterministic only with a fixed workspace, read when CUDA
-# starts: set before torch is imported (a value already set is kept).
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+# First: it sets cuBLAS's workspace before torch starts CUDA.
+from correctness import (  # noqa: I100
+    CPU, CUDA, FITS, MODES, NO_CUDA, NOT_DETERMINISTIC, OFFLOAD, RECOMPUTE,
+    _managed, mlp, run, simple_step)
 
 import contextlib  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
-import socket as _socket  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
+import os  # noqa: E402
 import unittest  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-import deltad.torch  # noqa: E402
-
-# The daemon the benchmarks start too (bench/sim_daemon.py says why it
-# lives there).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                "..", "..", "bench"))
-from sim_daemon import SimDaemon  # noqa: E402
-
-SMALL_BUDGET = 1 << 10  # below most single saved storages of the cases
-
-FITS = dict(budget_bytes=1 << 30, policy="auto")
-OFFLOAD = dict(budget_bytes=SMALL_BUDGET, policy="offload")
-RECOMPUTE = dict(budget_bytes=SMALL_BUDGET, policy="recompute")
-MODES = {"fits": FITS, "offload": OFFLOAD, "recompute": RECOMPUTE}
-
-CPU = torch.device("cpu")
-CUDA = torch.cuda.is_available()
-NO_CUDA = (f"no CUDA device: PyTorch {torch.__version__} "
-           + (f"(CUDA {torch.version.cuda}) sees no GPU"
-              if torch.version.cuda else "is built without CUDA")
-           + "; the cases ran on the CPU only")
-# What PyTorch's message says of an op without a deterministic
-# implementation under torch.use_deterministic_algorithms(True).
-NOT_DETERMINISTIC = "does not have a deterministic implementation"
-
-
-def _device_of(model):
-    for t in model.parameters():
-        return t.device
-    return CPU
-
-
-def _managed(model, **options):
-    """deltad.torch.managed with the tests' defaults. On CUDA the budget
-    is the whole process's: what the process holds now (the model, its
-    inputs) is added to the budget asked for, and nothing is reserved for
-    temporaries, so that a budget means about as much saved activations
-    as on the CPU."""
-    options = dict(options)
-    options.setdefault("socket", None)
-    options.setdefault("min_bytes", 1)
-    device = _device_of(model)
-    if device.type == "cuda":
-        gc.collect()  # no earlier run's garbage counted in, then freed
-        options["budget_bytes"] += torch.cuda.memory_allocated(device)
-        options.setdefault("reserve_bytes", 0)
-    return deltad.torch.managed(model, **options)
-
-
-def _keep(tensor):
-    """A copy of `tensor` to compare. From the GPU into pinned host memory
-    without waiting (valid after the synchronize that ends every run), so
-    that the test neither synchronizes inside the block nor lets its
-    copies grow the device memory the block's budget is measured against."""
-    tensor = tensor.detach()
-    if not tensor.is_cuda:
-        return tensor.clone()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
-
-
-def _final_state(model, device):
-    """The model's parameters and buffers, and draws from the random number
-    generators (CPU, and the GPU's on CUDA), which must be where the
-    unmanaged run left them (a recompute replays dropout's draws, then
-    restores the states). On CUDA, synchronizes: everything kept is read
-    only after the GPU has run every step."""
-    after = [torch.rand(4)]
-    if device.type == "cuda":
-        after.append(torch.rand(4, device=device))
-    state = [_keep(p) for p in model.parameters()]
-    state += [_keep(b) for b in model.buffers()] + [_keep(a) for a in after]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return state
-
-
-def run(make_model, make_inputs, step, options=None, iterations=1, lr=0.1,
-        seed=0, device=CPU, on_step=None):
-    """Builds the model and inputs from `seed` (on the CPU, then moved to
-    `device`), then runs `iterations` steps of SGD, managed with `options`
-    (None: unmanaged) in ONE block around the loop, as a training script
-    does. step(model, x) runs forward and backward and returns the tensors
-    to compare (losses, outputs); on_step(manager), if given, runs after
-    each step.
-
-    Returns (per-step [returned tensors + gradients], final parameters,
-    buffers and RNG draws, the manager's stats or None)."""
-    torch.manual_seed(seed)
-    model = make_model().to(device)
-    inputs = [make_inputs().to(device) for _ in range(iterations)]
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    # Dropout draws from here on: the same in every run.
-    torch.manual_seed(seed + 1)
-    block = (contextlib.nullcontext() if options is None
-             else _managed(model, **options))
-    steps = []
-    with block as manager:
-        for x in inputs:
-            optimizer.zero_grad(set_to_none=True)
-            returned = step(model, x)
-            grads = [_keep(p.grad) if p.grad is not None else None
-                     for p in model.parameters()]
-            steps.append([_keep(t) for t in returned] + grads)
-            optimizer.step()
-            if on_step is not None:
-                on_step(manager)
-    state = _final_state(model, device)
-    return steps, state, (manager.stats() if manager is not None else None)
-
-
-def simple_step(model, x):
-    loss = model(x).square().mean()
-    loss.backward()
-    return [loss]
 
 
 class Cases:
@@ -610,12 +490,6 @@ class Cases:
             self.assertEqual(manager.store.groups, {}, mode)
 
 
-def mlp():
-    return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.GELU(),
-                         nn.Dropout(0.2), nn.Linear(64, 64), nn.ReLU(),
-                         nn.Linear(64, 8))
-
-
 class CpuCorrectnessTest(Cases, unittest.TestCase):
     """The cases on the CPU."""
 
@@ -705,105 +579,6 @@ class CudaCorrectnessTest(Cases, unittest.TestCase):
                  for a, b in zip(per_iteration, per_iteration[1:])]
         self.assertTrue(all(n > 0 for n in later),
                         f"prefetches per iteration: {later}")
-
-
-# --- DistributedDataParallel, one process per (CPU) device
-
-DDP_STEPS = 3
-
-
-def _free_port():
-    with _socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_worker(rank, world, port, out_dir, daemon_socket):
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
-    try:
-        results = {}
-        for mode in ("unmanaged", "offload", "recompute"):
-            torch.manual_seed(0)
-            model = DistributedDataParallel(mlp())
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            torch.manual_seed(100 + rank)  # each rank its own data
-            batches = [torch.randn(16, 32) for _ in range(DDP_STEPS)]
-            block = contextlib.nullcontext()
-            if mode != "unmanaged":
-                block = deltad.torch.managed(
-                    model, budget_bytes=SMALL_BUDGET, policy=mode,
-                    min_bytes=1, socket=daemon_socket)
-            with block as manager:
-                for x in batches:
-                    optimizer.zero_grad(set_to_none=True)
-                    model(x).square().mean().backward()
-                    optimizer.step()
-            params = [p.detach().clone() for p in model.parameters()]
-            params += [b.clone() for b in model.buffers()]
-            results[mode] = (params, manager.stats() if manager else None)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _daemon():
-    """A SimDaemon on $DELTAD_BINARY for the DDP processes' sessions; a
-    context of None when DELTAD_BINARY is not set."""
-    binary = os.environ.get("DELTAD_BINARY")
-    if not binary:
-        return contextlib.nullcontext()
-    return SimDaemon(binary, 256 << 20, host_pool="64MiB",
-                     prefix="deltad-ddp-")
-
-
-class DistributedTest(unittest.TestCase):
-
-    def test_ddp_one_managed_session_per_process(self):
-        import torch.distributed as dist
-        if not dist.is_available() or not dist.is_gloo_available():
-            self.skipTest("torch.distributed with gloo is not available in "
-                          "this PyTorch build")
-        import torch.multiprocessing as mp
-
-        world = 2
-        with _daemon() as daemon_socket, \
-                tempfile.TemporaryDirectory() as out_dir:
-            mp.spawn(_ddp_worker, args=(world, _free_port(), out_dir,
-                                        daemon_socket),
-                     nprocs=world, join=True)
-            # Not weights_only (PyTorch 2.6's default): ManagerStats.
-            results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"),
-                                  weights_only=False)
-                       for r in range(world)]
-        for rank, by_mode in enumerate(results):
-            expected, _ = by_mode["unmanaged"]
-            # DDP keeps the parameters of the replicas equal (BatchNorm's
-            # running statistics are each rank's own since the last
-            # broadcast from rank 0).
-            n = len(list(mlp().parameters()))
-            for a, b in zip(expected[:n], results[0]["unmanaged"][0][:n]):
-                self.assertTrue(torch.equal(a, b))
-            for mode in ("offload", "recompute"):
-                params, stats = by_mode[mode]
-                for i, (a, b) in enumerate(zip(expected, params)):
-                    self.assertTrue(torch.equal(a, b),
-                                    f"rank {rank} {mode}: tensor {i}")
-                self.assertGreater(stats.offloads + stats.evictions, 0,
-                                   f"rank {rank} {mode}: {stats}")
-                if mode == "recompute":
-                    self.assertGreater(stats.recomputes, 0, stats)
-                # Each process its own session with the daemon, opened by
-                # its first block and kept for the next.
-                self.assertEqual(stats.connected, daemon_socket is not None)
-                self.assertEqual(stats.daemon_round_trips,
-                                 1 if daemon_socket and mode == "offload"
-                                 else 0)
-                self.assertEqual(stats.iterations, DDP_STEPS)
 
 
 if __name__ == "__main__":
