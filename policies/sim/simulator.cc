@@ -117,6 +117,7 @@ class Engine final : public SimContext {
   int64_t host_used_ = 0;
   int reloads_in_flight_ = 0;
   std::string failure_;
+  bool gave_up_ = false;  // at options_.give_up_at_ns
   SimResult result_;
 };
 
@@ -447,6 +448,12 @@ bool Engine::RunIteration() {
     for (int32_t s : step.frees) FreeStorage(s);
     Advance(now_);
     policy_.AfterStep(*this, step_);
+    if (options_.give_up_at_ns > 0 && now_ >= options_.give_up_at_ns &&
+        step_ + 1 < static_cast<int32_t>(program_.steps.size())) {
+      gave_up_ = true;
+      Fail(absl::StrCat("gave up at ", now_, " ns (give_up_at_ns)"));
+      return false;
+    }
   }
   return true;
 }
@@ -471,6 +478,7 @@ SimResult Engine::Run() {
     const int64_t start = now_;
     if (!RunIteration()) {
       result_.fits = false;
+      result_.gave_up = gave_up_;
       result_.failure = failure_;
       result_.planning_ns = policy_.planning_ns();
       return result_;

@@ -36,12 +36,17 @@ struct SimOptions {
   // Iterations run back to back; the last one is measured (earlier ones let
   // replay plans learn the access order).
   int iterations = 1;
+  // When > 0, the run gives up (fits = false, gave_up = true) once the
+  // simulated clock reaches it: a planner comparing candidates needs no
+  // more of one that can no longer beat the best so far.
+  int64_t give_up_at_ns = 0;
 };
 
 struct SimResult {
   std::string policy;
   bool fits = false;
-  std::string failure;  // why it did not fit
+  bool gave_up = false;  // reached SimOptions::give_up_at_ns
+  std::string failure;   // why it did not fit
   int64_t budget_bytes = 0;
   int64_t min_budget_bytes = 0;  // the largest single step
   int64_t peak_bytes = 0;        // the allocator's largest footprint

@@ -113,6 +113,27 @@ TEST(Simulator, BudgetBelowTheLargestStepIsInfeasible) {
                                      p.min_budget_bytes, " bytes")));
 }
 
+TEST(Simulator, ARunGivesUpOnceItsClockReachesTheLimit) {
+  const Program p = Compiled(ChainTrace(8, 1000, 1000));
+  auto none = MakePolicy("none");
+  ASSERT_TRUE(none.ok());
+  SimOptions o;
+  o.budget_bytes = p.peak_bytes;
+  o.give_up_at_ns = p.compute_ns / 2;
+  auto r = Simulate(p, TestDevice(), **none, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->fits);
+  EXPECT_TRUE(r->gave_up);
+  EXPECT_THAT(r->failure, HasSubstr("gave up"));
+  // A limit past the end changes nothing.
+  o.give_up_at_ns = p.compute_ns + 1;
+  r = Simulate(p, TestDevice(), **none, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->fits);
+  EXPECT_FALSE(r->gave_up);
+  EXPECT_EQ(r->makespan_ns, p.compute_ns);
+}
+
 TEST(Simulator, RejectsBadOptions) {
   const Program p = Compiled(ChainTrace(2, 1000, 1000));
   NoReleasePolicy none;

@@ -79,13 +79,15 @@ TEST(SteadyStatePolicy, FromTheSecondIterationFollowsTheFastestReplay) {
 }
 
 // Stands in for the simulator where only the accesses matter: a plan is
-// made on the recorded program, then the accesses go another way.
+// made on the recorded program, then the accesses go another way. Its clock
+// stands where the first iteration under `delta` ended (`now_ns`), the time
+// the plans must beat.
 class AccessesOnly final : public SimContext {
  public:
-  explicit AccessesOnly(const UNet& net) : net_(net) {}
+  AccessesOnly(const UNet& net, int64_t now_ns) : net_(net), now_ns_(now_ns) {}
   const Program& program() const override { return net_.program; }
   const DeviceProfile& device() const override { return net_.device; }
-  int64_t now_ns() const override { return 0; }
+  int64_t now_ns() const override { return now_ns_; }
   int32_t step() const override { return 0; }
   int iteration() const override { return 0; }
   StorageState state(int32_t) const override { return StorageState::kAbsent; }
@@ -104,12 +106,13 @@ class AccessesOnly final : public SimContext {
 
  private:
   const UNet& net_;
+  const int64_t now_ns_;
   std::vector<int32_t> none_;
 };
 
 TEST(SteadyStatePolicy, AnAccessOffTheRecordingAbandonsThePlanAtOnce) {
   UNet net;
-  AccessesOnly ctx(net);
+  AccessesOnly ctx(net, net.Run(**MakePolicy("delta"), 1).makespan_ns);
   SteadyStatePolicy steady;
   steady.BeginIteration(ctx);
   for (int32_t s : {3, 4, 5, 6}) steady.OnAccess(ctx, s);
