@@ -294,7 +294,33 @@ void TensorTable::RemoveCandidate(uint32_t slot) {
   t.gpu_pos = t.session_pos = UINT32_MAX;
 }
 
+void TensorTable::DeferComponents(bool defer) {
+  defer_components_ = defer;
+  if (!defer && components_stale_) RebuildComponents();
+}
+
+void TensorTable::RebuildComponents() const {
+  components_ = EvictedComponents{};
+  for (uint32_t slot = 0; slot < slots_.size(); ++slot) {
+    const Tensor& t = slots_[slot];
+    if (t.id != 0 && NeedsRecompute(t.state)) {
+      components_.Insert(slot, t.compute_cost_ns);
+    }
+  }
+  for (uint32_t slot = 0; slot < slots_.size(); ++slot) {
+    if (!components_.Contains(slot)) continue;
+    for (uint32_t p : slots_[slot].parents) {
+      if (components_.Contains(p)) components_.Union(slot, p);
+    }
+  }
+  components_stale_ = false;
+}
+
 void TensorTable::JoinComponents(uint32_t slot) {
+  if (defer_components_) {
+    components_stale_ = true;
+    return;
+  }
   components_.Insert(slot, slots_[slot].compute_cost_ns);
   for (uint32_t p : slots_[slot].parents) {
     if (components_.Contains(p)) components_.Union(slot, p);
@@ -305,6 +331,10 @@ void TensorTable::JoinComponents(uint32_t slot) {
 }
 
 void TensorTable::LeaveComponents(uint32_t slot) {
+  if (defer_components_) {
+    components_stale_ = true;
+    return;
+  }
   components_.Erase(slot, [this](uint32_t s, auto visit) {
     for (uint32_t p : slots_[s].parents) visit(p);
     for (uint32_t c : slots_[s].children) visit(c);
@@ -501,7 +531,11 @@ void TensorTable::RemoveSession(SessionId session) {
     if (t.id == 0 || t.session != session) continue;
     // Every neighbour goes too, so connectivity no longer matters: each
     // member leaves its component as a leaf would, in O(1).
-    components_.Erase(slot, [](uint32_t, auto) {});
+    if (defer_components_) {
+      components_stale_ = true;
+    } else {
+      components_.Erase(slot, [](uint32_t, auto) {});
+    }
     Account(t, -1);
     if (t.state == TensorState::kResident) RemoveCandidate(slot);
     ReleaseSlot(slot);

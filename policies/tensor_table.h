@@ -97,7 +97,21 @@ class TensorTable {
   // Starts loading a tensor's first cache line; a hint, no effect on state.
   void Prefetch(uint32_t slot) const { __builtin_prefetch(&slots_[slot]); }
   uint32_t SlotOf(TensorId id) const;  // UINT32_MAX when unknown
-  const EvictedComponents& components() const { return components_; }
+  // The evicted components, rebuilt first if deferred changes left them
+  // stale (DeferComponents).
+  const EvictedComponents& components() const {
+    if (components_stale_) RebuildComponents();
+    return components_;
+  }
+  // While deferred, state changes leave the evicted components stale
+  // instead of keeping them, and the next read of components() rebuilds
+  // them from the states in one pass: what a table that only mirrors
+  // another policy's decisions wants, since a hub (an optimizer step's
+  // outputs list every parameter's tensors) costs a walk of its whole
+  // component each time it leaves one. The components read are the same
+  // either way (a partition of the graph). Ending the deferral rebuilds
+  // them if stale, so that changes are kept from then on.
+  void DeferComponents(bool defer);
   // Whether a tensor is a member of the evicted components (must be rebuilt).
   static bool NeedsRecompute(TensorState s) {
     return s == TensorState::kEvicted || s == TensorState::kFreed;
@@ -123,6 +137,7 @@ class TensorTable {
   void ChangeState(uint32_t slot, TensorState to);
   void JoinComponents(uint32_t slot);
   void LeaveComponents(uint32_t slot);
+  void RebuildComponents() const;
   void MaybeRetire(uint32_t slot);
   void Retire(uint32_t slot);
   // Forgets the slot's id and key and makes the slot reusable.
@@ -137,7 +152,10 @@ class TensorTable {
   // A session lives on one GPU; its first tensor binds it.
   absl::flat_hash_map<SessionId, GpuId> session_gpu_;
   absl::flat_hash_map<std::pair<SessionId, uint64_t>, uint32_t> by_key_;
-  EvictedComponents components_;
+  // Mutable: components() rebuilds them when stale.
+  mutable EvictedComponents components_;
+  mutable bool components_stale_ = false;
+  bool defer_components_ = false;
   // LinkParents' parents already listed (a tensor of an optimizer step or a
   // concatenation has hundreds; checking each against the list was
   // quadratic in them).

@@ -64,6 +64,12 @@ class DynamicPolicy final : public SimPolicy {
   bool MakeRoom(SimContext& ctx, int64_t bytes) override;
   Restore ChooseRestore(SimContext& ctx, int32_t s) override;
 
+  // While another policy decides and this one only follows (a steady-state
+  // plan's fallback), its table rebuilds the evicted components when it
+  // needs them instead of keeping them at every change
+  // (TensorTable::DeferComponents). Decisions are the same either way.
+  void FollowOnly(bool follow) { table_.DeferComponents(follow); }
+
   // The first time the policy's table refused a change the simulator made:
   // the mirror and the simulation disagree, a bug. OK when they never did.
   absl::Status Consistency() const override { return mirror_status_; }

@@ -16,7 +16,7 @@ namespace {
 constexpr const char* kCandidates[] = {"delta-paper", "dtr", "offload-greedy",
                                        "window",      "lms", "chen-greedy"};
 
-std::unique_ptr<SimPolicy> MakeDelta() {
+std::unique_ptr<DynamicPolicy> MakeDelta() {
   return std::make_unique<DynamicPolicy>(*DynamicPolicyPreset("delta"));
 }
 
@@ -65,6 +65,7 @@ void SteadyStatePolicy::Plan(SimContext& ctx) {
   if (best_name != "delta") {
     plan_ = *MakePolicy(best_name);
     following_ = best_name;
+    delta_->FollowOnly(true);
   }
   planning_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
                       std::chrono::steady_clock::now() - start)
@@ -75,6 +76,7 @@ void SteadyStatePolicy::Abandon() {
   if (!planned()) return;
   plan_.reset();
   following_ = "delta";
+  delta_->FollowOnly(false);
   ++abandoned_;
 }
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "policies/sim/dynamic_policy.h"
 #include "policies/sim/simulator.h"
 
 namespace deltad::sim {
@@ -55,8 +56,8 @@ class SteadyStatePolicy final : public SimPolicy {
   void Abandon();
   bool planned() const { return plan_ != nullptr; }
 
-  std::unique_ptr<SimPolicy> delta_;  // the fallback, fed every event
-  std::unique_ptr<SimPolicy> plan_;   // the chosen planner, if not delta
+  std::unique_ptr<DynamicPolicy> delta_;  // the fallback, fed every event
+  std::unique_ptr<SimPolicy> plan_;       // the chosen planner, if not delta
   std::string following_ = "delta";
   int iteration_ = 0;
   bool decided_ = false;

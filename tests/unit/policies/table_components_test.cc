@@ -306,5 +306,83 @@ TEST_F(TableComponents, NewChildOfEvictedParentIsNotMember) {
   EXPECT_THAT(ComponentIds(2), ElementsAre(1, 2));
 }
 
+// A mirror table defers its components; every read sees what a table that
+// kept them sees: the same members with the same costs, through a hub
+// (a tensor with many parents, as an optimizer step's) leaving and
+// rejoining, recomputes, frees and the end of the deferral.
+TEST(TableComponentsDeferred, ReadTheSameAsKeptOnes) {
+  TensorTable kept;
+  TensorTable deferred;
+  deferred.DeferComponents(true);
+  auto both = [&](auto change) {
+    change(kept);
+    change(deferred);
+  };
+  auto add = [&](TensorId id, std::vector<TensorId> parents) {
+    both([&](TensorTable& t) {
+      TensorSpec s;
+      s.id = id;
+      s.session = 1;
+      s.bytes = 1;
+      s.compute_cost_ns = static_cast<int64_t>(id);
+      s.parents = parents;
+      ASSERT_TRUE(IsOk(t.Add(s, 0)));
+    });
+  };
+  auto set = [&](TensorId id, TensorState to) {
+    both([&](TensorTable& t) { ASSERT_TRUE(IsOk(t.SetState(id, to))); });
+  };
+  auto recompute = [&](TensorId id) {
+    both([&](TensorTable& t) { ASSERT_TRUE(IsOk(t.MarkRecomputed(id, 0))); });
+  };
+  // What each live tensor's component holds, as (member ids, cost).
+  auto view = [](const TensorTable& t, const std::vector<TensorId>& ids) {
+    std::vector<std::pair<std::vector<TensorId>, int64_t>> out;
+    for (TensorId id : ids) {
+      const uint32_t slot = t.SlotOf(id);
+      if (slot == UINT32_MAX || !t.components().Contains(slot)) {
+        out.push_back({{}, -1});
+        continue;
+      }
+      const uint32_t c = t.components().ComponentOf(slot);
+      std::vector<TensorId> members;
+      for (uint32_t m : t.components().Members(c)) {
+        members.push_back(t.AtSlot(m).id);
+      }
+      std::sort(members.begin(), members.end());
+      out.push_back({members, t.components().Cost(c)});
+    }
+    return out;
+  };
+  std::vector<TensorId> ids;
+  // Parameters 1-20, a chain 21-40 over them, a hub 41 over all of them.
+  for (TensorId id = 1; id <= 20; ++id) add(id, {}), ids.push_back(id);
+  for (TensorId id = 21; id <= 40; ++id) {
+    add(id, {id - 20, id == 21 ? TensorId{1} : id - 1});
+    ids.push_back(id);
+  }
+  std::vector<TensorId> all(ids);
+  add(41, all);
+  ids.push_back(41);
+  auto expect_same = [&](const char* when) {
+    EXPECT_EQ(view(deferred, ids), view(kept, ids)) << when;
+  };
+  for (TensorId id = 21; id <= 41; id += 2) set(id, TensorState::kEvicted);
+  expect_same("odd ones evicted");
+  for (TensorId id = 22; id <= 40; id += 2) set(id, TensorState::kEvicted);
+  expect_same("all evicted: one component through the hub");
+  recompute(41);  // the hub leaves
+  expect_same("hub recomputed");
+  recompute(30);
+  recompute(25);
+  expect_same("chain cut twice");
+  set(41, TensorState::kEvicted);
+  expect_same("hub evicted again");
+  deferred.DeferComponents(false);
+  recompute(41);
+  recompute(35);
+  expect_same("kept again after the deferral");
+}
+
 }  // namespace
 }  // namespace deltad::policy
