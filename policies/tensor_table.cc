@@ -317,8 +317,8 @@ void TensorTable::RebuildComponents() const {
 }
 
 void TensorTable::JoinComponents(uint32_t slot) {
-  if (defer_components_) {
-    components_stale_ = true;
+  if (defer_components_ || components_stale_) {
+    components_stale_ = true;  // rebuilt whole at the next read
     return;
   }
   components_.Insert(slot, slots_[slot].compute_cost_ns);
@@ -331,7 +331,13 @@ void TensorTable::JoinComponents(uint32_t slot) {
 }
 
 void TensorTable::LeaveComponents(uint32_t slot) {
-  if (defer_components_) {
+  const Tensor& t = slots_[slot];
+  if (defer_components_ || components_stale_ ||
+      (components_.Contains(slot) &&
+       t.parents.size() + t.children.size() > kHubNeighbours)) {
+    // A hub re-forms its whole component when it leaves (an optimizer
+    // step's outputs list every parameter's tensors, and several leave
+    // in a row): rebuilding once, at the next read, costs less.
     components_stale_ = true;
     return;
   }
@@ -531,7 +537,7 @@ void TensorTable::RemoveSession(SessionId session) {
     if (t.id == 0 || t.session != session) continue;
     // Every neighbour goes too, so connectivity no longer matters: each
     // member leaves its component as a leaf would, in O(1).
-    if (defer_components_) {
+    if (defer_components_ || components_stale_) {
       components_stale_ = true;
     } else {
       components_.Erase(slot, [](uint32_t, auto) {});

@@ -155,6 +155,9 @@ class TensorTable {
   // Mutable: components() rebuilds them when stale.
   mutable EvictedComponents components_;
   mutable bool components_stale_ = false;
+  // A tensor with more neighbours than this leaving the components leaves
+  // them stale (LeaveComponents).
+  static constexpr size_t kHubNeighbours = 16;
   bool defer_components_ = false;
   // LinkParents' parents already listed (a tensor of an optimizer step or a
   // concatenation has hundreds; checking each against the list was

@@ -307,9 +307,10 @@ TEST_F(TableComponents, NewChildOfEvictedParentIsNotMember) {
 }
 
 // A mirror table defers its components; every read sees what a table that
-// kept them sees: the same members with the same costs, through a hub
-// (a tensor with many parents, as an optimizer step's) leaving and
-// rejoining, recomputes, frees and the end of the deferral.
+// keeps them sees: the same members with the same costs, through a hub
+// (a tensor with many parents, as an optimizer step's, whose leaving leaves
+// the components stale until read) leaving and rejoining, recomputes and
+// the end of the deferral.
 TEST(TableComponentsDeferred, ReadTheSameAsKeptOnes) {
   TensorTable kept;
   TensorTable deferred;
@@ -371,11 +372,17 @@ TEST(TableComponentsDeferred, ReadTheSameAsKeptOnes) {
   expect_same("odd ones evicted");
   for (TensorId id = 22; id <= 40; id += 2) set(id, TensorState::kEvicted);
   expect_same("all evicted: one component through the hub");
-  recompute(41);  // the hub leaves
+  auto cost_of = [&](TensorId id) { return view(kept, {id})[0].second; };
+  EXPECT_EQ(cost_of(21), 651);  // 21 + ... + 41
+  recompute(41);  // the hub leaves: the components are rebuilt when read
   expect_same("hub recomputed");
+  EXPECT_EQ(cost_of(21), 610);  // the chain holds the rest together
   recompute(30);
   recompute(25);
   expect_same("chain cut twice");
+  EXPECT_EQ(cost_of(21), 21 + 22 + 23 + 24);
+  EXPECT_EQ(cost_of(27), 26 + 27 + 28 + 29);
+  EXPECT_EQ(cost_of(40), 355);  // 31 + ... + 40
   set(41, TensorState::kEvicted);
   expect_same("hub evicted again");
   deferred.DeferComponents(false);
