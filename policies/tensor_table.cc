@@ -299,6 +299,24 @@ void TensorTable::DeferComponents(bool defer) {
   if (!defer && components_stale_) RebuildComponents();
 }
 
+bool TensorTable::StaleRatherThanReform(uint32_t slot) const {
+  // A hub re-forms its whole component when it leaves it (an optimizer
+  // step's outputs list every parameter's tensors, and several of them
+  // leave in a row): rebuilding everything once, at the next read, costs
+  // less, where that component holds at least half the members and the
+  // members are at least a quarter of the tensors (the rebuild scans every
+  // tensor). Elsewhere the hub re-forms only its own component, as before.
+  const Tensor& t = slots_[slot];
+  if (!components_.Contains(slot) ||
+      t.parents.size() + t.children.size() <= kHubNeighbours) {
+    return false;
+  }
+  const size_t members = components_.size();
+  const size_t component =
+      components_.Members(components_.ComponentOf(slot)).size();
+  return 2 * component >= members && 4 * members >= index_.size();
+}
+
 void TensorTable::RebuildComponents() const {
   components_ = EvictedComponents{};
   for (uint32_t slot = 0; slot < slots_.size(); ++slot) {
@@ -331,13 +349,7 @@ void TensorTable::JoinComponents(uint32_t slot) {
 }
 
 void TensorTable::LeaveComponents(uint32_t slot) {
-  const Tensor& t = slots_[slot];
-  if (defer_components_ || components_stale_ ||
-      (components_.Contains(slot) &&
-       t.parents.size() + t.children.size() > kHubNeighbours)) {
-    // A hub re-forms its whole component when it leaves (an optimizer
-    // step's outputs list every parameter's tensors, and several leave
-    // in a row): rebuilding once, at the next read, costs less.
+  if (defer_components_ || components_stale_ || StaleRatherThanReform(slot)) {
     components_stale_ = true;
     return;
   }

@@ -138,6 +138,7 @@ class TensorTable {
   void JoinComponents(uint32_t slot);
   void LeaveComponents(uint32_t slot);
   void RebuildComponents() const;
+  bool StaleRatherThanReform(uint32_t slot) const;
   void MaybeRetire(uint32_t slot);
   void Retire(uint32_t slot);
   // Forgets the slot's id and key and makes the slot reusable.
@@ -155,8 +156,8 @@ class TensorTable {
   // Mutable: components() rebuilds them when stale.
   mutable EvictedComponents components_;
   mutable bool components_stale_ = false;
-  // A tensor with more neighbours than this leaving the components leaves
-  // them stale (LeaveComponents).
+  // A tensor with more neighbours than this leaving the components may
+  // leave them stale (StaleRatherThanReform).
   static constexpr size_t kHubNeighbours = 16;
   bool defer_components_ = false;
   // LinkParents' parents already listed (a tensor of an optimizer step or a
