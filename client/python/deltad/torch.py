@@ -172,9 +172,9 @@ class _Engine:
     idle (_Plan.spare: nothing of that block is saved any more) when the
     settings are the same."""
 
-    def __init__(self, settings, model, plan, device, fixed, budget_bytes,
-                 min_bytes, policy, prefetch_bytes, max_depth, host_bytes,
-                 reserve_bytes, client, link_bytes_per_second):
+    def __init__(self, settings, model, plan, device, fixed):
+        (budget_bytes, min_bytes, policy, prefetch_bytes, max_depth,
+         host_bytes, reserve_bytes, client, link_bytes_per_second) = settings
         self.settings = settings
         self.model = model
         self.device = device
@@ -216,13 +216,11 @@ class _Engine:
                 self.fixed is fixed)
 
     def reopen(self, model):
-        """Serves another block, if nothing of the last one is left."""
-        if not self.store.idle():
-            return False
+        """Serves another block: laid aside idle (lay_aside), it stays so,
+        its hooks being out of use."""
         self.model = model
         self.store.reopen(self.requested_budget, self.prefetch_bytes,
                           self._director, self._on_iteration)
-        return True
 
     def close(self):
         """The block ended."""
@@ -509,12 +507,10 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
     settings = (budget_bytes, min_bytes, policy, prefetch_bytes, max_depth,
                 host_bytes, reserve_bytes, client, link_bytes_per_second)
     engine, plan.spare = plan.spare, None
-    if (engine is None or not engine.serves(settings, device, fixed) or
-            not engine.reopen(model)):
-        engine = _Engine(settings, model, plan, device, fixed, budget_bytes,
-                         min_bytes, policy, prefetch_bytes, max_depth,
-                         host_bytes, reserve_bytes, client,
-                         link_bytes_per_second)
+    if engine is not None and engine.serves(settings, device, fixed):
+        engine.reopen(model)
+    else:
+        engine = _Engine(settings, model, plan, device, fixed)
     manager = Manager(engine, round_trips)
     if policy == "recompute":
         manager.recorder.wrap(model)
