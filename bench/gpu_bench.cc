@@ -39,6 +39,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "bench/gpu_bench_overlap.h"
+#include "bench/gpu_bench_support.h"
 #include "bench/report.h"
 #include "client/chunk_arena.h"
 #include "client/cuda_chunk_mapper.h"
@@ -62,78 +64,6 @@ ABSL_FLAG(std::string, update_doc, "",
 
 namespace deltad::bench {
 namespace {
-
-constexpr int64_t kKiB = int64_t{1} << 10;
-constexpr int64_t kMiB = int64_t{1} << 20;
-constexpr int kAllocBatch = 8;
-// ctest and the scripts read this exit status as "skipped".
-constexpr int kExitSkipped = 77;
-
-using Clock = std::chrono::steady_clock;
-
-double Micros(Clock::duration d) {
-  return std::chrono::duration<double, std::micro>(d).count();
-}
-
-const Clock::time_point kStart = Clock::now();
-
-void Note(const std::string& what) {
-  std::fprintf(stderr, "gpu_bench [%6.1f s]: %s\n",
-               std::chrono::duration<double>(Clock::now() - kStart).count(),
-               what.c_str());
-}
-
-[[noreturn]] void Die(const std::string& why) {
-  std::fprintf(stderr, "gpu_bench: %s\n", why.c_str());
-  std::exit(1);
-}
-
-void Check(const absl::Status& s) {
-  if (!s.ok()) Die(s.ToString());
-}
-
-void CheckRt(cudaError_t e, const char* what) {
-  Check(common::CudaRtCheck(e, what));
-}
-
-double Median(std::vector<double> v) { return Summarise(std::move(v)).p50; }
-
-std::string SizeName(int64_t bytes) {
-  if (bytes >= kMiB && bytes % kMiB == 0)
-    return absl::StrCat(bytes / kMiB, " MiB");
-  if (bytes >= kKiB && bytes % kKiB == 0)
-    return absl::StrCat(bytes / kKiB, " KiB");
-  return absl::StrCat(bytes, " B");
-}
-
-std::vector<int64_t> ParseMiB(const std::string& flag, const char* name) {
-  std::vector<int64_t> out;
-  for (absl::string_view part : absl::StrSplit(flag, ',', absl::SkipEmpty())) {
-    int64_t mib = 0;
-    if (!absl::SimpleAtoi(part, &mib) || mib <= 0) {
-      Die(absl::StrCat("--", name, ": \"", part, "\" is not a positive size"));
-    }
-    out.push_back(mib * kMiB);
-  }
-  if (out.empty()) Die(absl::StrCat("--", name, " names no size"));
-  return out;
-}
-
-// Page-aligned heap memory, touched, freed on destruction: the kind of host
-// memory the client copies to (the daemon's slabs, the heap fallback).
-struct HostBuffer {
-  explicit HostBuffer(int64_t bytes) : size(bytes) {
-    if (posix_memalign(&data, 4096, static_cast<size_t>(bytes)) != 0) {
-      Die(absl::StrCat("cannot allocate ", bytes, " host bytes"));
-    }
-    std::memset(data, 0x5a, static_cast<size_t>(bytes));
-  }
-  ~HostBuffer() { std::free(data); }
-  HostBuffer(const HostBuffer&) = delete;
-  HostBuffer& operator=(const HostBuffer&) = delete;
-  void* data = nullptr;
-  int64_t size = 0;
-};
 
 // --- (a) copies.
 
@@ -338,112 +268,6 @@ AllocRow MeasureAllocation(client::CudaDevice& device, const std::string& name,
   const double pairs = static_cast<double>(sequence.size());
   return AllocRow{
       .sizes = name, .arena_us = arena_us / pairs, .cuda_us = cuda_us / pairs};
-}
-
-// --- (d) overlap.
-
-struct OverlapRow {
-  std::string copy;
-  double kernel_ms = 0;
-  double copy_ms = 0;
-  double both_ms = 0;
-  double overlap() const {
-    return (kernel_ms + copy_ms - both_ms) / std::min(kernel_ms, copy_ms);
-  }
-};
-
-double Millis(Clock::duration d) {
-  return std::chrono::duration<double, std::milli>(d).count();
-}
-
-std::vector<OverlapRow> MeasureOverlap(client::CudaDevice& device,
-                                       int64_t bytes, int reps) {
-  absl::StatusOr<std::unique_ptr<common::SpinKernel>> spin =
-      common::SpinKernel::Load(device.ordinal());
-  Check(spin.status());
-  cudaStream_t compute = nullptr;
-  CheckRt(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking),
-          "cudaStreamCreateWithFlags");
-  device.SetComputeStream(compute);
-  absl::StatusOr<void*> p = device.Allocate(bytes);
-  Check(p.status());
-  HostBuffer host(bytes);
-  Check(device.RegisterHost(host.data, bytes));
-
-  const auto kernel_ms = [&](int64_t cycles) {
-    const auto t0 = Clock::now();
-    Check((*spin)->Launch(compute, cycles));
-    CheckRt(cudaStreamSynchronize(compute), "cudaStreamSynchronize");
-    return Millis(Clock::now() - t0);
-  };
-  // The kernel is sized to half the copy: the D2H case must launch it just
-  // after the copy has ordered itself on the compute stream (or the copy
-  // would wait for it), and that short delay then hides inside the copy.
-  (void)kernel_ms(1'000'000);  // JIT and first-launch costs
-  constexpr int64_t kProbeCycles = 20'000'000;
-  const double cycles_per_ms =
-      static_cast<double>(kProbeCycles) / kernel_ms(kProbeCycles);
-  device.CopyToHost(host.data, *p, bytes);
-  const auto c0 = Clock::now();
-  device.CopyToHost(host.data, *p, bytes);
-  const double one_copy_ms = Millis(Clock::now() - c0);
-  const auto cycles = static_cast<int64_t>(cycles_per_ms * one_copy_ms / 2);
-
-  std::vector<OverlapRow> rows;
-  for (bool d2h : {true, false}) {
-    Note(absl::StrCat("overlap, ", SizeName(bytes), d2h ? " D2H" : " H2D"));
-    std::vector<double> k, c, both;
-    for (int i = 0; i < reps; ++i) {
-      k.push_back(kernel_ms(cycles));
-      const auto t0 = Clock::now();
-      if (d2h) {
-        device.CopyToHost(host.data, *p, bytes);
-      } else {
-        device.CopyToDevice(*p, host.data, bytes);
-      }
-      c.push_back(Millis(Clock::now() - t0));
-      CheckRt(cudaStreamSynchronize(compute), "cudaStreamSynchronize");
-
-      if (d2h) {
-        // The copy from another thread, as the executor makes it; the
-        // kernel queued once the copy has had time to order itself.
-        std::atomic<bool> started{false};
-        Clock::time_point copy_end;
-        const auto start = Clock::now();
-        std::thread copier([&] {
-          started.store(true);
-          device.CopyToHost(host.data, *p, bytes);
-          copy_end = Clock::now();
-        });
-        while (!started.load()) std::this_thread::yield();
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
-        Check((*spin)->Launch(compute, cycles));
-        CheckRt(cudaStreamSynchronize(compute), "cudaStreamSynchronize");
-        const auto kernel_end = Clock::now();
-        copier.join();
-        both.push_back(Millis(std::max(kernel_end, copy_end) - start));
-      } else {
-        // Queued compute does not hold a reload back: one thread will do.
-        const auto start = Clock::now();
-        Check((*spin)->Launch(compute, cycles));
-        device.CopyToDevice(*p, host.data, bytes);
-        CheckRt(cudaStreamSynchronize(compute), "cudaStreamSynchronize");
-        both.push_back(Millis(Clock::now() - start));
-      }
-    }
-    Check(device.last_error());
-    rows.push_back(OverlapRow{
-        .copy = absl::StrCat(SizeName(bytes),
-                             d2h ? " D2H (CopyToHost)" : " H2D (CopyToDevice)"),
-        .kernel_ms = Median(k),
-        .copy_ms = Median(c),
-        .both_ms = Median(both)});
-  }
-  device.UnregisterHost(host.data);
-  device.Free(*p, bytes);
-  device.SetComputeStream(nullptr);
-  CheckRt(cudaStreamDestroy(compute), "cudaStreamDestroy");
-  return rows;
 }
 
 }  // namespace

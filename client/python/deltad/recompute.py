@@ -26,7 +26,7 @@ import weakref
 import torch as _torch
 
 from deltad.saved import _flat, _storage
-from deltad.trace import _tensors_in
+from deltad._trace_recorder import _tensors_in
 
 
 class _NotRecomputable(Exception):
