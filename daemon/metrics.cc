@@ -86,7 +86,9 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                             "max_grpc_connections_per_uid (a gRPC connection "
                             "past either), unread_connection (a gRPC "
                             "connection shut down: its client left the "
-                            "daemon's bytes unread past the keepalive).")
+                            "daemon's bytes unread past the keepalive), "
+                            "grpc_max_threads (a call gRPC refused for want "
+                            "of a free thread).")
                         .Register(r);
     for (const auto& [refusal, limit] :
          {std::pair{Refusal::kInvalidRequest, "invalid_request"},
@@ -101,7 +103,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
           std::pair{Refusal::kGrpcConnections, "max_grpc_connections"},
           std::pair{Refusal::kGrpcConnectionsPerUid,
                     "max_grpc_connections_per_uid"},
-          std::pair{Refusal::kUnreadConnection, "unread_connection"}}) {
+          std::pair{Refusal::kUnreadConnection, "unread_connection"},
+          std::pair{Refusal::kGrpcThreads, "grpc_max_threads"}}) {
       m->refusals_[static_cast<size_t>(refusal)] =
           &refused.Add({{"limit", limit}});
     }

@@ -59,6 +59,8 @@ enum class Refusal {
   kGrpcConnectionsPerUid,  // "max_grpc_connections_per_uid": and per user
   kUnreadConnection,       // "unread_connection": a gRPC connection shut down,
                            // its client leaving the daemon's bytes unread
+  kGrpcThreads,  // "grpc_max_threads": a unary call gRPC answered itself for
+                 // want of a free thread (daemon/thread_refusals.h)
 };
 
 // The daemon's Prometheus metrics. Call sites use the typed methods and never
@@ -147,7 +149,7 @@ class Metrics {
   absl::flat_hash_map<int, GpuMetrics> gpus_;  // immutable after Create
   prometheus::Gauge* host_free_ = nullptr;
   prometheus::Gauge* host_granted_ = nullptr;
-  std::array<prometheus::Counter*, 11> refusals_{};       // indexed by Refusal
+  std::array<prometheus::Counter*, 12> refusals_{};       // indexed by Refusal
   std::array<prometheus::Counter*, 3> sessions_ended_{};  // by SessionEnd
   std::array<prometheus::Counter*, 3> lease_events_{};    // by LeaseEvent
 };

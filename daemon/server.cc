@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "daemon/config.h"
 #include "daemon/library_log.h"
 #include "daemon/metrics_observer.h"
+#include "daemon/thread_refusals.h"
 #ifdef DELTAD_HAVE_CUDA
 #include "daemon/backend/cuda_backend.h"
 #endif
@@ -212,6 +214,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   builder.SetMaxReceiveMessageSize(max_message);
   builder.SetMaxSendMessageSize(max_message);
   ApplyConnectionLimits(config.limits(), builder);
+  std::vector<
+      std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+      interceptors;
+  interceptors.push_back(std::make_unique<ThreadRefusals>(
+      config.limits().grpc_max_threads(),
+      [refusals] { refusals->AddRefusal(Refusal::kGrpcThreads); }));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.RegisterService(s->service_.get());
   s->grpc_ = builder.BuildAndStart();
   if (s->grpc_ == nullptr) {

@@ -504,5 +504,52 @@ TEST_F(HostileClientWithGrpcLimitOverTcpTest,
   EXPECT_TRUE(again.ok()) << Describe(again);
 }
 
+// gRPC answers a unary call for which no thread is free itself (RESOURCE_
+// EXHAUSTED "Server Threadpool Exhausted"); the daemon still counts each
+// and says so in its log. With one thread, gRPC's own poller's, every
+// unary call is refused, so the count is exact: a daemon that is never
+// "ready" (its NodeStatus refused too), waited for by its log line.
+class GrpcThreadsTest : public DaemonTest {
+ protected:
+  void SetUp() override {
+    DaemonOptions options;
+    options.config_text = "limits { grpc_max_threads: 1 }\n";
+    options.flags = {"--drain_seconds=5"};
+    options.wait_ready = false;
+    auto daemon = DaemonProcess::Start(std::move(options));
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = std::move(*daemon);
+    stub_ = daemon_->NewStub();
+    const absl::Time until = absl::Now() + absl::Seconds(30);
+    while (MetricsPort(daemon_->Output()) == 0 && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    ASSERT_GT(MetricsPort(daemon_->Output()), 0) << daemon_->Output();
+  }
+};
+
+TEST_F(GrpcThreadsTest, CallsRefusedForWantOfAThreadAreCountedAndLogged) {
+  constexpr int kCalls = 5;
+  for (int i = 0; i < kCalls; ++i) {
+    grpc::ClientContext context;
+    context.set_deadline(Deadline());
+    v1::NodeStatusResponse response;
+    const grpc::Status s =
+        stub_->NodeStatus(&context, v1::NodeStatusRequest(), &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << Describe(s);
+    EXPECT_EQ(s.error_message(), "Server Threadpool Exhausted");
+  }
+  const std::string metrics =
+      Http(MetricsPort(daemon_->Output()), "GET", "/metrics").second;
+  EXPECT_THAT(metrics, HasSubstr(absl::StrCat(
+                           "deltad_refused_total{limit=\"grpc_max_threads\"} ",
+                           kCalls, "\n")));
+  // Once per 10 s: the first refusal only.
+  EXPECT_THAT(daemon_->Output(),
+              HasSubstr("gRPC refused a call: no thread free "
+                        "(limits.grpc_max_threads = 1; 0 such lines"));
+}
+
 }  // namespace
 }  // namespace deltad::testing_util

@@ -214,7 +214,8 @@ TEST(Metrics, RefusalsAreCountedByTheLimitFromTheStart) {
   for (const char* limit :
        {"admission", "max_sessions_per_uid", "max_sessions_per_gpu",
         "max_ping_strikes", "max_grpc_connections",
-        "max_grpc_connections_per_uid", "unread_connection"}) {
+        "max_grpc_connections_per_uid", "unread_connection",
+        "grpc_max_threads"}) {
     EXPECT_EQ(Value(m->Scrape(), "deltad_refused_total", {{"limit", limit}}),
               0.0)
         << limit;
