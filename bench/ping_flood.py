@@ -31,7 +31,8 @@ from sim_daemon import SimDaemon  # noqa: E402
 TAG = "ping_flood"
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 SETTINGS, PING = 4, 6
-SETTLE_S = 12  # the heap return trims at most every 10 s
+# The heap return trims at most every 10 s.
+SETTLE_S = 12
 
 
 def frame(kind, payload):
@@ -105,7 +106,7 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(pid, path, concurrency, rounds, most_bytes, seconds):
+def measure(pid, path, concurrency, rounds, most_bytes, seconds, settle):
     base = peak = rss_mib(pid)
     sent = []
     for _ in range(rounds):
@@ -120,7 +121,7 @@ def measure(pid, path, concurrency, rounds, most_bytes, seconds):
         for t in threads:
             t.join()
     after = rss_mib(pid)
-    time.sleep(SETTLE_S)
+    time.sleep(settle)
     settled = rss_mib(pid)
     return base, peak, after, settled, sum(sent) / max(len(sent), 1)
 
@@ -138,6 +139,9 @@ def main():
                    help="the longest one connection floods")
     p.add_argument("--strikes", default="0,2",
                    help="comma-separated limits.max_ping_strikes (0: none)")
+    p.add_argument("--settle", type=float, default=SETTLE_S,
+                   help="seconds to wait after a row's flood before reading "
+                        "the daemon's settled RSS")
     p.add_argument("--binary", default=os.path.join(
         benchlib.REPO, "build", "daemon", "deltad"))
     p.add_argument("--update_doc", default=None)
@@ -165,7 +169,7 @@ def main():
                 benchlib.note(TAG, f"strikes {k}: {n} at once, "
                                    f"{rounds} rounds")
                 base, peak, after, settled, mean_sent = measure(
-                    pid, path, n, rounds, a.bytes, a.seconds)
+                    pid, path, n, rounds, a.bytes, a.seconds, a.settle)
             rows.append(f"| {k} | {n} | {rounds} | {mean_sent / 1024:.0f} "
                         f"| {base:.1f} | +{peak - base:.0f} | "
                         f"+{after - base:.0f} | +{settled - base:.0f} |")
@@ -194,7 +198,8 @@ def main():
         "per row (sim backend, default limits but "
         "`limits.max_ping_strikes`; 0: no strikes, no GOAWAY). RSS sampled "
         "every 50 ms: its peak over the rounds, right after them, and "
-        f"{SETTLE_S} s later (after the heap return's next trim), each "
+        f"{a.settle:g} s later (after the heap return's next trim at the "
+        f"default {SETTLE_S} s), each "
         "over the RSS before.", "",
         "| max_ping_strikes | concurrency | rounds | KiB of PINGs per "
         "connection | RSS before (MiB) | peak (MiB) | after (MiB) | "

@@ -28,6 +28,7 @@ class PingFloodBenchTest(unittest.TestCase):
                 [sys.executable, SCRIPT, "--binary", binary,
                  "--concurrency", "1,2", "--rounds", "1", "--bytes",
                  str(256 << 10), "--seconds", "2", "--strikes", "0,2",
+                 "--settle", "0.5",
                  "--update_doc", doc],
                 capture_output=True, text=True, timeout=170)
             self.assertEqual(run.returncode, 0, run.stderr)
