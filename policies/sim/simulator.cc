@@ -38,6 +38,12 @@ class Engine final : public SimContext {
                                       options.chunk_bytes)) {
     // With one copy engine both directions share its queue.
     h2d_ = device.copy_engines >= 2 ? &h2d_own_ : &d2h_;
+    if (options.give_up_at_ns > 0) {
+      time_after_.resize(program.steps.size(), 0);
+      for (size_t i = program.steps.size(); i-- > 1;) {
+        time_after_[i - 1] = time_after_[i] + program.steps[i].time_ns;
+      }
+    }
   }
 
   SimResult Run();
@@ -118,6 +124,8 @@ class Engine final : public SimContext {
   int reloads_in_flight_ = 0;
   std::string failure_;
   bool gave_up_ = false;  // at options_.give_up_at_ns
+  // With give_up_at_ns: the op time of the steps after each one.
+  std::vector<int64_t> time_after_;
   SimResult result_;
 };
 
@@ -448,8 +456,13 @@ bool Engine::RunIteration() {
     for (int32_t s : step.frees) FreeStorage(s);
     Advance(now_);
     policy_.AfterStep(*this, step_);
-    if (options_.give_up_at_ns > 0 && now_ >= options_.give_up_at_ns &&
-        step_ + 1 < static_cast<int32_t>(program_.steps.size())) {
+    // Every step to come takes at least its op time: a run whose clock
+    // and the op time still to come reach the limit cannot end before it.
+    if (options_.give_up_at_ns > 0 &&
+        step_ + 1 < static_cast<int32_t>(program_.steps.size()) &&
+        now_ + time_after_[step_] +
+                (options_.iterations - 1 - iteration_) * program_.compute_ns >=
+            options_.give_up_at_ns) {
       gave_up_ = true;
       Fail(absl::StrCat("gave up at ", now_, " ns (give_up_at_ns)"));
       return false;

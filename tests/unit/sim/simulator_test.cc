@@ -134,6 +134,37 @@ TEST(Simulator, ARunGivesUpOnceItsClockReachesTheLimit) {
   EXPECT_EQ(r->makespan_ns, p.compute_ns);
 }
 
+// Steps to come take at least their op time: a run that can no longer end
+// before the limit stops at once, not when its clock gets there.
+TEST(Simulator, ARunGivesUpOnceItCanNoLongerEndBeforeTheLimit) {
+  const Program p = Compiled(ChainTrace(8, 1000, 1000));
+  ASSERT_GT(p.steps.size(), 2u);
+  auto none = MakePolicy("none");
+  ASSERT_TRUE(none.ok());
+  SimOptions o;
+  o.budget_bytes = p.peak_bytes;
+  // Ending exactly at the limit is not ending before it.
+  o.give_up_at_ns = p.compute_ns;
+  auto r = Simulate(p, TestDevice(), **none, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->gave_up);
+  EXPECT_THAT(r->failure, HasSubstr(absl::StrCat("gave up at ",
+                                                 p.steps[0].time_ns, " ns")));
+  // Two iterations: the second one's op time counts too.
+  o.iterations = 2;
+  o.give_up_at_ns = 2 * p.compute_ns - 1;
+  r = Simulate(p, TestDevice(), **none, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->gave_up);
+  EXPECT_THAT(r->failure, HasSubstr(absl::StrCat("gave up at ",
+                                                 p.steps[0].time_ns, " ns")));
+  o.give_up_at_ns = 2 * p.compute_ns + 1;
+  r = Simulate(p, TestDevice(), **none, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->fits);
+  EXPECT_EQ(r->total_makespan_ns, 2 * p.compute_ns);
+}
+
 TEST(Simulator, RejectsBadOptions) {
   const Program p = Compiled(ChainTrace(2, 1000, 1000));
   NoReleasePolicy none;
