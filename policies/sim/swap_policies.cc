@@ -1,6 +1,7 @@
 #include "policies/sim/swap_policies.h"
 
 #include <algorithm>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -122,7 +123,7 @@ class StaticSwapPolicy final : public SimPolicy {
     // The engine resets every activation as an iteration begins: none is
     // offloaded.
     offloaded_.clear();
-    offloaded_at_.assign(program.storages.size(), -1);
+    offloaded_use_.assign(program.storages.size(), kNotListed);
     offload_after_.assign(program.steps.size(), {});
     std::vector<int32_t> planned;
     switch (options_.selection) {
@@ -161,20 +162,23 @@ class StaticSwapPolicy final : public SimPolicy {
     for (int32_t s : pool_) in_pool_[s] = true;
   }
 
-  // The pool's offloaded storages, kept as they change: scanning the whole
-  // pool after every step cost a swap baseline most of its run time.
-  void OnStateChange(SimContext& /*ctx*/, int32_t s, StorageState from,
+  // The pool's offloaded storages in order of their next use, kept as they
+  // change: scanning and sorting them all after every step cost a swap
+  // baseline most of its run time. An offloaded storage keeps its next use
+  // until it leaves the set: a read reloads it first. One never read again
+  // is never due, and not listed.
+  void OnStateChange(SimContext& ctx, int32_t s, StorageState from,
                      StorageState to) override {
     if (static_cast<size_t>(s) >= in_pool_.size() || !in_pool_[s]) return;
     if (to == StorageState::kOffloaded) {
-      offloaded_at_[s] = static_cast<int32_t>(offloaded_.size());
-      offloaded_.push_back(s);
-    } else if (from == StorageState::kOffloaded) {
-      const int32_t i = offloaded_at_[s];
-      offloaded_[i] = offloaded_.back();
-      offloaded_at_[offloaded_[i]] = i;
-      offloaded_.pop_back();
-      offloaded_at_[s] = -1;
+      const int32_t use = analysis_.NextUse(s, ctx.step());
+      if (use == ProgramAnalysis::kNever) return;
+      offloaded_use_[s] = use;
+      offloaded_.emplace(use, s);
+    } else if (from == StorageState::kOffloaded &&
+               offloaded_use_[s] != kNotListed) {
+      offloaded_.erase({offloaded_use_[s], s});
+      offloaded_use_[s] = kNotListed;
     }
   }
 
@@ -254,15 +258,18 @@ class StaticSwapPolicy final : public SimPolicy {
         program.steps[next].phase != Phase::kBackward) {
       return;
     }
-    std::vector<std::pair<int32_t, int32_t>> due;  // (next use, s)
-    for (int32_t s : offloaded_) {
-      if (!WouldPrefetch(s, t)) continue;
-      due.emplace_back(analysis_.NextUse(s, next), s);
-    }
-    std::sort(due.begin(), due.end());
     // In order of use: a later tensor never takes the memory an earlier one
-    // is waiting for.
-    for (const auto& [use, s] : due) {
+    // is waiting for. A prefetch leaves the set (the copy changes the
+    // storage's state): the next one is found past it.
+    auto it = offloaded_.begin();
+    while (it != offloaded_.end()) {
+      const auto [use, s] = *it;
+      ++it;
+      if (!WouldPrefetch(s, t)) {
+        // Past the distance or the window, so is every later use.
+        if (PastReach(use, next)) break;
+        continue;
+      }
       const int64_t room = ctx.budget() - ctx.device_used() - bytes_of_[s];
       if (room < 0 || !StepsFit(ctx, t, use, /*except=*/s, room, marks_) ||
           !ctx.Prefetch(s)) {
@@ -271,12 +278,31 @@ class StaticSwapPolicy final : public SimPolicy {
     }
   }
 
+  // Whether no storage used at `use` or later is prefetched before step
+  // `next`: past the distance, or the window without the storage's own
+  // bytes (which only add).
+  bool PastReach(int32_t use, int32_t next) const {
+    switch (options_.prefetching) {
+      case Prefetching::kDistance:
+        return use - next > options_.distance_steps;
+      case Prefetching::kWindow:
+        return analysis_.access_prefix[use] - analysis_.access_prefix[next] >
+               window_bytes_;
+      case Prefetching::kEarliest:
+        return false;
+    }
+    return false;
+  }
+
+  static constexpr int32_t kNotListed = -1;
+
   SwapOptions options_;
   ProgramAnalysis analysis_;
-  std::vector<int32_t> pool_;          // candidates, creation order
-  std::vector<bool> in_pool_;          // by storage
-  std::vector<int32_t> offloaded_;     // of the pool, in no order
-  std::vector<int32_t> offloaded_at_;  // by storage: index there, or -1
+  std::vector<int32_t> pool_;  // candidates, creation order
+  std::vector<bool> in_pool_;  // by storage
+  // Of the pool, those offloaded that will be read again: (next use, s).
+  std::set<std::pair<int32_t, int32_t>> offloaded_;
+  std::vector<int32_t> offloaded_use_;  // by storage: its key there, or -1
   std::vector<std::vector<int32_t>> offload_after_;  // per step
   std::vector<int64_t> bytes_of_;
   int64_t window_bytes_ = 0;
