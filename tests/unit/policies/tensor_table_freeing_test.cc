@@ -1,4 +1,5 @@
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -146,6 +147,61 @@ TEST(TensorTable, DiamondParentRetiresAfterItsLastChild) {
   ASSERT_TRUE(IsOk(table.Free(3)));
   EXPECT_EQ(table.Find(1), nullptr);
   EXPECT_EQ(table.size(), 0u);
+}
+
+// A parent's children leave its list in O(1), the last one taking the
+// place of the one that goes: whatever the order, the list is exactly the
+// children still there, and slots reused meanwhile link anew.
+TEST(TensorTable, ChildrenRetiredInAnyOrderLeaveTheirParentsListsExact) {
+  TensorTable table;
+  ASSERT_TRUE(IsOk(table.Add(Spec(1), 0)));
+  ASSERT_TRUE(IsOk(table.Add(Spec(2), 0)));
+  // Every third child of 1 only; the others of both, in either order.
+  auto parents_of = [](TensorId c) {
+    return c % 3 == 0 ? std::vector<TensorId>{1}
+                      : (c % 2 ? std::vector<TensorId>{1, 2}
+                               : std::vector<TensorId>{2, 1});
+  };
+  std::set<TensorId> live;
+  for (TensorId c = 10; c < 60; ++c) {
+    ASSERT_TRUE(IsOk(table.Add(Spec(c, 100, parents_of(c)), 0)));
+    live.insert(c);
+  }
+  auto children_of = [&](TensorId id) {
+    const std::vector<TensorId> ids = Ids(table, table.Find(id)->children);
+    return std::set<TensorId>(ids.begin(), ids.end());
+  };
+  auto expect_exact = [&] {
+    std::set<TensorId> of_2;
+    for (TensorId c : live) {
+      if (c % 3 != 0) of_2.insert(c);
+    }
+    EXPECT_EQ(children_of(1), live);
+    EXPECT_EQ(table.Find(1)->live_children, live.size());
+    EXPECT_EQ(children_of(2), of_2);
+    EXPECT_EQ(table.Find(2)->live_children, of_2.size());
+  };
+  // Freed in a scrambled order (37 is prime to 50), new children added
+  // into the retired ones' slots along the way.
+  TensorId next = 100;
+  for (int i = 0; i < 50; ++i) {
+    const TensorId c = 10 + (i * 37) % 50;
+    ASSERT_TRUE(IsOk(table.Free(c)));
+    live.erase(c);
+    if (i % 10 == 0) {
+      ASSERT_TRUE(IsOk(table.Add(Spec(next, 100, parents_of(next)), 0)));
+      live.insert(next++);
+    }
+    expect_exact();
+  }
+  ASSERT_EQ(live.size(), 5u);
+  for (TensorId c : std::set<TensorId>(live)) {
+    ASSERT_TRUE(IsOk(table.Free(c)));
+    live.erase(c);
+    expect_exact();
+  }
+  EXPECT_THAT(table.Find(1)->children, IsEmpty());
+  EXPECT_THAT(table.Find(2)->children, IsEmpty());
 }
 
 TEST(TensorTable, NewTensorInReusedSlotStartsClean) {
