@@ -9,7 +9,8 @@ namespace deltad::daemon {
 namespace {
 
 // gRPC's own message for the refusal (src/cpp/server/server_cc.cc); a
-// gRPC that words it otherwise fails ThreadRefusalsTest, not silently.
+// gRPC that words it otherwise fails GrpcThreadsTest (tests/integration/
+// hostile_connection_test.cc), not silently.
 constexpr char kThreadpoolExhausted[] = "Server Threadpool Exhausted";
 
 }  // namespace

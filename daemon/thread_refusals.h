@@ -1,6 +1,7 @@
 #ifndef DELTAD_DAEMON_THREAD_REFUSALS_H_
 #define DELTAD_DAEMON_THREAD_REFUSALS_H_
 
+#include <chrono>
 #include <functional>
 
 #include "common/log_limit.h"
@@ -23,11 +24,11 @@ class ThreadRefusals final
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override;
 
-  // The status is gRPC's refusal for want of a thread.
-  static bool IsThreadRefusal(const grpc::Status& status);
-
  private:
   class Watch;
+
+  // The status is gRPC's refusal for want of a thread.
+  static bool IsThreadRefusal(const grpc::Status& status);
 
   void Refused();
 
