@@ -38,12 +38,6 @@ class Engine final : public SimContext {
                                       options.chunk_bytes)) {
     // With one copy engine both directions share its queue.
     h2d_ = device.copy_engines >= 2 ? &h2d_own_ : &d2h_;
-    if (options.give_up_at_ns > 0) {
-      time_after_.resize(program.steps.size(), 0);
-      for (size_t i = program.steps.size(); i-- > 1;) {
-        time_after_[i - 1] = time_after_[i] + program.steps[i].time_ns;
-      }
-    }
   }
 
   SimResult Run();
@@ -124,8 +118,6 @@ class Engine final : public SimContext {
   int reloads_in_flight_ = 0;
   std::string failure_;
   bool gave_up_ = false;  // at options_.give_up_at_ns
-  // With give_up_at_ns: the op time of the steps after each one.
-  std::vector<int64_t> time_after_;
   SimResult result_;
 };
 
@@ -421,6 +413,7 @@ bool Engine::RunIteration() {
     }
   }
   for (int32_t s : program_.initial_frees) FreeStorage(s);
+  int64_t op_time_done = 0;  // of this iteration's steps so far
   for (step_ = 0; step_ < static_cast<int32_t>(program_.steps.size());
        ++step_) {
     const Step& step = program_.steps[step_];
@@ -444,6 +437,7 @@ bool Engine::RunIteration() {
       return false;
     }
     now_ += step.time_ns;
+    op_time_done += step.time_ns;
     if (step.workspace_bytes > 0) allocator_->Free(kWorkspaceId);
     for (int32_t s : step.reads) {
       policy_.OnAccess(*this, s);
@@ -460,7 +454,7 @@ bool Engine::RunIteration() {
     // and the op time still to come reach the limit cannot end before it.
     if (options_.give_up_at_ns > 0 &&
         step_ + 1 < static_cast<int32_t>(program_.steps.size()) &&
-        now_ + time_after_[step_] +
+        now_ + (program_.compute_ns - op_time_done) +
                 (options_.iterations - 1 - iteration_) * program_.compute_ns >=
             options_.give_up_at_ns) {
       gave_up_ = true;

@@ -234,18 +234,12 @@ class StaticSwapPolicy final : public SimPolicy {
   bool WouldPrefetch(int32_t s, int32_t t) const {
     const int32_t next = t + 1;
     const int32_t use = analysis_.NextUse(s, next);
-    if (use == ProgramAnalysis::kNever) return false;
-    switch (options_.prefetching) {
-      case Prefetching::kDistance:
-        return use - next <= options_.distance_steps;
-      case Prefetching::kWindow:
-        return analysis_.access_prefix[use] - analysis_.access_prefix[next] +
+    if (use == ProgramAnalysis::kNever || PastReach(use, next)) return false;
+    // The window holds the storage's own bytes too.
+    return options_.prefetching != Prefetching::kWindow ||
+           analysis_.access_prefix[use] - analysis_.access_prefix[next] +
                    bytes_of_[s] <=
                window_bytes_;
-      case Prefetching::kEarliest:
-        return true;
-    }
-    return false;
   }
 
   void PrefetchAhead(SimContext& ctx, int32_t t) {
