@@ -34,24 +34,6 @@ void CostModel::SetOffloadBacklog(GpuId gpu, int64_t bytes) {
   backlog_[gpu] = std::max<int64_t>(0, bytes);
 }
 
-LinkBandwidth CostModel::Bandwidth(GpuId gpu) const {
-  if (gpu < 0 || static_cast<size_t>(gpu) >= bandwidth_.size() ||
-      bandwidth_[gpu].d2h_bytes_per_s <= 0) {
-    return kDefaultBandwidth;
-  }
-  return bandwidth_[gpu];
-}
-
-int64_t CostModel::OffloadNs(GpuId gpu, int64_t bytes) const {
-  return static_cast<int64_t>(1e9 * static_cast<double>(bytes) /
-                              Bandwidth(gpu).d2h_bytes_per_s);
-}
-
-int64_t CostModel::ReloadNs(GpuId gpu, int64_t bytes) const {
-  return static_cast<int64_t>(1e9 * static_cast<double>(bytes) /
-                              Bandwidth(gpu).h2d_bytes_per_s);
-}
-
 namespace {
 
 // Sums the distinct components among `neighbours`. Degrees are small, so a

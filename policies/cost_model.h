@@ -26,7 +26,13 @@ class CostModel {
   static constexpr LinkBandwidth kDefaultBandwidth{11.2e9, 11.2e9};
 
   absl::Status SetBandwidth(GpuId gpu, LinkBandwidth bw);
-  LinkBandwidth Bandwidth(GpuId gpu) const;
+  LinkBandwidth Bandwidth(GpuId gpu) const {
+    if (gpu < 0 || static_cast<size_t>(gpu) >= bandwidth_.size() ||
+        bandwidth_[gpu].d2h_bytes_per_s <= 0) {
+      return kDefaultBandwidth;
+    }
+    return bandwidth_[gpu];
+  }
 
   // Bytes already queued for copy to the host on this GPU's link. An offload
   // decided now frees its memory only after they have gone, so its cost
@@ -34,13 +40,24 @@ class CostModel {
   // queueing more.
   void SetOffloadBacklog(GpuId gpu, int64_t bytes);
 
-  int64_t OffloadNs(GpuId gpu, int64_t bytes) const;
-  int64_t ReloadNs(GpuId gpu, int64_t bytes) const;
+  // Inline, as SwapNs: a sampled decision prices a swap for each of its
+  // sqrt(N) candidates.
+  int64_t OffloadNs(GpuId gpu, int64_t bytes) const {
+    return static_cast<int64_t>(1e9 * static_cast<double>(bytes) /
+                                Bandwidth(gpu).d2h_bytes_per_s);
+  }
+  int64_t ReloadNs(GpuId gpu, int64_t bytes) const {
+    return static_cast<int64_t>(1e9 * static_cast<double>(bytes) /
+                                Bandwidth(gpu).h2d_bytes_per_s);
+  }
   // c_s(t): offload now (after the backlog and `queued` more bytes that
   // the caller is about to add) and reload later.
   int64_t SwapNs(const Tensor& t, int64_t queued = 0) const {
-    return OffloadNs(t.gpu, Backlog(t.gpu) + queued + t.bytes) +
-           ReloadNs(t.gpu, t.bytes);
+    const LinkBandwidth bw = Bandwidth(t.gpu);
+    const double out = static_cast<double>(Backlog(t.gpu) + queued + t.bytes);
+    const double in = static_cast<double>(t.bytes);
+    return static_cast<int64_t>(1e9 * out / bw.d2h_bytes_per_s) +
+           static_cast<int64_t>(1e9 * in / bw.h2d_bytes_per_s);
   }
 
  private:

@@ -18,6 +18,10 @@ struct FilterOptions {
   // Ignore tensors under 1% of the mean candidate size (DTR, MegEngine).
   bool skip_small = false;
   uint64_t seed = 1;  // sampling is deterministic for a seed and call order
+  // Skip the neighbourhood walk of candidates whose lower bound cannot beat
+  // the best found (ScoreLowerBound): the same pick, found faster. Off
+  // only to check that it is the same.
+  bool skip_by_bound = true;
   MegEngineParams megengine;
 };
 
@@ -41,15 +45,28 @@ class Filter {
     return policy::Score(options_.heuristic, options_.megengine, table, slot,
                          now_ns, costs_);
   }
+  double LowerBound(const TensorTable& table, uint32_t slot,
+                    int64_t now_ns) const {
+    return policy::ScoreLowerBound(options_.heuristic, options_.megengine,
+                                   table, slot, now_ns, costs_);
+  }
   const FilterOptions& options() const { return options_; }
 
  private:
-  uint64_t NextRandom();
+  uint64_t NextRandom() {
+    // splitmix64: tiny, fast, and the same sequence on every platform.
+    uint64_t z = (rng_state_ += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
 
   FilterOptions options_;
   const CostModel* costs_;
   uint64_t rng_state_;
-  std::vector<uint32_t> sample_;  // reused between calls
+  // Reused between calls: the sampled slots and their lower bounds.
+  std::vector<uint32_t> sample_;
+  std::vector<double> bounds_;
 };
 
 }  // namespace deltad::policy

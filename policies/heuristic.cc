@@ -43,12 +43,55 @@ absl::string_view HeuristicName(Heuristic h) {
   return "unknown";
 }
 
+namespace {
+
+constexpr double kNever = 1e30;
+
+double Staleness(const Tensor& t, int64_t now_ns) {
+  return static_cast<double>(std::max<int64_t>(1, now_ns - t.last_access_ns));
+}
+
+// delta_cost's min(c_r, c_s) / (m * s) for a given c_r.
+double DeltaCost(const Tensor& t, int64_t recompute_ns, int64_t now_ns,
+                 const CostModel* costs) {
+  const double recompute = t.flags.uncomputable || t.flags.evict_pinned
+                               ? kNever
+                               : static_cast<double>(recompute_ns);
+  const double swap = t.flags.offload_pinned || costs == nullptr
+                          ? kNever
+                          : static_cast<double>(costs->SwapNs(t));
+  return std::min(recompute, swap) /
+         (static_cast<double>(t.bytes) * Staleness(t, now_ns));
+}
+
+}  // namespace
+
+bool HasLowerBound(Heuristic h) {
+  return h == Heuristic::kDtr || h == Heuristic::kDtrEq ||
+         h == Heuristic::kDeltaCost;
+}
+
+double ScoreLowerBound(Heuristic h, const MegEngineParams& me,
+                       const TensorTable& table, uint32_t slot, int64_t now_ns,
+                       const CostModel* costs) {
+  const Tensor& t = table.AtSlot(slot);
+  switch (h) {
+    case Heuristic::kDtr:
+    case Heuristic::kDtrEq:
+      return static_cast<double>(t.compute_cost_ns) /
+             (static_cast<double>(t.bytes) * Staleness(t, now_ns));
+    case Heuristic::kDeltaCost:
+      return DeltaCost(t, t.compute_cost_ns, now_ns, costs);
+    default:
+      return Score(h, me, table, slot, now_ns, costs);
+  }
+}
+
 double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
              uint32_t slot, int64_t now_ns, const CostModel* costs) {
   const Tensor& t = table.AtSlot(slot);
   const double m = static_cast<double>(t.bytes);
-  const double s =
-      static_cast<double>(std::max<int64_t>(1, now_ns - t.last_access_ns));
+  const double s = Staleness(t, now_ns);
   switch (h) {
     case Heuristic::kDelta:
       return 1.0 / (m * s);
@@ -61,15 +104,15 @@ double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
     case Heuristic::kDtrEq:
       return static_cast<double>(NeighbourhoodNsEq(table, slot)) / (m * s);
     case Heuristic::kDeltaCost: {
-      constexpr double kNever = 1e30;
-      const double recompute =
-          t.flags.uncomputable || t.flags.evict_pinned
-              ? kNever
-              : static_cast<double>(NeighbourhoodNsEq(table, slot));
-      const double swap = t.flags.offload_pinned || costs == nullptr
-                              ? kNever
-                              : static_cast<double>(costs->SwapNs(t));
-      return std::min(recompute, swap) / (m * s);
+      // The neighbours' walk changes nothing when the tensor cannot be
+      // recomputed, or when a swap costs less than its own recompute.
+      int64_t recompute_ns = t.compute_cost_ns;
+      const bool swap_cheaper = costs != nullptr && !t.flags.offload_pinned &&
+                                costs->SwapNs(t) <= recompute_ns;
+      if (!t.flags.uncomputable && !t.flags.evict_pinned && !swap_cheaper) {
+        recompute_ns = NeighbourhoodNsEq(table, slot);
+      }
+      return DeltaCost(t, recompute_ns, now_ns, costs);
     }
     case Heuristic::kMegEngine: {
       const double cost = static_cast<double>(NeighbourhoodNsEq(table, slot));

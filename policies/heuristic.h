@@ -48,6 +48,19 @@ class CostModel;
 double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
              uint32_t slot, int64_t now_ns, const CostModel* costs = nullptr);
 
+// Whether Score walks the tensor's neighbours (dtr, dtr_eq, delta_cost):
+// then ScoreLowerBound, which reads the tensor alone, lets a search skip the
+// walk for candidates that cannot beat the best one found. At a million
+// tensors each walk is several cache misses.
+bool HasLowerBound(Heuristic h);
+
+// At most Score (exactly, in floating point): the neighbourhood cost taken
+// as the tensor's own compute cost, which every neighbourhood includes and
+// costs never being negative. Score itself for the other heuristics.
+double ScoreLowerBound(Heuristic h, const MegEngineParams& me,
+                       const TensorTable& table, uint32_t slot, int64_t now_ns,
+                       const CostModel* costs = nullptr);
+
 }  // namespace deltad::policy
 
 #endif  // DELTAD_POLICIES_HEURISTIC_H_

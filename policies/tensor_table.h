@@ -10,6 +10,7 @@
 #include "absl/types/span.h"
 #include "policies/epoch_marks.h"
 #include "policies/evicted_components.h"
+#include "policies/huge_page_allocator.h"
 #include "policies/tensor.h"
 
 namespace deltad::policy {
@@ -119,7 +120,7 @@ class TensorTable {
 
  private:
   struct CandidateList {
-    std::vector<uint32_t> slots;
+    std::vector<uint32_t, HugePageAllocator<uint32_t>> slots;
     int64_t bytes = 0;
   };
   struct Group {  // one GPU or one session
@@ -144,7 +145,7 @@ class TensorTable {
   // Forgets the slot's id and key and makes the slot reusable.
   void ReleaseSlot(uint32_t slot);
 
-  std::vector<Tensor> slots_;
+  std::vector<Tensor, HugePageAllocator<Tensor>> slots_;
   std::vector<uint32_t> free_slots_;
   absl::flat_hash_map<TensorId, uint32_t> index_;
   absl::flat_hash_map<GpuId, Group> gpus_;

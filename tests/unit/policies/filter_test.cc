@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "policies/cost_model.h"
 #include "policies/heuristic.h"
 #include "policies/tensor.h"
 #include "policies/tensor_table.h"
@@ -79,6 +80,92 @@ TEST(FilterTest, ExactSearchReturnsTheMinimumScore) {
       min_score = std::min(min_score, filter.Score(table, slot, kNow));
     }
     EXPECT_EQ(filter.Score(table, *pick, kNow), min_score) << HeuristicName(h);
+  }
+}
+
+// Scores that tie often (two sizes and access times, three costs: 0, 500
+// and 1000 ns), each tensor with one earlier parent, every
+// `evict_every`-th evicted.
+void FillTying(TensorTable& table, int n, uint64_t seed, int evict_every) {
+  uint64_t x = seed;
+  auto next = [&x] {
+    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    return x >> 33;
+  };
+  for (TensorId id = 1; id <= static_cast<TensorId>(n); ++id) {
+    std::vector<TensorId> parents;
+    if (id > 1) parents.push_back(1 + next() % (id - 1));
+    AddAt(table,
+          Spec(id, 1000 * (1 + static_cast<int64_t>(next() % 2)),
+               500 * static_cast<int64_t>(next() % 3), parents),
+          10 * static_cast<int64_t>(next() % 2));
+  }
+  for (TensorId id = 1; id <= static_cast<TensorId>(n); id += evict_every) {
+    Evict(table, id);
+  }
+}
+
+// Scores that tie often and evicted
+// neighbours that make the walk add to a tensor's own cost: a search that
+// skips candidates by their lower bound must still pick the first of the
+// lowest scores in candidate order, as scoring every one does.
+TEST(FilterTest, SearchesSkippingByLowerBoundPickWhatScoringAllPicks) {
+  TensorTable table;
+  FillTying(table, 400, /*seed=*/7, /*evict_every=*/5);
+  CostModel costs;
+  ASSERT_TRUE(costs.SetBandwidth(0, {4e9, 4e9}).ok());  // a swap: 500 ns
+  constexpr int64_t kNow = 20;
+  for (Heuristic h :
+       {Heuristic::kDtr, Heuristic::kDtrEq, Heuristic::kDeltaCost}) {
+    Filter filter(Options(h), &costs);
+    // Excluding each pick in turn walks the order down through the ties.
+    std::vector<uint32_t> taken;
+    auto eligible = [&taken](const Tensor& t) {
+      return std::find(taken.begin(), taken.end(), t.id) == taken.end();
+    };
+    for (int round = 0; round < 40; ++round) {
+      absl::StatusOr<uint32_t> pick =
+          filter.Select(table, kGpu0, kNow, eligible);
+      ASSERT_TRUE(pick.ok()) << pick.status();
+      uint32_t want = UINT32_MAX;
+      double want_score = INFINITY;
+      for (uint32_t slot : table.Candidates(kGpu0)) {
+        if (!eligible(table.AtSlot(slot))) continue;
+        const double score = filter.Score(table, slot, kNow);
+        if (want == UINT32_MAX || score < want_score) {
+          want = slot;
+          want_score = score;
+        }
+      }
+      ASSERT_EQ(*pick, want) << HeuristicName(h) << " round " << round;
+      taken.push_back(static_cast<uint32_t>(table.AtSlot(*pick).id));
+    }
+  }
+}
+
+// The same with sampling: for a seed, the search that skips by the bound
+// (scoring the lowest bound first) picks what scoring every sample picks,
+// ties included (tensors whose own cost is 0 but whose evicted neighbours
+// cost as much as others' own).
+TEST(FilterTest, SampledSearchesSkippingByLowerBoundPickWhatScoringAllPicks) {
+  TensorTable table;
+  FillTying(table, 900, /*seed=*/11, /*evict_every=*/4);
+  CostModel costs;
+  ASSERT_TRUE(costs.SetBandwidth(0, {4e9, 4e9}).ok());
+  for (Heuristic h :
+       {Heuristic::kDtr, Heuristic::kDtrEq, Heuristic::kDeltaCost}) {
+    for (uint64_t seed = 1; seed <= 50; ++seed) {
+      FilterOptions skipping = Options(h, /*sampled=*/true, false, seed);
+      FilterOptions scoring = skipping;
+      scoring.skip_by_bound = false;
+      Filter a(skipping, &costs), b(scoring, &costs);
+      for (int call = 0; call < 5; ++call) {
+        absl::StatusOr<uint32_t> pa = a.Select(table, kGpu0, 20, Any);
+        absl::StatusOr<uint32_t> pb = b.Select(table, kGpu0, 20, Any);
+        ASSERT_TRUE(pa.ok() && pb.ok());
+        ASSERT_EQ(*pa, *pb) << HeuristicName(h) << " seed " << seed;
+      }
+    }
   }
 }
 

@@ -305,5 +305,61 @@ TEST(HeuristicTest, DeltaCostCountsEvictedChildrenInTheRecomputePrice) {
   EXPECT_DOUBLE_EQ(score(), 800.0 / (100000.0 * 10));
 }
 
+// A table where evicted parents and children make the neighbourhood cost
+// exceed the tensor's own, and the flags forbid one action or the other.
+void FillWithEvictedNeighbours(TensorTable& table) {
+  uint64_t x = 99;
+  auto next = [&x] {
+    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    return x >> 33;
+  };
+  for (TensorId id = 1; id <= 300; ++id) {
+    TensorSpec s = Spec(id, 1 + static_cast<int64_t>(next() % 100000),
+                        static_cast<int64_t>(next() % 200000));
+    if (id > 2) s.parents = {1 + next() % (id - 1), 1 + next() % (id - 1)};
+    if (s.parents.size() == 2 && s.parents[0] == s.parents[1]) {
+      s.parents.pop_back();
+    }
+    s.flags.evict_pinned = next() % 11 == 0;
+    s.flags.offload_pinned = next() % 13 == 0;
+    s.flags.uncomputable = next() % 17 == 0;
+    AddAt(table, s, static_cast<int64_t>(next() % 1000));
+  }
+  for (TensorId id = 1; id <= 300; id += 3) {
+    const TensorFlags f = table.Find(id)->flags;
+    if (f.uncomputable || f.evict_pinned) continue;  // cannot be evicted
+    ASSERT_TRUE(table.SetState(id, TensorState::kEvicted).ok());
+  }
+}
+
+TEST(HeuristicTest, ScoreLowerBoundIsNeverAboveTheScore) {
+  TensorTable table;
+  FillWithEvictedNeighbours(table);
+  CostModel costs;
+  ASSERT_TRUE(costs.SetBandwidth(0, {1e9, 2e9}).ok());
+  costs.SetOffloadBacklog(0, 50000);
+  const MegEngineParams me;
+  constexpr int64_t kNow = 5000;
+  const Scope gpu = kGpu0;
+  int looser = 0;  // where the walk added to the bound: the test's point
+  for (Heuristic h :
+       {Heuristic::kDelta, Heuristic::kLru, Heuristic::kGreedy, Heuristic::kDtr,
+        Heuristic::kDtrEq, Heuristic::kMegEngine, Heuristic::kDeltaCost}) {
+    for (uint32_t slot : table.Candidates(gpu)) {
+      const double score = Score(h, me, table, slot, kNow, &costs);
+      const double bound = ScoreLowerBound(h, me, table, slot, kNow, &costs);
+      EXPECT_LE(bound, score) << HeuristicName(h) << " slot " << slot;
+      if (!HasLowerBound(h)) {
+        EXPECT_EQ(bound, score) << HeuristicName(h);
+      } else if (bound < score) {
+        ++looser;
+      }
+    }
+  }
+  EXPECT_GT(looser, 10);
+  EXPECT_TRUE(HasLowerBound(Heuristic::kDeltaCost));
+  EXPECT_FALSE(HasLowerBound(Heuristic::kDelta));
+}
+
 }  // namespace
 }  // namespace deltad::policy
