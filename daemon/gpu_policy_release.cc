@@ -202,6 +202,9 @@ GpuPolicy::MakeRoom(SessionId session, int64_t bytes, int64_t now_ns) {
 
   std::vector<policy::ReleaseOrder> chosen;
   absl::Status failure;
+  // The tensors of one request come from one sample (policy::Filter::Batch):
+  // a sample's misses were most of each tensor's decision.
+  policy::Filter::Batch batch(filter_);
   for (Tier tier : {Tier::kOverShare, Tier::kRequester}) {
     while (shortage.Wants(tier) && failure.ok()) {
       absl::StatusOr<policy::ReleaseOrder> order =
@@ -320,6 +323,7 @@ std::map<SessionId, v1::Orders> GpuPolicy::Plan(SessionId session,
     Shortage shortage;
     shortage.gpu = *to_free;
     shortage.own = *own_to_free;
+    policy::Filter::Batch batch(filter_);
     for (Tier tier : {Tier::kOverShare, Tier::kRequester}) {
       while (shortage.Wants(tier)) {
         std::optional<policy::ReleaseOrder> order =

@@ -13,6 +13,11 @@ namespace {
 // Sampled candidates live at random slots; loading this many ahead keeps
 // several misses in flight. (The exact scan showed no gain from it.)
 constexpr size_t kPrefetchAhead = 24;
+// In a Batch, a sample serves a pick per this many of its tensors (at
+// 800k tensors, 14 picks from 900); below, each pick draws anew. Set by
+// the simulator's traces: reusing samples of 15-40 tensors made some
+// cells up to 1.7x slower (dtr-sampled, docs/BENCHMARKS.md).
+constexpr size_t kTensorsPerPick = 64;
 }  // namespace
 
 Filter::Filter(FilterOptions options, const CostModel* costs)
@@ -28,8 +33,16 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
     // 1% of the mean, computed from the running byte total: O(1).
     min_bytes = table.CandidateBytes(scope) / static_cast<int64_t>(n) / 100;
   }
+  // Set while a batch scores its sample again: a sampled tensor may have
+  // left the candidates since (released by an earlier pick).
+  bool recheck = false;
   auto usable = [&](uint32_t slot) {
     const Tensor& t = table.AtSlot(slot);
+    if (recheck &&
+        (t.bytes <= 0 || t.state != TensorState::kResident ||
+         (scope.session ? t.session != *scope.session : t.gpu != scope.gpu))) {
+      return false;
+    }
     return t.lock_count == 0 && t.bytes >= min_bytes && eligible(t);
   };
 
@@ -62,7 +75,15 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
   };
 
   if (options_.sampled && n > 0) {
-    const size_t k = static_cast<size_t>(std::ceil(std::sqrt(double(n))));
+    // A sample serves one pick per kTensorsPerPick of its tensors: the
+    // j-th best of k is about as good as the best of k/j, so a small
+    // sample (a small table) draws anew for every pick, as without a batch.
+    bool again = batch_depth_ > 0 && batch_sample_ &&
+                 batch_scope_.gpu == scope.gpu &&
+                 batch_scope_.session == scope.session &&
+                 batch_picks_ < sample_.size() / kTensorsPerPick;
+    size_t k = again ? sample_.size()
+                     : static_cast<size_t>(std::ceil(std::sqrt(double(n))));
     sample_.resize(k);
     uint32_t* sample = sample_.data();
     // With a lower bound, the first pass only bounds each sample (NaN:
@@ -70,7 +91,7 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
     // that can beat it, against a walk per new minimum in sample order.
     if (bounded) bounds_.resize(k);
     double* bounds = bounds_.data();
-    size_t lowest = k;
+    size_t lowest = SIZE_MAX;
     auto look = [&](size_t i) {
       if (!bounded) {
         consider(sample[i], i);
@@ -79,7 +100,7 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
       bounds[i] = std::numeric_limits<double>::quiet_NaN();
       if (!usable(sample[i])) return;
       bounds[i] = LowerBound(table, sample[i], now_ns);
-      if (lowest == k || bounds[i] < bounds[lowest]) lowest = i;
+      if (lowest == SIZE_MAX || bounds[i] < bounds[lowest]) lowest = i;
     };
     // Every load is a miss at a million tensors, so each is started
     // kPrefetchAhead draws before it is needed. A multiply maps a draw to
@@ -88,26 +109,47 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
       return static_cast<uint32_t>(
           absl::Uint128High64(absl::uint128(NextRandom()) * range));
     };
-    // Three stages: a position in the list (its entry being loaded), the
-    // slot there (its tensor being loaded), the tensor. (Drawing slots of
-    // the table and keeping the candidates, one miss a draw instead of
-    // two, measured 1.3-1.5x slower at a million tensors, whether each
-    // draw was kept as it arrived or all were checked after loading.)
-    for (size_t i = 0; i < k; ++i) sample[i] = below(n);
-    auto resolve = [&](size_t i) {
-      sample[i] = candidates[sample[i]];
-      table.Prefetch(sample[i]);
-    };
-    for (size_t i = 0; i < std::min(k, 2 * kPrefetchAhead); ++i) {
-      __builtin_prefetch(&candidates[sample[i]]);
-    }
-    for (size_t i = 0; i < std::min(k, kPrefetchAhead); ++i) resolve(i);
-    for (size_t i = 0; i < k; ++i) {
-      if (i + 2 * kPrefetchAhead < k) {
-        __builtin_prefetch(&candidates[sample[i + 2 * kPrefetchAhead]]);
+    if (again) {
+      recheck = true;
+      for (size_t i = 0; i < k; ++i) look(i);
+      recheck = false;
+      if (lowest == SIZE_MAX && best == UINT32_MAX) {
+        // Nothing of it qualifies any more: a new sample.
+        k = static_cast<size_t>(std::ceil(std::sqrt(double(n))));
+        sample_.resize(k);
+        sample = sample_.data();
+        if (bounded) bounds_.resize(k);
+        bounds = bounds_.data();
+        again = false;
       }
-      if (i + kPrefetchAhead < k) resolve(i + kPrefetchAhead);
-      look(i);
+    }
+    if (!again) {
+      // Three stages: a position in the list (its entry being loaded), the
+      // slot there (its tensor being loaded), the tensor. (Drawing slots of
+      // the table and keeping the candidates, one miss a draw instead of
+      // two, measured 1.3-1.5x slower at a million tensors, whether each
+      // draw was kept as it arrived or all were checked after loading.)
+      for (size_t i = 0; i < k; ++i) sample[i] = below(n);
+      auto resolve = [&](size_t i) {
+        sample[i] = candidates[sample[i]];
+        table.Prefetch(sample[i]);
+      };
+      for (size_t i = 0; i < std::min(k, 2 * kPrefetchAhead); ++i) {
+        __builtin_prefetch(&candidates[sample[i]]);
+      }
+      for (size_t i = 0; i < std::min(k, kPrefetchAhead); ++i) resolve(i);
+      for (size_t i = 0; i < k; ++i) {
+        if (i + 2 * kPrefetchAhead < k) {
+          __builtin_prefetch(&candidates[sample[i + 2 * kPrefetchAhead]]);
+        }
+        if (i + kPrefetchAhead < k) resolve(i + kPrefetchAhead);
+        look(i);
+      }
+      if (batch_depth_ > 0) {
+        batch_sample_ = true;
+        batch_scope_ = scope;
+        batch_picks_ = 0;
+      }
     }
     if (bounded && lowest < k) {
       offer(sample[lowest], lowest, bounds[lowest]);
@@ -117,6 +159,7 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
         }
       }
     }
+    if (batch_depth_ > 0 && best != UINT32_MAX) ++batch_picks_;
   }
   if (best == UINT32_MAX) {
     for (size_t i = 0; i < n; ++i) {

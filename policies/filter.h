@@ -52,6 +52,31 @@ class Filter {
   }
   const FilterOptions& options() const { return options_; }
 
+  // The picks of one release (RAII; may nest). While one is open, a
+  // sampled Select scores the sample it drew last for the same scope again
+  // (its tensors are in cache: no miss), less the tensors no longer
+  // resident or usable, each pick seeing the table as the earlier ones
+  // left it; it draws anew when none of them qualifies, or when the sample
+  // has served one pick per 64 of its tensors (a sample of under 128
+  // serves one: each pick draws anew, as without a batch). A release of
+  // several tensors at scale then costs one sample's misses instead of one
+  // each: the best few of a sample of ceil(sqrt(N)) rather than the best
+  // of several samples.
+  class Batch {
+   public:
+    explicit Batch(Filter& filter) : filter_(filter) {
+      if (filter_.batch_depth_++ == 0) filter_.batch_sample_ = false;
+    }
+    ~Batch() {
+      if (--filter_.batch_depth_ == 0) filter_.batch_sample_ = false;
+    }
+    Batch(const Batch&) = delete;
+    Batch& operator=(const Batch&) = delete;
+
+   private:
+    Filter& filter_;
+  };
+
  private:
   uint64_t NextRandom() {
     // splitmix64: tiny, fast, and the same sequence on every platform.
@@ -67,6 +92,12 @@ class Filter {
   // Reused between calls: the sampled slots and their lower bounds.
   std::vector<uint32_t> sample_;
   std::vector<double> bounds_;
+  // Open Batches, and whether sample_ is the last one drawn in them, for
+  // batch_scope_.
+  int batch_depth_ = 0;
+  bool batch_sample_ = false;
+  size_t batch_picks_ = 0;  // made from sample_ so far
+  Scope batch_scope_;
 };
 
 }  // namespace deltad::policy

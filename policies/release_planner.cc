@@ -37,6 +37,8 @@ absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::ReleaseUpTo(
         "asked to release up to ", bytes, " bytes; none is resident"));
   }
   bytes = std::min(bytes, resident);
+  // Both plans score one sample (see Filter::Batch).
+  Filter::Batch batch(filter_);
   int64_t most = 0;
   auto all = Plan(scope, bytes, now_ns, host_bytes_available, AnyTensor, most);
   if (all.ok() || !absl::IsResourceExhausted(all.status()) || most <= 0 ||
@@ -52,6 +54,8 @@ absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Plan(
     const Scope& scope, int64_t bytes, int64_t now_ns,
     int64_t host_bytes_available, Eligible eligible, int64_t& most) {
   most = 0;
+  // One release, one sample: its misses are most of a pick's time.
+  Filter::Batch batch(filter_);
   if (bytes <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("bytes to release must be positive, got ", bytes));
@@ -127,6 +131,7 @@ std::vector<ReleaseOrder> ReleasePlanner::OffloadAhead(
 std::vector<ReleaseOrder> ReleasePlanner::OffloadAhead(
     const Scope& scope, int64_t bytes, int64_t now_ns,
     int64_t host_bytes_available, Eligible eligible) {
+  Filter::Batch batch(filter_);
   std::vector<ReleaseOrder> orders;
   int64_t host_left = std::max<int64_t>(0, host_bytes_available);
   // Offloads planned in this call queue behind each other on the link.
@@ -134,7 +139,7 @@ std::vector<ReleaseOrder> ReleasePlanner::OffloadAhead(
   for (int64_t freed = 0; freed < bytes;) {
     auto pick = filter_.Select(table_, scope, now_ns, [&](const Tensor& t) {
       if (!eligible(t) || !director_.CanRelease(t, host_left)) return false;
-      auto action = director_.Decide(table_, table_.SlotOf(t.id), host_left,
+      auto action = director_.Decide(table_, table_.SlotOfTensor(t), host_left,
                                      host_left_at_start - host_left);
       return action.ok() && *action == ReleaseAction::kOffload;
     });

@@ -55,26 +55,28 @@ struct TensorSpec {
 // A tensor as the policy sees it. Owned by TensorTable; read it through the
 // table, never keep a reference across a call that adds tensors.
 struct alignas(64) Tensor {
-  // The fields every Filter score reads come first, in one cache line (the
-  // alignment keeps them in one): a sampled decision touches sqrt(N) random
-  // tensors and is bound by misses.
+  // The fields every Filter score and the daemon's eligibility read come
+  // first, in one cache line (the alignment keeps them in one): a sampled
+  // decision touches sqrt(N) random tensors and is bound by misses.
   int64_t bytes = 0;
   int64_t last_access_ns = 0;  // wall (or simulated) time
   int64_t compute_cost_ns = 0;
   TensorId id = 0;
   uint32_t lock_count = 0;  // > 0 while an op uses it: not releasable
-  uint32_t recompute_count = 0;
   TensorFlags flags;
   TensorState state = TensorState::kResident;
   // Evicted straight from the device (a cancellable release), rather than by
   // dropping the host copy of an offloaded tensor.
   bool evicted_from_device = false;
   GpuId gpu = 0;
+  SessionId session = 0;  // whose: the daemon's release checks it
+
+  // MegEngine's terms (not the default heuristic) in the next line.
+  uint32_t recompute_count = 0;
   // Free bytes next to this tensor in the allocator, when an allocator model
   // reports them (MegEngine's fragmentation term); 0 otherwise.
   int64_t adjacent_free_bytes = 0;
 
-  SessionId session = 0;
   uint64_t stable_key = 0;
   uint64_t last_access_tick = 0;   // the session's logical clock
   std::vector<uint32_t> parents;   // slots in the table

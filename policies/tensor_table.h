@@ -98,6 +98,10 @@ class TensorTable {
   // Starts loading a tensor's first cache line; a hint, no effect on state.
   void Prefetch(uint32_t slot) const { __builtin_prefetch(&slots_[slot]); }
   uint32_t SlotOf(TensorId id) const;  // UINT32_MAX when unknown
+  // The slot of a tensor of this table, without the id's lookup.
+  uint32_t SlotOfTensor(const Tensor& t) const {
+    return static_cast<uint32_t>(&t - slots_.data());
+  }
   // The evicted components, rebuilt first if deferred changes left them
   // stale (DeferComponents).
   const EvictedComponents& components() const {
