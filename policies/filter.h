@@ -52,7 +52,8 @@ class Filter {
   }
   const FilterOptions& options() const { return options_; }
 
-  // The picks of one release (RAII; may nest). While one is open, a
+  // The picks of one release (RAII; may nest; every Select in it on the
+  // same table). While one is open, a
   // sampled Select scores the sample it drew last for the same scope again
   // (its tensors are in cache: no miss), less the tensors no longer
   // resident or usable, each pick seeing the table as the earlier ones
