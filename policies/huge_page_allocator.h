@@ -31,7 +31,10 @@ class HugePageAllocator {
     if (n > SIZE_MAX / sizeof(T)) throw std::bad_array_new_length();
     const size_t bytes = n * sizeof(T);
     if (bytes < kHugePageBytes) {
-      return static_cast<T*>(::operator new(bytes));
+      // Aligned as T asks (a Tensor: its cache line), past what plain
+      // operator new promises.
+      return static_cast<T*>(
+          ::operator new (bytes, std::align_val_t{alignof(T)}));
     }
     const size_t mapped = Mapped(bytes);
     void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE,
@@ -44,7 +47,7 @@ class HugePageAllocator {
   void deallocate(T* p, size_t n) noexcept {
     const size_t bytes = n * sizeof(T);
     if (bytes < kHugePageBytes) {
-      ::operator delete(p);
+      ::operator delete (p, std::align_val_t{alignof(T)});
     } else {
       munmap(p, Mapped(bytes));
     }

@@ -5,6 +5,7 @@
 #include "policies/huge_page_allocator.h"
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -45,6 +46,23 @@ TEST(HugePageAllocatorTest,
   p[n - 1] = 2;
   EXPECT_EQ(p[0] + p[n - 1], 3);
   alloc.deallocate(p, n);
+}
+
+// A Tensor asks for its cache line: small arrays (from operator new) and
+// mapped ones alike start on one, or its scored fields straddle two.
+TEST(HugePageAllocatorTest, ArraysAreAlignedAsTheirTypeAsks) {
+  struct alignas(64) Line {
+    char bytes[64];
+  };
+  HugePageAllocator<Line> alloc;
+  // Held at once, so that each comes from a new place in the heap.
+  std::vector<std::pair<Line*, size_t>> held;
+  for (size_t n = 1; n <= 40; ++n) held.emplace_back(alloc.allocate(n), n);
+  held.emplace_back(alloc.allocate(40000), 40000);  // 2.4 MiB: mapped
+  for (auto [p, n] : held) {
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u) << n;
+  }
+  for (auto [p, n] : held) alloc.deallocate(p, n);
 }
 
 TEST(HugePageAllocatorTest, AnImpossibleSizeThrowsInsteadOfWrapping) {
