@@ -53,11 +53,8 @@ class CostModel {
   // c_s(t): offload now (after the backlog and `queued` more bytes that
   // the caller is about to add) and reload later.
   int64_t SwapNs(const Tensor& t, int64_t queued = 0) const {
-    const LinkBandwidth bw = Bandwidth(t.gpu);
-    const double out = static_cast<double>(Backlog(t.gpu) + queued + t.bytes);
-    const double in = static_cast<double>(t.bytes);
-    return static_cast<int64_t>(1e9 * out / bw.d2h_bytes_per_s) +
-           static_cast<int64_t>(1e9 * in / bw.h2d_bytes_per_s);
+    return OffloadNs(t.gpu, Backlog(t.gpu) + queued + t.bytes) +
+           ReloadNs(t.gpu, t.bytes);
   }
 
  private:

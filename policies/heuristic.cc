@@ -51,15 +51,19 @@ double Staleness(const Tensor& t, int64_t now_ns) {
   return static_cast<double>(std::max<int64_t>(1, now_ns - t.last_access_ns));
 }
 
-// delta_cost's min(c_r, c_s) / (m * s) for a given c_r.
-double DeltaCost(const Tensor& t, int64_t recompute_ns, int64_t now_ns,
-                 const CostModel* costs) {
+// c_s for delta_cost: kNever where offloading is forbidden or unpriced.
+double SwapPrice(const Tensor& t, const CostModel* costs) {
+  return t.flags.offload_pinned || costs == nullptr
+             ? kNever
+             : static_cast<double>(costs->SwapNs(t));
+}
+
+// delta_cost's min(c_r, c_s) / (m * s) for a given c_r and c_s.
+double DeltaCost(const Tensor& t, int64_t recompute_ns, double swap,
+                 int64_t now_ns) {
   const double recompute = t.flags.uncomputable || t.flags.evict_pinned
                                ? kNever
                                : static_cast<double>(recompute_ns);
-  const double swap = t.flags.offload_pinned || costs == nullptr
-                          ? kNever
-                          : static_cast<double>(costs->SwapNs(t));
   return std::min(recompute, swap) /
          (static_cast<double>(t.bytes) * Staleness(t, now_ns));
 }
@@ -81,7 +85,7 @@ double ScoreLowerBound(Heuristic h, const MegEngineParams& me,
       return static_cast<double>(t.compute_cost_ns) /
              (static_cast<double>(t.bytes) * Staleness(t, now_ns));
     case Heuristic::kDeltaCost:
-      return DeltaCost(t, t.compute_cost_ns, now_ns, costs);
+      return DeltaCost(t, t.compute_cost_ns, SwapPrice(t, costs), now_ns);
     default:
       return Score(h, me, table, slot, now_ns, costs);
   }
@@ -106,13 +110,13 @@ double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
     case Heuristic::kDeltaCost: {
       // The neighbours' walk changes nothing when the tensor cannot be
       // recomputed, or when a swap costs less than its own recompute.
+      const double swap = SwapPrice(t, costs);
       int64_t recompute_ns = t.compute_cost_ns;
-      const bool swap_cheaper = costs != nullptr && !t.flags.offload_pinned &&
-                                costs->SwapNs(t) <= recompute_ns;
-      if (!t.flags.uncomputable && !t.flags.evict_pinned && !swap_cheaper) {
+      if (!t.flags.uncomputable && !t.flags.evict_pinned &&
+          swap > static_cast<double>(recompute_ns)) {
         recompute_ns = NeighbourhoodNsEq(table, slot);
       }
-      return DeltaCost(t, recompute_ns, now_ns, costs);
+      return DeltaCost(t, recompute_ns, swap, now_ns);
     }
     case Heuristic::kMegEngine: {
       const double cost = static_cast<double>(NeighbourhoodNsEq(table, slot));
