@@ -302,12 +302,40 @@ class ErrorsTest(unittest.TestCase):
                 pass
 
     def test_deltad_disable_leaves_the_block_unmanaged(self):
+        model = small_mlp()
         os.environ["DELTAD_DISABLE"] = "1"
         try:
-            with deltad.torch.managed(small_mlp(), socket=None) as manager:
+            with deltad.torch.managed(model, socket=None) as manager:
                 self.assertIsNone(manager)
         finally:
             del os.environ["DELTAD_DISABLE"]
+        # Read anew at every block: unset, the next block is managed.
+        with deltad.torch.managed(model, socket=None) as manager:
+            self.assertIsNotNone(manager)
+
+    def test_an_error_in_a_block_passes_through_and_pops_its_hooks(self):
+        model = small_mlp()
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: packed.append(t) or t, lambda t: t):
+            with self.assertRaisesRegex(KeyError, "from the step"):
+                with deltad.torch.managed(model, socket=None, min_bytes=1):
+                    model(torch.randn(4, 256)).sum().backward()
+                    raise KeyError("from the step")
+            # The block's hooks are gone: the outer ones save this.
+            y = torch.randn(3, requires_grad=True)
+            (y * y).sum().backward()
+        self.assertEqual(len(packed), 2)
+
+    def test_a_block_in_use_cannot_be_entered_again_until_it_ends(self):
+        model = small_mlp()
+        block = deltad.torch.managed(model, socket=None, min_bytes=1)
+        with block:
+            with self.assertRaisesRegex(RuntimeError, "not reentrant"):
+                block.__enter__()
+        with block as manager:  # ended: it may serve again
+            model(torch.randn(4, 256)).sum().backward()
+        self.assertEqual(manager.stats().iterations, 1)
 
     def test_without_a_model_parameters_stay_and_activations_offload(self):
         model, x, expected = mlp_and_its_gradients()

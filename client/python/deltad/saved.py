@@ -511,8 +511,15 @@ class SavedStore(_core.Core):
         bytes are kept until autograd lets go of them); nothing more is
         released."""
         with self.lock:
-            self._end_iteration()
-            self.unpacked = []
+            # _end_iteration's work, inline: a block entered every step
+            # pays its exit with the caches cold, a call more costs.
+            if self.unpacked:
+                self.plan.unpack_order = self.unpacked
+                self.plan.groups = len(self.by_position)
+                self.unpacked = []
+            if self.released_this_iteration:
+                self.plan.pressure = True
+                self.released_this_iteration = False
             self.closed = True
             if self.in_flight:
                 self._poll_copies()

@@ -33,7 +33,6 @@ daemon, a budget it lowers is followed from the next iteration on.
 Set DELTAD_DISABLE=1 to run the block unmanaged without changing code.
 """
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -72,6 +71,8 @@ class _Plan:
         self.unpack_order = []
         self.groups = 0
         self.memory = None  # _model_memory's answer, while `anchor` holds
+        # (and whether its device is CUDA: torch.device.type costs a
+        # block entered every step ~20 us with the caches cold)
         self.anchor = None  # the first parameter then (_first_parameter)
         self.spare = None  # an idle _Engine its next block may take
 
@@ -91,7 +92,8 @@ def _memory_of(model, plan):
         first = table.get(name)
         if first is not None and first.data_ptr() == address:
             return plan.memory
-    plan.memory = _model_memory(model)
+    device, fixed = _model_memory(model)
+    plan.memory = device, fixed, device.type == "cuda"
     plan.anchor = _first_parameter(model)
     return plan.memory
 
@@ -212,8 +214,9 @@ class _Engine:
         self.pack, self.unpack = self.store.hook_pack, self.store.hook_unpack
 
     def serves(self, settings, device, fixed):
-        return (self.settings == settings and self.device == device and
-                self.fixed is fixed)
+        # (The device of a model's cached memory is the very object.)
+        return (self.settings == settings and self.fixed is fixed and
+                (self.device is device or self.device == device))
 
     def reopen(self, model):
         """Serves another block: laid aside idle (lay_aside), it stays so,
@@ -221,11 +224,6 @@ class _Engine:
         self.model = model
         self.store.reopen(self.requested_budget, self.prefetch_bytes,
                           self._director, self._on_iteration)
-
-    def close(self):
-        """The block ended."""
-        self.recorder.unwrap()
-        self.store.close()
 
     def lay_aside(self):
         """Whether it can wait for the next block of its model: only when
@@ -363,9 +361,14 @@ class Manager:
         # graph of the block unpacked later still counts in the store);
         # the ManagerStats is built only when asked for: a block entered
         # every step would build one every step.
-        self._final = (e.store.counters.snapshot(), e.activation_budget,
-                       e.connected(), e.recorder.recorded, self.iterations)
-        e.close()
+        store, recorder = e.store, e.recorder
+        self._final = (store.counters.snapshot(), store.budget,
+                       e.client is not None and e.connected(),
+                       recorder.recorded,
+                       e.iterations - self._iterations_before)
+        if recorder.wrapped:
+            recorder.unwrap()
+        store.close()
 
 
 def _model_memory(model):
@@ -425,11 +428,7 @@ def close_sessions():
     _sessions.clear()
 
 
-@contextlib.contextmanager
-def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
-            min_bytes=64 << 10, host_bytes=0, label="pytorch", client=None,
-            policy="auto", prefetch_bytes=None, max_depth=4,
-            reserve_bytes=None, link_bytes_per_second=None, device=None):
+class managed:
     """Keeps the activations autograd saves inside the block within a
     budget.
 
@@ -438,8 +437,8 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
     CUDA device, else the CPU), offloading only, since recompute reruns the
     model's modules (what `python -m deltad.run` uses). budget_bytes: on
     the CPU the bytes saved activations may hold; on CUDA all the process
-    may hold (asked of the daemon, whose grant lowers it). socket: the daemon's; None for the in-process policy
-    only. policy: "auto" (the Director chooses offload or recompute per
+    may hold (asked of the daemon, whose grant lowers it). socket: the
+    daemon's; None for the in-process policy only. policy: "auto" (the Director chooses offload or recompute per
     tensor), "offload" (never recompute) or "recompute" (evict whatever can
     be recomputed). prefetch_bytes: how far backward reloads ahead
     (default: a quarter of the budget; 0: off). max_depth: how many module
@@ -452,81 +451,126 @@ def managed(model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
     close_sessions()).
     Yields the Manager, whose stats() says what the block did.
     """
-    if model is not None and not isinstance(model, _torch.nn.Module):
-        raise TypeError(
-            f"managed() takes an nn.Module, got {type(model).__name__}")
-    # (torch.compile's wrapper keeps the module among its submodules; a
-    # hasattr would go through Module.__getattr__ and raise inside, which
-    # costs a block entered every step more than the rest of this check.)
-    if model is not None and "_orig_mod" in model._modules:
-        # torch.compile's OptimizedModule. Saved-tensor hooks and module
-        # wrappers under compiled autograd have not been tried yet.
-        raise NotImplementedError(
-            "deltad.torch.managed does not manage a torch.compile'd model "
-            "yet: pass the module before torch.compile (and run it "
-            "eagerly), or set DELTAD_DISABLE=1 to run without deltad")
-    if model is None and policy == "recompute":
-        raise ValueError("policy='recompute' reruns the model's modules: "
-                         "pass the model")
-    if budget_bytes <= 0:
-        raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
-    if policy not in _POLICIES:
-        raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
-    if max_depth < 1:
-        raise ValueError(f"max_depth must be at least 1, got {max_depth}")
-    if disabled():
-        yield None
-        return
-    if model is None:
-        plan, fixed = _any_model_plan, None
-        device = _torch.device(device) if device is not None else (
-            _torch.device("cuda", _torch.cuda.current_device())
-            if _torch.cuda.is_available() else _torch.device("cpu"))
-        if device.type == "cuda" and device.index is None:
-            device = _torch.device("cuda", _torch.cuda.current_device())
-        policy = "offload"
-    else:
-        plan = _plans.get(model)  # setdefault would make a weakref each time
-        if plan is None:
-            plan = _plans[model] = _Plan()
-        device, fixed = _memory_of(model, plan)
-    round_trips = 0
-    if client is None and device.type == "cuda":
-        client = _allocator.installed_client(device.index)
-    if client is None and socket is not None:
-        # The daemon session: its grant bounds the budget. Connecting is
-        # the one round trip, at the process's first block; without a
-        # daemon the client falls back to the budget asked for.
-        client, round_trips = _session(socket, label, budget_bytes,
-                                       host_bytes)
-    if prefetch_bytes is None:
-        prefetch_bytes = budget_bytes // 4
-    if reserve_bytes is None:
-        reserve_bytes = budget_bytes // 8 if device.type == "cuda" else 0
-    host_bytes = host_bytes or _HOST_DEFAULT
-    settings = (budget_bytes, min_bytes, policy, prefetch_bytes, max_depth,
-                host_bytes, reserve_bytes, client, link_bytes_per_second)
-    engine, plan.spare = plan.spare, None
-    if engine is not None and engine.serves(settings, device, fixed):
-        engine.reopen(model)
-    else:
-        engine = _Engine(settings, model, plan, device, fixed)
-    manager = Manager(engine, round_trips)
-    if policy == "recompute":
-        manager.recorder.wrap(model)
-    try:
-        with _torch.autograd.graph.saved_tensors_hooks(manager.pack,
-                                                       manager.unpack):
-            yield manager
-    except _torch.cuda.OutOfMemoryError as e:
-        if isinstance(e, OutOfMemoryError):
-            raise
-        raise OutOfMemoryError(
-            f"{str(e).strip()}\n{manager.describe_memory()}") from e
-    finally:
-        manager._close()
-        if engine.lay_aside():
-            plan.spare = engine
+
+    # A class, not a generator wrapped by contextlib: a block entered
+    # every step pays its entry and exit with the CPU's caches cold after
+    # the step, where the generator's machinery alone cost ~15 us.
+    __slots__ = ("_args", "_manager", "_hooks", "_plan")
+
+    def __init__(self, model, budget_bytes=1 << 30, socket=DEFAULT_SOCKET,
+                 min_bytes=64 << 10, host_bytes=0, label="pytorch",
+                 client=None, policy="auto", prefetch_bytes=None,
+                 max_depth=4, reserve_bytes=None,
+                 link_bytes_per_second=None, device=None):
+        self._args = (model, budget_bytes, socket, min_bytes, host_bytes,
+                      label, client, policy, prefetch_bytes, max_depth,
+                      reserve_bytes, link_bytes_per_second, device)
+        self._manager = None
+
+    def __enter__(self):
+        if self._manager is not None:
+            raise RuntimeError("a managed block is not reentrant: make a "
+                               "new one with managed(...)")
+        (model, budget_bytes, socket, min_bytes, host_bytes, label, client,
+         policy, prefetch_bytes, max_depth, reserve_bytes,
+         link_bytes_per_second, device) = self._args
+        if model is not None and not isinstance(model, _torch.nn.Module):
+            raise TypeError(
+                f"managed() takes an nn.Module, got {type(model).__name__}")
+        # (torch.compile's wrapper keeps the module among its submodules;
+        # a hasattr would go through Module.__getattr__ and raise inside,
+        # which costs a block entered every step more than the rest of
+        # this check.)
+        if model is not None and "_orig_mod" in model._modules:
+            # torch.compile's OptimizedModule. Saved-tensor hooks and module
+            # wrappers under compiled autograd have not been tried yet.
+            raise NotImplementedError(
+                "deltad.torch.managed does not manage a torch.compile'd "
+                "model yet: pass the module before torch.compile (and run "
+                "it eagerly), or set DELTAD_DISABLE=1 to run without deltad")
+        if model is None and policy == "recompute":
+            raise ValueError("policy='recompute' reruns the model's "
+                             "modules: pass the model")
+        if budget_bytes <= 0:
+            raise ValueError(
+                f"budget_bytes must be positive, got {budget_bytes}")
+        if policy not in _POLICIES:
+            raise ValueError(
+                f"policy must be one of {_POLICIES}, got {policy!r}")
+        if max_depth < 1:
+            raise ValueError(
+                f"max_depth must be at least 1, got {max_depth}")
+        if disabled():
+            return None
+        if model is None:
+            plan, fixed = _any_model_plan, None
+            device = _torch.device(device) if device is not None else (
+                _torch.device("cuda", _torch.cuda.current_device())
+                if _torch.cuda.is_available() else _torch.device("cpu"))
+            if device.type == "cuda" and device.index is None:
+                device = _torch.device("cuda", _torch.cuda.current_device())
+            policy = "offload"
+            cuda = device.type == "cuda"
+        else:
+            # (setdefault would make a weakref each time)
+            plan = _plans.get(model)
+            if plan is None:
+                plan = _plans[model] = _Plan()
+            device, fixed, cuda = _memory_of(model, plan)
+        round_trips = 0
+        if client is None and cuda:
+            client = _allocator.installed_client(device.index)
+        if client is None and socket is not None:
+            # The daemon session: its grant bounds the budget. Connecting is
+            # the one round trip, at the process's first block; without a
+            # daemon the client falls back to the budget asked for.
+            client, round_trips = _session(socket, label, budget_bytes,
+                                           host_bytes)
+        if prefetch_bytes is None:
+            prefetch_bytes = budget_bytes // 4
+        if reserve_bytes is None:
+            reserve_bytes = budget_bytes // 8 if cuda else 0
+        host_bytes = host_bytes or _HOST_DEFAULT
+        settings = (budget_bytes, min_bytes, policy, prefetch_bytes,
+                    max_depth, host_bytes, reserve_bytes, client,
+                    link_bytes_per_second)
+        engine, plan.spare = plan.spare, None
+        if engine is not None and engine.serves(settings, device, fixed):
+            engine.reopen(model)
+        else:
+            engine = _Engine(settings, model, plan, device, fixed)
+        manager = Manager(engine, round_trips)
+        if policy == "recompute":
+            manager.recorder.wrap(model)
+        hooks = _torch.autograd.graph.saved_tensors_hooks(manager.pack,
+                                                          manager.unpack)
+        hooks.__enter__()
+        self._manager, self._hooks, self._plan = manager, hooks, plan
+        return manager
+
+    def __exit__(self, exc_type, exc, tb):
+        manager = self._manager
+        if manager is None:
+            return False  # disabled
+        self._manager = None
+        engine = manager._engine
+        error = None
+        try:
+            self._hooks.__exit__(exc_type, exc, tb)
+            if (isinstance(exc, _torch.cuda.OutOfMemoryError) and
+                    not isinstance(exc, OutOfMemoryError)):
+                # Described before the block closes: what it held then.
+                error = OutOfMemoryError(
+                    f"{str(exc).strip()}\n{manager.describe_memory()}")
+        finally:
+            self._hooks = None
+            manager._close()
+            if engine.lay_aside():
+                self._plan.spare = engine
+            self._plan = None
+        if error is not None:
+            raise error from exc
+        return False
 
 
 def _size(nbytes):
