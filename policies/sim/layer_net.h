@@ -142,12 +142,13 @@ class LayerNet {
   absl::StatusOr<Trace> Finish();
 
  private:
-  // torch.optim's step over every weight: plain SGD reads the weight and its
-  // gradient and writes the weight; momentum also reads and writes a
+  // torch.optim's step, one op per weight: plain SGD reads the weight and
+  // its gradient and writes the weight; momentum also reads and writes a
   // momentum buffer per weight, Adam two moment estimates (exp_avg,
   // exp_avg_sq), in the weight's dtype. Adam's default multi-tensor path
   // (torch/optim/adam.py, _multi_tensor_adam) also makes the square roots
-  // of exp_avg_sq as new tensors, one weight's worth in all, for the step.
+  // of exp_avg_sq as new tensors, one weight's worth in all, before the
+  // update ("optimizer_step_sqrt"), which every weight's op reads.
   void OptimizerStep();
 
   struct Info {

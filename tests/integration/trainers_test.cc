@@ -132,14 +132,18 @@ TEST(Trainers, WithoutADaemonAJobTrainsWithTheInProcessPolicy) {
 }
 
 // Small tensors share chunks by size class and a tensor of a chunk and a
-// bit takes two: ResNet-50 at batch 2 needs more chunks than its peak in
-// bytes, and at that moment nothing releasable frees a whole one. Without a
-// daemon to lend them, the client failed the step ("device memory is
-// full"); it now maps chunks past the budget for what rounding takes.
+// bit takes two: ResNet-50 at batch 2 in 16 MiB chunks needs more chunks
+// than its peak in bytes, and at that moment nothing releasable frees a
+// whole one. Without a daemon to lend them, the client failed the step
+// ("device memory is full"); it now maps chunks past the budget for what
+// rounding takes. (In 2 MiB chunks the optimizer step, one op for every
+// weight, needed them; one op per weight since 2026-11-28, it does not.)
 TEST(Trainers, WithoutADaemonAJobGivenItsWholePeakTrainsDespiteRounding) {
   const std::string dir = ::testing::TempDir();
-  Job a = StartTrainer(dir, dir + "/nothing-here.sock", "rounding", 0,
-                       {"--model=resnet50", "--batch=2", "--budget=1.0"}, 2);
+  Job a = StartTrainer(
+      dir, dir + "/nothing-here.sock", "rounding", 0,
+      {"--model=resnet50", "--batch=2", "--budget=1.0", "--chunk_kib=16384"},
+      2);
   ASSERT_NE(a.process, nullptr);
   const ExitStatus exit = a.process->WaitOrKill(absl::Seconds(120));
   const std::string out = ReadFileOrEmpty(a.output);

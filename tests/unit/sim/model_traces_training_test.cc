@@ -41,7 +41,12 @@ TEST(ModelTraces, WeightsAndGradientsAreUpdatedInPlace) {
   for (const std::string& model : ModelNames()) {
     SCOPED_TRACE(model);
     const Trace t = Build(model, 2);
-    const int32_t last = static_cast<int32_t>(t.ops.size()) - 1;
+    // The optimizer step: the ops after the last op of the backward pass.
+    int32_t first_step = static_cast<int32_t>(t.ops.size());
+    while (first_step > 0 && t.ops[first_step - 1].name == "optimizer_step") {
+      --first_step;
+    }
+    ASSERT_LT(first_step, static_cast<int32_t>(t.ops.size()));
     std::map<int32_t, int> weight_versions;
     std::map<int32_t, int> grad_versions;
     for (const TraceValue& v : t.values) {
@@ -51,11 +56,14 @@ TEST(ModelTraces, WeightsAndGradientsAreUpdatedInPlace) {
       const TraceValue& r = t.values[root];
       if (IsParameter(r)) {
         ++weight_versions[root];
-        EXPECT_EQ(v.op, last) << r.name << " updated before the step";
+        EXPECT_GE(v.op, first_step) << r.name << " updated before the step";
+        const std::vector<int32_t>& read = t.ops[v.op].inputs;
+        EXPECT_NE(std::find(read.begin(), read.end(), root), read.end())
+            << r.name << " updated by another weight's step";
       } else if (r.kind == Kind::kConstant && absl::EndsWith(r.name, ".grad")) {
         ++grad_versions[root];
         EXPECT_EQ(t.ops[v.op].phase, Phase::kBackward) << r.name;
-        EXPECT_NE(v.op, last) << r.name;
+        EXPECT_LT(v.op, first_step) << r.name;
       }
     }
     for (int32_t v = 0; v < static_cast<int32_t>(t.values.size()); ++v) {
@@ -106,34 +114,79 @@ TEST(ModelTraces, OptimizerStateIsOneOrTwoCopiesOfEachWeightUpdatedByTheStep) {
     o.optimizer = c.optimizer;
     const Trace t = Build("resnet50", o);
     EXPECT_EQ(t.name, c.name);
-    const TraceOp& step = t.ops.back();
-    ASSERT_EQ(step.name, "optimizer_step");
-    std::set<int32_t> inputs(step.inputs.begin(), step.inputs.end());
-    int64_t weights = 0;
-    int states = 0;
-    for (int32_t v = 0; v < static_cast<int32_t>(t.values.size()); ++v) {
-      const TraceValue& value = t.values[v];
-      if (IsParameter(value)) weights += value.bytes;
-      if (value.kind != Kind::kConstant) continue;
-      for (const std::string& suffix : c.suffixes) {
-        if (!absl::EndsWith(value.name, suffix)) continue;
-        ++states;
-        const std::string weight =
-            value.name.substr(0, value.name.size() - suffix.size());
-        EXPECT_EQ(value.bytes, BytesOf(t, weight)) << value.name;
-        EXPECT_TRUE(inputs.count(v)) << value.name << " not read by the step";
-      }
+    const bool adam = c.optimizer == Optimizer::kAdam;
+    // The step: Adam's square roots first, then one op per weight.
+    std::vector<const TraceOp*> steps;
+    const TraceOp* roots_op = nullptr;
+    for (const TraceOp& op : t.ops) {
+      if (op.name == "optimizer_step") steps.push_back(&op);
+      if (op.name == "optimizer_step_sqrt") roots_op = &op;
     }
+    ASSERT_FALSE(steps.empty());
+    EXPECT_EQ(&t.ops.back(), steps.back());
+    ASSERT_EQ(roots_op != nullptr, adam);
+    int32_t roots = -1;
+    if (adam) {
+      ASSERT_EQ(roots_op->outputs.size(), 1u);
+      roots = roots_op->outputs[0];
+      EXPECT_LT(roots_op, steps.front());
+    }
+    int64_t weights = 0;
     int params = 0;
-    for (const TraceValue& v : t.values) params += IsParameter(v) ? 1 : 0;
+    for (const TraceValue& v : t.values) {
+      if (!IsParameter(v)) continue;
+      weights += v.bytes;
+      ++params;
+    }
+    ASSERT_EQ(static_cast<int>(steps.size()), params);
+    // Each weight's op reads that weight, its gradient and its own state
+    // (and Adam's square roots), nothing of another weight's.
+    int states = 0;
+    double step_ns = 0;
+    for (const TraceOp* op : steps) {
+      step_ns += op->time_ns;
+      std::string weight;
+      for (int32_t v : op->inputs) {
+        if (IsParameter(t.values[v])) {
+          EXPECT_TRUE(weight.empty()) << "two weights in one op";
+          weight = t.values[v].name;
+        }
+      }
+      ASSERT_FALSE(weight.empty());
+      std::set<std::string> read;
+      for (int32_t v : op->inputs) {
+        if (v == roots) continue;
+        read.insert(t.values[v].name);
+        EXPECT_TRUE(absl::StartsWith(t.values[v].name, weight))
+            << t.values[v].name << " read by the step of " << weight;
+      }
+      EXPECT_TRUE(read.count(weight + ".grad")) << weight;
+      for (const std::string& suffix : c.suffixes) {
+        ASSERT_TRUE(read.count(weight + suffix)) << weight << suffix;
+        EXPECT_EQ(BytesOf(t, weight + suffix), BytesOf(t, weight));
+        ++states;
+      }
+      EXPECT_EQ(std::count(op->inputs.begin(), op->inputs.end(), roots),
+                adam ? 1 : 0);
+      EXPECT_EQ(op->workspace_bytes, 0);
+    }
     EXPECT_EQ(states, params * static_cast<int>(c.suffixes.size()));
-    // Traffic: the gradient, and the weight and each state both ways.
-    const double bytes = (3.0 + 2.0 * c.suffixes.size()) * weights;
-    EXPECT_NEAR(step.time_ns, bytes / A100().memory_bytes_per_s * 1e9,
-                step.time_ns * 0.01 + 1000);
-    // Adam's multi-tensor step makes the square roots of exp_avg_sq anew.
-    EXPECT_EQ(step.workspace_bytes,
-              c.optimizer == Optimizer::kAdam ? weights : 0);
+    // Traffic: the gradient, the weight and each state both ways, and
+    // Adam's square roots read; making them reads exp_avg_sq and writes
+    // them.
+    const double bytes = (3.0 + 2.0 * c.suffixes.size() + (adam ? 1 : 0)) *
+                         static_cast<double>(weights);
+    EXPECT_NEAR(step_ns, bytes / A100().memory_bytes_per_s * 1e9,
+                step_ns * 0.01 + 1000);
+    if (adam) {
+      // Adam's multi-tensor step makes the square roots of exp_avg_sq anew:
+      // one weight's worth in all.
+      EXPECT_EQ(t.values[roots].bytes, weights);
+      EXPECT_NEAR(roots_op->time_ns,
+                  2.0 * weights / A100().memory_bytes_per_s * 1e9,
+                  roots_op->time_ns * 0.01 + 1000);
+      EXPECT_EQ(roots_op->inputs.size(), static_cast<size_t>(params));
+    }
   }
 }
 
