@@ -197,12 +197,23 @@ class Replay {
     TensorInfo info;
     info.id = Id(storage);
     info.bytes = Bytes(s.bytes);
-    for (int32_t p : s.parents) info.parents.push_back(Id(p));
+    // A storage replaced in place is gone by the time its result is
+    // tracked (Run): the client cannot rebuild the result from it, where
+    // the simulator rebuilds dead storages for a child.
+    bool orphan = false;
+    for (int32_t p : s.parents) {
+      if (live_[p]) {
+        info.parents.push_back(Id(p));
+      } else {
+        orphan = true;
+      }
+    }
+    const bool recomputable = s.recomputable && !orphan;
     info.compute_cost_ns = compute_ns;
-    info.uncomputable = !s.recomputable;
+    info.uncomputable = !recomputable;
     info.stable_key = static_cast<uint64_t>(storage) + 1;
     deltad::client::RecomputeFn fn;
-    if (s.recomputable) {
+    if (recomputable) {
       fn = [this, storage](uint64_t, void* out) {
         return Produce(storage, out, /*recompute=*/true);
       };
@@ -213,7 +224,8 @@ class Replay {
   }
 
   absl::Status Run(int64_t& work_ns) {
-    std::vector<bool> live(program_.storages.size(), false);
+    live_.assign(program_.storages.size(), false);
+    std::vector<bool>& live = live_;
     for (size_t i = 0; i < program_.storages.size(); ++i) {
       if (!program_.storages[i].constant) continue;
       const auto start = Clock::now();
@@ -244,6 +256,22 @@ class Replay {
       }
       const auto start = Clock::now();
       for (int32_t c : step.creates) {
+        // An in-place result takes over the memory of the storage it
+        // replaces when that one's last name drops after this step, as in
+        // the simulator (Engine::TakeOverInPlace), whose peak the budget is
+        // measured against: allocated beside it, both were held at once (a
+        // gradient accumulated in place, VGG-16's fc6 at 49 MiB, failed a
+        // job given its whole peak).
+        for (const deltad::sim::InPlace& ip : step.in_place) {
+          if (ip.created != c || !live[ip.old] ||
+              std::find(step.frees.begin(), step.frees.end(), ip.old) ==
+                  step.frees.end()) {
+            continue;
+          }
+          pinned.erase(std::remove(pinned.begin(), pinned.end(), Id(ip.old)),
+                       pinned.end());
+          if (absl::Status s = free(ip.old); !s.ok()) return s;
+        }
         status = Track(c, step.time_ns);
         if (!status.ok()) return status;
         live[c] = true;
@@ -286,6 +314,7 @@ class Replay {
   std::vector<uint64_t>& checksums_;
   int64_t& mismatches_;
   int64_t verified_ = 0;
+  std::vector<bool> live_;  // tracked and not freed, this iteration
 };
 
 }  // namespace
