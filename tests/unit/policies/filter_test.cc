@@ -47,11 +47,7 @@ const Scope kSession1 = SessionScope(0, 1);
 
 // A deterministic mix of sizes, access times, costs and evicted parents.
 void FillMixed(TensorTable& table, int n) {
-  uint64_t x = 12345;
-  auto next = [&x] {
-    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-    return x >> 33;
-  };
+  TestLcg next(12345);
   for (int i = 1; i <= n; ++i) {
     std::vector<TensorId> parents;
     if (i > 3 && next() % 2 == 0) {
@@ -87,11 +83,7 @@ TEST(FilterTest, ExactSearchReturnsTheMinimumScore) {
 // and 1000 ns), each tensor with one earlier parent, every
 // `evict_every`-th evicted.
 void FillTying(TensorTable& table, int n, uint64_t seed, int evict_every) {
-  uint64_t x = seed;
-  auto next = [&x] {
-    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-    return x >> 33;
-  };
+  TestLcg next(seed);
   for (TensorId id = 1; id <= static_cast<TensorId>(n); ++id) {
     std::vector<TensorId> parents;
     if (id > 1) parents.push_back(1 + next() % (id - 1));

@@ -20,6 +20,20 @@
 
 namespace deltad::policy {
 
+// Knuth's MMIX linear congruential generator, its high 31 bits: the same
+// tables on every platform, which std's distributions do not promise.
+class TestLcg {
+ public:
+  explicit TestLcg(uint64_t seed) : x_(seed) {}
+  uint64_t operator()() {
+    x_ = x_ * 6364136223846793005ULL + 1442695040888963407ULL;
+    return x_ >> 33;
+  }
+
+ private:
+  uint64_t x_;
+};
+
 inline TensorSpec Spec(TensorId id, int64_t bytes, int64_t compute_cost_ns = 0,
                        std::vector<TensorId> parents = {},
                        SessionId session = 1, GpuId gpu = 0) {

@@ -308,11 +308,7 @@ TEST(HeuristicTest, DeltaCostCountsEvictedChildrenInTheRecomputePrice) {
 // A table where evicted parents and children make the neighbourhood cost
 // exceed the tensor's own, and the flags forbid one action or the other.
 void FillWithEvictedNeighbours(TensorTable& table) {
-  uint64_t x = 99;
-  auto next = [&x] {
-    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-    return x >> 33;
-  };
+  TestLcg next(99);
   for (TensorId id = 1; id <= 300; ++id) {
     TensorSpec s = Spec(id, 1 + static_cast<int64_t>(next() % 100000),
                         static_cast<int64_t>(next() % 200000));
