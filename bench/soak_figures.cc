@@ -150,6 +150,8 @@ Scrape ParseMetrics(const std::string& text) {
       s.count += value;
     } else if (name == "deltad_release_decision_seconds_sum") {
       s.sum += value;
+    } else if (name == "deltad_heap_in_use_bytes") {
+      s.heap_in_use = value;
     } else if (name == "deltad_orders_total") {
       const std::string kind = LabelValue(labels, "kind");
       if (kind == "offload") s.offloads += value;

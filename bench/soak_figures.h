@@ -35,6 +35,7 @@ struct Scrape {
   double evictions = 0;
   double budgets = 0;
   double prefetches = 0;
+  double heap_in_use = -1;  // deltad_heap_in_use_bytes; -1: not scraped
 };
 
 Scrape ParseMetrics(const std::string& text);
@@ -57,6 +58,9 @@ struct Sample {
   bool storm = false;
   int64_t rss_kib = 0;
   int64_t anon_kib = 0;  // of it, the daemon's private memory (heap, stacks)
+  // The daemon's heap in use (its gauge, set once a second): no high-water
+  // mark in it, unlike the RSS. -1: unknown.
+  int64_t heap_kib = -1;
   int64_t threads = 0;
   int fds = 0;
   int sessions = -1;  // -1: NodeStatus failed

@@ -267,6 +267,9 @@ void Soak::TakeSample(double t) {
   v1::NodeStatusResponse status;
   if (NodeStatus(&status)) s.sessions = status.sessions_size();
   s.scrape = ParseMetrics(ScrapeMetrics(metrics_port_));
+  if (s.scrape.heap_in_use >= 0) {
+    s.heap_kib = static_cast<int64_t>(s.scrape.heap_in_use / 1024);
+  }
   result_.samples.push_back(std::move(s));
 }
 

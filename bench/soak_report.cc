@@ -26,13 +26,14 @@ double At(const std::vector<Sample>& samples, double t,
   return samples.empty() ? 0 : static_cast<double>(samples.back().*field);
 }
 
-// Least-squares slope of RSS (MiB) over time (minutes) for t in [from, to].
-double RssSlopeMibPerMin(const std::vector<Sample>& samples, double from,
-                         double to) {
+// Least-squares slope of a memory figure (KiB, MiB/min out) over time
+// (minutes) for t in [from, to]; samples where it is unknown (< 0) left out.
+double SlopeMibPerMin(const std::vector<Sample>& samples, double from,
+                      double to, int64_t Sample::*field) {
   double n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
   for (const Sample& s : samples) {
-    if (s.t < from || s.t > to) continue;
-    const double x = s.t / 60, y = s.rss_kib / 1024.0;
+    if (s.t < from || s.t > to || s.*field < 0) continue;
+    const double x = s.t / 60, y = s.*field / 1024.0;
     n += 1;
     sx += x;
     sy += y;
@@ -101,6 +102,8 @@ struct Memory {
   double slope = 0;   // MiB/min
   double growth = 0;  // end over middle
   bool flat = false;
+  // The heap in use (MiB; -1: unknown) and its slope (MiB/min).
+  double heap_mid = -1, heap_end = -1, heap_slope = 0;
 };
 
 Memory MemoryFigures(const SoakSettings& settings,
@@ -123,8 +126,18 @@ Memory MemoryFigures(const SoakSettings& settings,
       ++m.sessions_n;
     }
   }
-  m.slope = RssSlopeMibPerMin(samples, settings.duration / 2.0,
-                              static_cast<double>(settings.duration));
+  m.slope =
+      SlopeMibPerMin(samples, settings.duration / 2.0,
+                     static_cast<double>(settings.duration), &Sample::rss_kib);
+  // The heap in use has no high-water mark: the RSS's climb that is the
+  // allocator's stays out of it, a leak does not.
+  if (!samples.empty() && samples.back().heap_kib >= 0) {
+    m.heap_mid = At(samples, settings.duration / 2.0, &Sample::heap_kib) / 1024;
+    m.heap_end = samples.back().heap_kib / 1024.0;
+    m.heap_slope = SlopeMibPerMin(samples, settings.duration / 2.0,
+                                  static_cast<double>(settings.duration),
+                                  &Sample::heap_kib);
+  }
   // From the middle: the first half holds the allocator's climb to its
   // high-water mark (glibc's per-thread arenas, one per thread that ever
   // allocated, and the cached stacks of exited threads), which a process
@@ -185,11 +198,13 @@ void WriteIntro(std::ostringstream& md, const SoakSettings& settings,
      << settings.storm_iterations
      << " iterations and exit. Then every trainer finishes, and the daemon "
         "must hold nothing. Sampled every second: RSS and descriptors "
-        "(/proc), sessions (`NodeStatus`), and the release-decision "
+        "(/proc), sessions (`NodeStatus`), and from the metrics endpoint "
+        "the daemon's heap in use (`deltad_heap_in_use_bytes`, set once a "
+        "second: what glibc handed out and did not get back, with no "
+        "high-water mark in it, unlike the RSS) and the release-decision "
         "histogram (`deltad_release_decision_seconds`: one decision per "
-        "event batch applied and per `Release` call) from the metrics "
-        "endpoint; percentiles interpolate within its buckets as "
-        "`histogram_quantile` does.\n\n";
+        "event batch applied and per `Release` call); percentiles "
+        "interpolate within its buckets as `histogram_quantile` does.\n\n";
 }
 
 void WriteTable(std::ostringstream& md, const SoakSettings& settings,
@@ -285,6 +300,12 @@ void WriteTable(std::ostringstream& md, const SoakSettings& settings,
       absl::StrFormat("<= %.0f%%", 100 * settings.flat_growth), "-");
   row("memory flat (both of the above)", m.flat ? "yes" : "no", "flat",
       check_memory ? Verdict(m.flat) : "not checked");
+  if (m.heap_end >= 0) {
+    row("daemon heap in use (MiB): middle / end",
+        absl::StrFormat("%.1f / %.1f", m.heap_mid, m.heap_end), "-", "-");
+    row("daemon heap in use, slope over the second half (MiB/min)",
+        absl::StrFormat("%+.2f", m.heap_slope), "-", "-");
+  }
   row("daemon descriptors: after warm-up / max / after the drain",
       absl::StrFormat("%d / %.0f / %" PRId64, m.fds_base, m.fds_max,
                       result.fds_after),
@@ -311,9 +332,9 @@ void WriteMemoryOverTime(std::ostringstream& md, const SoakSettings& settings,
   md << "Daemon memory over the run (the sample at or before each tenth of "
         "it):\n\n"
      << "| time (s) | phase | trainers | sessions | RSS (MiB) | of it "
-        "anonymous (MiB) | threads | descriptors | decisions/s (last 10 s) "
-        "|\n"
-     << "|---:|---|---:|---:|---:|---:|---:|---:|---:|\n";
+        "anonymous (MiB) | heap in use (MiB) | threads | descriptors | "
+        "decisions/s (last 10 s) |\n"
+     << "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   size_t previous = samples.size();
   for (int tenth = 0; tenth <= 10; ++tenth) {
     const double t = settings.duration * tenth / 10.0;
@@ -330,9 +351,11 @@ void WriteMemoryOverTime(std::ostringstream& md, const SoakSettings& settings,
                                     std::max(1e-9, s.t - samples[j].t)
                               : 0;
     md << absl::StrFormat(
-        "| %.0f | %s | %d | %d | %.1f | %.1f | %d | %d | %.0f |\n", s.t,
+        "| %.0f | %s | %d | %d | %.1f | %.1f | %s | %d | %d | %.0f |\n", s.t,
         s.storm ? "storm" : "quiet", s.trainers, s.sessions, s.rss_kib / 1024.0,
-        s.anon_kib / 1024.0, s.threads, s.fds, rate);
+        s.anon_kib / 1024.0,
+        s.heap_kib < 0 ? "-" : absl::StrFormat("%.1f", s.heap_kib / 1024.0),
+        s.threads, s.fds, rate);
   }
   md << "\n"
      << "Memory is called flat when the least-squares slope of the RSS over "

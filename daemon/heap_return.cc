@@ -28,6 +28,15 @@ void GlibcTrim() {
 
 }  // namespace
 
+int64_t HeapInUseBytes() {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || __GLIBC_MINOR__ >= 33)
+  const struct mallinfo2 info = mallinfo2();
+  return static_cast<int64_t>(info.uordblks + info.hblkhd);
+#else
+  return -1;
+#endif
+}
+
 int LimitHeapArenas(int arenas) {
 #if defined(__GLIBC__)
   if (const char* env = std::getenv("MALLOC_ARENA_MAX"); env && *env) {

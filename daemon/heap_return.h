@@ -12,6 +12,13 @@ namespace deltad::daemon {
 // glibc's default or where it is not glibc's to set.
 int LimitHeapArenas(int arenas);
 
+// The bytes the process's heap has handed out and not had back (glibc's
+// mallinfo2: in use in its arenas plus its own mappings); -1 where that is
+// not known. Unlike the resident size, it does not keep the allocator's
+// high-water mark: a leak shows in it as a climb, while freed memory that
+// stays mapped does not.
+int64_t HeapInUseBytes();
+
 // Gives the heap that sessions freed back to the system. Each stream's
 // handler thread allocates in a glibc arena of its own, and what a session
 // frees when it ends stays mapped there: after the soak's trainers drained,

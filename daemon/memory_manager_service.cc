@@ -257,7 +257,14 @@ void MemoryManagerService::WatchLeases() {
     Deliver(node_.SettleLeftMapped());
     // The same timer returns what ended sessions freed (lease_mu_ is not
     // needed for it, but a trim is short and rare).
-    (void)heap_.Tick(common::MonotonicNs());
+    const int64_t now = common::MonotonicNs();
+    (void)heap_.Tick(now);
+    // Once a second: mallinfo2 walks the arenas' free lists under their
+    // locks.
+    if (metrics_ != nullptr && now - heap_reported_ns_ >= 1000000000) {
+      metrics_->SetHeapInUse(HeapInUseBytes());
+      heap_reported_ns_ = now;
+    }
   }
 }
 

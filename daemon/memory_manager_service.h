@@ -183,7 +183,8 @@ class MemoryManagerService final : public grpc::Service {
   ReleaseReplies replies_;
   std::atomic<bool> draining_{false};
   SessionLeases leases_;
-  HeapReturn heap_;  // ticked by the lease thread
+  HeapReturn heap_;               // ticked by the lease thread
+  int64_t heap_reported_ns_ = 0;  // the lease thread's: the last gauge set
   // Held while lease changes are carried out, and while a stream gives up
   // its lease, so that no change lands on a session whose stream ended.
   std::mutex lease_mu_;

@@ -67,6 +67,15 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                      .Register(r);
     m->host_free_ = &host.Add({{"state", "free"}});
     m->host_granted_ = &host.Add({{"state", "granted"}});
+    m->heap_in_use_ = &prometheus::BuildGauge()
+                           .Name("deltad_heap_in_use_bytes")
+                           .Help(
+                               "The daemon's heap handed out and not freed "
+                               "(glibc mallinfo2: arenas plus mappings); "
+                               "unlike its resident size, it keeps no "
+                               "high-water mark, so a leak shows as a climb.")
+                           .Register(r)
+                           .Add({});
 
     auto& refused = prometheus::BuildCounter()
                         .Name("deltad_refused_total")
@@ -289,6 +298,10 @@ void Metrics::SetUnlisted(int gpu, int64_t bytes) {
 void Metrics::SetHostPool(int64_t free_bytes, int64_t granted_bytes) {
   host_free_->Set(static_cast<double>(free_bytes));
   host_granted_->Set(static_cast<double>(granted_bytes));
+}
+
+void Metrics::SetHeapInUse(int64_t bytes) {
+  if (bytes >= 0) heap_in_use_->Set(static_cast<double>(bytes));
 }
 
 void Metrics::AddTransferred(int gpu, Direction direction, int64_t bytes) {

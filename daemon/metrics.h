@@ -97,6 +97,9 @@ class Metrics {
   void SetUnlisted(int gpu, int64_t bytes);
   // The host pool, which is not per GPU.
   void SetHostPool(int64_t free_bytes, int64_t granted_bytes);
+  // The daemon's own heap in use (HeapInUseBytes); negative: unknown, not
+  // set.
+  void SetHeapInUse(int64_t bytes);
 
   // Counters. Negative or non-finite amounts are ignored: a counter that went
   // down or became NaN would corrupt every rate() over it.
@@ -149,6 +152,7 @@ class Metrics {
   absl::flat_hash_map<int, GpuMetrics> gpus_;  // immutable after Create
   prometheus::Gauge* host_free_ = nullptr;
   prometheus::Gauge* host_granted_ = nullptr;
+  prometheus::Gauge* heap_in_use_ = nullptr;
   std::array<prometheus::Counter*, 12> refusals_{};       // indexed by Refusal
   std::array<prometheus::Counter*, 3> sessions_ended_{};  // by SessionEnd
   std::array<prometheus::Counter*, 3> lease_events_{};    // by LeaseEvent

@@ -39,8 +39,8 @@ std::string ReadFileOrEmpty(const std::string& path) {
 namespace {
 
 // The child's side between fork and exec: async-signal-safe calls only.
-[[noreturn]] void ExecChild(char* const* argv, pid_t parent, int stdin_fd,
-                            int stdout_fd, int stderr_fd) {
+[[noreturn]] void ExecChild(char* const* argv, char* const* envp, pid_t parent,
+                            int stdin_fd, int stdout_fd, int stderr_fd) {
   // Dies with the spawning thread; the getppid check closes the race with
   // a parent that died before prctl.
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -56,7 +56,7 @@ namespace {
   sigemptyset(&none);
   ::sigprocmask(SIG_SETMASK, &none, nullptr);
   ::signal(SIGPIPE, SIG_DFL);
-  ::execv(argv[0], argv);
+  ::execve(argv[0], argv, envp);
   ::_exit(127);
 }
 
@@ -80,6 +80,18 @@ absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(
   std::vector<char*> raw;
   for (std::string& a : args) raw.push_back(a.data());
   raw.push_back(nullptr);
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    const std::string name = entry.substr(0, entry.find('=') + 1);
+    bool replaced = false;
+    for (const std::string& o : options.env) replaced |= o.starts_with(name);
+    if (!replaced) env.push_back(entry);
+  }
+  env.insert(env.end(), options.env.begin(), options.env.end());
+  std::vector<char*> raw_env;
+  for (std::string& e : env) raw_env.push_back(e.data());
+  raw_env.push_back(nullptr);
 
   std::unique_ptr<ChildProcess> child(new ChildProcess());
   common::UniqueFd child_stdin, child_stdout, child_stderr;
@@ -111,8 +123,8 @@ absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(
   const pid_t pid = ::fork();
   if (pid < 0) return absl::ErrnoToStatus(errno, "fork");
   if (pid == 0) {
-    ExecChild(raw.data(), parent, child_stdin.get(), child_stdout.get(),
-              child_stderr.get());
+    ExecChild(raw.data(), raw_env.data(), parent, child_stdin.get(),
+              child_stdout.get(), child_stderr.get());
   }
   child->pid_ = pid;
   return child;

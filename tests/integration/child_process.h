@@ -37,6 +37,9 @@ struct SpawnOptions {
   // /dev/null.
   bool pipe_stdin = false;
   bool pipe_stdout = false;
+  // "NAME=value" entries the child's environment gets beside the test's
+  // (a name given here replaces the test's).
+  std::vector<std::string> env;
 };
 
 // Owns one child process. The destructor kills it (SIGKILL) and reaps it,

@@ -116,6 +116,7 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
 
   SpawnOptions spawn;
   spawn.output_file = d->log_path_;
+  spawn.env = options.env;
   auto process = ChildProcess::Spawn(argv, spawn);
   if (!process.ok()) return process.status();
   d->process_ = std::move(*process);

@@ -57,6 +57,8 @@ struct DaemonOptions {
   // False: Start() returns right after exec (for a daemon expected to fail
   // at start-up; see Wait()).
   bool wait_ready = true;
+  // "NAME=value" for the daemon's environment, beside the test's.
+  std::vector<std::string> env;
 };
 
 // The deltad binary (DELTAD_BINARY, set by CMake) running as a child of the
