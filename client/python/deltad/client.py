@@ -135,7 +135,8 @@ class Client:
         o.sim_d2h_bytes_per_second = link_bytes_per_second
         o.sim_h2d_bytes_per_second = link_bytes_per_second
         handle = ctypes.c_void_p()
-        _check(lib.deltad_client_connect(ctypes.byref(o), ctypes.byref(handle)))
+        _check(lib.deltad_client_connect(ctypes.byref(o),
+                                         ctypes.byref(handle)))
         self._lib = lib
         self._handle = handle
         # One C callback for every tensor, which looks the tensor's own up.

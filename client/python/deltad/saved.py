@@ -68,7 +68,8 @@ class SavedStore(_core.Core):
     """The saved activations of one managed block.
 
     budget: the bytes saved activations may hold on the device now (an
-    attribute the owner updates: read on every new storage). director(group) -> "offload" or "evict" (deltad.torch decides with the
+    attribute the owner updates: read on every new storage).
+    director(group) -> "offload" or "evict" (deltad.torch decides with the
     policy and the prices). recompute: the deltad.recompute.Recorder (its
     `calls` by storage address, can_rebuild, sources_of, rebuild).
     host_bytes: the most host memory offloads may use.

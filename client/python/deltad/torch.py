@@ -438,18 +438,20 @@ class managed:
     model's modules (what `python -m deltad.run` uses). budget_bytes: on
     the CPU the bytes saved activations may hold; on CUDA all the process
     may hold (asked of the daemon, whose grant lowers it). socket: the
-    daemon's; None for the in-process policy only. policy: "auto" (the Director chooses offload or recompute per
-    tensor), "offload" (never recompute) or "recompute" (evict whatever can
-    be recomputed). prefetch_bytes: how far backward reloads ahead
-    (default: a quarter of the budget; 0: off). max_depth: how many module
-    calls back a recompute may rerun. host_bytes: host memory for offloads
-    (default: half the machine's). reserve_bytes (CUDA): what temporaries
-    and workspaces need beside saved activations (default: an eighth of
-    the budget). client: an open deltad.Client for the daemon session
-    (default: the installed allocator's on its GPU, else the process's
-    session on `socket`, opened by the first block and kept; see
-    close_sessions()).
-    Yields the Manager, whose stats() says what the block did.
+    daemon's; None for the in-process policy only. policy: "auto" (the
+    Director chooses offload or recompute per tensor), "offload" (never
+    recompute) or "recompute" (evict whatever can be recomputed).
+    prefetch_bytes: how far backward reloads ahead (default: a quarter of
+    the budget; 0: off). max_depth: how many module calls back a recompute
+    may rerun. host_bytes: host memory for offloads (default: half the
+    machine's). reserve_bytes (CUDA): what temporaries and workspaces need
+    beside saved activations (default: an eighth of the budget). client: an
+    open deltad.Client for the daemon session (default: the installed
+    allocator's on its GPU, else the process's session on `socket`, opened
+    by the first block and kept; see close_sessions()).
+    Entering it gives the Manager, whose stats() says what the block did
+    (None when DELTAD_DISABLE is set). One object is one block at a time:
+    it may be entered again once it ended.
     """
 
     # A class, not a generator wrapped by contextlib: a block entered
