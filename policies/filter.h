@@ -53,9 +53,9 @@ class Filter {
   const FilterOptions& options() const { return options_; }
 
   // The picks of one release (RAII; may nest; every Select in it on the
-  // same table). While one is open, a
-  // sampled Select scores the sample it drew last for the same scope again
-  // (its tensors are in cache: no miss), less the tensors no longer
+  // same table). While one is open, a sampled Select scores the sample it
+  // drew last for the same scope again (its tensors are in cache: no
+  // miss), less the tensors no longer
   // resident or usable, each pick seeing the table as the earlier ones
   // left it; it draws anew when none of them qualifies, or when the sample
   // has served one pick per 64 of its tensors (a sample of under 128

@@ -78,10 +78,7 @@ void LayerNet::OptimizerStep() {
         (3.0 + 2.0 * suffixes.size() + (roots >= 0 ? 1.0 : 0.0)) * p.bytes;
     // Its share of the passes' time: the framework dispatches each pass
     // once for all weights, so no weight pays kMinOpNs of its own.
-    const double ns = std::ceil(bytes / bandwidth_ * 1e9);
-    b_.Op("optimizer_step", Phase::kBackward,
-          ns < 1e18 ? std::max<int64_t>(1, static_cast<int64_t>(ns))
-                    : MemNs(bytes));
+    b_.Op("optimizer_step", Phase::kBackward, MemNs(bytes, /*floor_ns=*/1));
     b_.Input(p.weight).Input(p.grad);
     for (int32_t v : state[i]) b_.Input(v);
     if (roots >= 0) b_.Input(roots);
@@ -263,11 +260,11 @@ void LayerNet::CheckSpatial(const std::string& name, const Shape& in,
                     "' would turn ", in[2], "x", in[3], " into ", ho, "x", wo));
 }
 
-int64_t LayerNet::Ns(double seconds) {
+int64_t LayerNet::Ns(double seconds, int64_t floor_ns) {
   const double ns = std::ceil(seconds * 1e9);
   // Absurd sizes are rejected elsewhere; this only keeps the cast defined.
   if (!(ns < 1e18)) return int64_t{1'000'000'000'000'000'000};
-  return std::max(kMinOpNs, static_cast<int64_t>(ns));
+  return std::max(floor_ns, static_cast<int64_t>(ns));
 }
 
 int64_t LayerNet::DenseNs(int64_t macs) const {

@@ -232,9 +232,12 @@ class LayerNet {
   void CheckSpatial(const std::string& name, const Shape& in, int64_t ho,
                     int64_t wo);
 
-  static int64_t Ns(double seconds);
+  // Whole nanoseconds, at least `floor_ns`.
+  static int64_t Ns(double seconds, int64_t floor_ns = kMinOpNs);
   int64_t DenseNs(int64_t macs) const;
-  int64_t MemNs(double bytes) const { return Ns(bytes / bandwidth_); }
+  int64_t MemNs(double bytes, int64_t floor_ns = kMinOpNs) const {
+    return Ns(bytes / bandwidth_, floor_ns);
+  }
 
   // A forward value is dropped right after the last op that reads it (or
   // that makes it, if none does); a value updated in place passes that to

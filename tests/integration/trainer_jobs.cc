@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace deltad::testing_util {
@@ -40,6 +41,16 @@ Job StartTrainer(const std::string& dir, const std::string& socket,
   EXPECT_TRUE(p.ok()) << p.status();
   if (p.ok()) job.process = std::move(*p);
   return job;
+}
+
+std::string ExpectCleanExit(Job& job, absl::Duration timeout) {
+  EXPECT_NE(job.process, nullptr) << "the trainer did not start";
+  if (job.process == nullptr) return "";
+  const ExitStatus exit = job.process->WaitOrKill(timeout);
+  const std::string out = ReadFileOrEmpty(job.output);
+  EXPECT_TRUE(exit.ok()) << exit.ToString() << "\n" << out;
+  EXPECT_THAT(out, ::testing::HasSubstr(" 0 bad"));
+  return out;
 }
 
 v1::NodeStatusResponse Status(v1::MemoryManager::Stub& stub) {

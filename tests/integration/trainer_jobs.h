@@ -40,6 +40,10 @@ Job StartTrainer(const std::string& dir, const std::string& socket,
                  const std::string& label, int gpu,
                  const std::vector<std::string>& model, int iterations);
 
+// Waits for `job` to exit (killed past `timeout`) and expects exit code 0
+// and no bad checksum; returns its output, which the failures quote.
+std::string ExpectCleanExit(Job& job, absl::Duration timeout);
+
 // NodeStatus over `stub`, with a 10 s deadline; an empty answer on failure
 // (the test fails too).
 v1::NodeStatusResponse Status(v1::MemoryManager::Stub& stub);

@@ -53,10 +53,7 @@ TEST(Trainers, TwoJobsOnOneGpuSplitItsBudgetAndKeepTheirBytes) {
            s.sessions(0).chunk_bytes() <= s.sessions(0).budget_bytes() &&
            s.gpus(0).chunk_bytes() <= s.gpus(0).budget_bytes();
   })) << ReadFileOrEmpty(a.output);
-  const ExitStatus b_exit = b.process->WaitOrKill(absl::Seconds(120));
-  EXPECT_TRUE(b_exit.ok()) << b_exit.ToString() << "\n"
-                           << ReadFileOrEmpty(b.output);
-  EXPECT_THAT(ReadFileOrEmpty(b.output), HasSubstr(" 0 bad"));
+  ExpectCleanExit(b, absl::Seconds(120));
   // a has the GPU to itself again.
   EXPECT_TRUE(StatusBecomes(daemon, [&](const v1::NodeStatusResponse& s) {
     return s.sessions_size() == 1 && s.sessions(0).budget_bytes() == alone;
@@ -94,10 +91,7 @@ TEST(Trainers, AJobKeepsTrainingWhenTheDaemonDiesAndKeepsItsBytes) {
     return s.sessions_size() == 1 && s.sessions(0).releases() > 0;
   })) << ReadFileOrEmpty(a.output);
   daemon.Kill();
-  const ExitStatus exit = a.process->WaitOrKill(absl::Seconds(180));
-  const std::string out = ReadFileOrEmpty(a.output);
-  EXPECT_TRUE(exit.ok()) << exit.ToString() << "\n" << out;
-  EXPECT_THAT(out, HasSubstr(" 0 bad"));
+  const std::string out = ExpectCleanExit(a, absl::Seconds(180));
   EXPECT_THAT(out, HasSubstr("in-process"));
 }
 
@@ -113,23 +107,15 @@ TEST(Trainers, AGptJobOnFullChunksReleasesWhatItDoesNotPin) {
     Job a = StartTrainer(daemon.dir(), daemon.socket_path(),
                          "gpt" + std::to_string(run), 1,
                          {"--model=gpt", "--batch=2", "--gpt_layers=6"}, 5);
-    ASSERT_NE(a.process, nullptr);
-    const ExitStatus exit = a.process->WaitOrKill(absl::Seconds(180));
-    const std::string out = ReadFileOrEmpty(a.output);
-    EXPECT_TRUE(exit.ok()) << exit.ToString() << "\n" << out;
-    EXPECT_THAT(out, HasSubstr(" 0 bad"));
+    ExpectCleanExit(a, absl::Seconds(180));
   }
 }
 
 TEST(Trainers, WithoutADaemonAJobTrainsWithTheInProcessPolicy) {
   const std::string dir = ::testing::TempDir();
   Job a = StartTrainer(dir, dir + "/nothing-here.sock", "alone", 0, kUnet, 2);
-  ASSERT_NE(a.process, nullptr);
-  const ExitStatus exit = a.process->WaitOrKill(absl::Seconds(120));
-  const std::string out = ReadFileOrEmpty(a.output);
-  EXPECT_TRUE(exit.ok()) << exit.ToString() << "\n" << out;
+  const std::string out = ExpectCleanExit(a, absl::Seconds(120));
   EXPECT_THAT(out, HasSubstr("in-process policy"));
-  EXPECT_THAT(out, HasSubstr(" 0 bad"));
 }
 
 // Small tensors share chunks by size class and a tensor of a chunk and a
@@ -145,11 +131,7 @@ TEST(Trainers, WithoutADaemonAJobGivenItsWholePeakTrainsDespiteRounding) {
       dir, dir + "/nothing-here.sock", "rounding", 0,
       {"--model=resnet50", "--batch=2", "--budget=1.0", "--chunk_kib=16384"},
       2);
-  ASSERT_NE(a.process, nullptr);
-  const ExitStatus exit = a.process->WaitOrKill(absl::Seconds(120));
-  const std::string out = ReadFileOrEmpty(a.output);
-  EXPECT_TRUE(exit.ok()) << exit.ToString() << "\n" << out;
-  EXPECT_THAT(out, HasSubstr(" 0 bad"));
+  const std::string out = ExpectCleanExit(a, absl::Seconds(120));
   EXPECT_THAT(out, HasSubstr("past the budget for rounding"));
 }
 
@@ -170,11 +152,7 @@ TEST(Trainers, WithoutADaemonEveryModelGivenItsWholePeakTrains) {
     model.push_back("--budget=1.0");
     Job a = StartTrainer(dir, dir + "/nothing-here.sock", "whole-peak", 0,
                          model, 2);
-    ASSERT_NE(a.process, nullptr);
-    const ExitStatus exit = a.process->WaitOrKill(absl::Seconds(120));
-    const std::string out = ReadFileOrEmpty(a.output);
-    EXPECT_TRUE(exit.ok()) << exit.ToString() << "\n" << out;
-    EXPECT_THAT(out, HasSubstr(" 0 bad"));
+    ExpectCleanExit(a, absl::Seconds(120));
   }
 }
 
@@ -212,10 +190,7 @@ TEST(Trainers, SessionsThatComeAndGoLeaveTheDaemonsHeapAsItWas) {
       Job job =
           StartTrainer(daemon.dir(), daemon.socket_path(), "churn", i % 2,
                        {"--model=resnet50", "--batch=2", "--budget=0.5"}, 1);
-      ASSERT_NE(job.process, nullptr);
-      const ExitStatus exit = job.process->WaitOrKill(absl::Seconds(60));
-      ASSERT_TRUE(exit.ok()) << exit.ToString() << "\n"
-                             << ReadFileOrEmpty(job.output);
+      ExpectCleanExit(job, absl::Seconds(60));
     }
     ASSERT_TRUE(StatusBecomes(daemon, [](const v1::NodeStatusResponse& s) {
       return s.sessions_size() == 0;
