@@ -50,6 +50,9 @@ class SteadyStatePolicy final : public SimPolicy {
   // The plan followed now ("delta" before one is chosen or once abandoned).
   const std::string& following() const { return following_; }
   int abandoned() const { return abandoned_; }
+  // How many candidate plans were replayed: the search ends at the first
+  // that runs the recorded iteration in its ideal time.
+  int replayed() const { return replayed_; }
 
  private:
   void Plan(SimContext& ctx);
@@ -66,6 +69,7 @@ class SteadyStatePolicy final : public SimPolicy {
   size_t position_ = 0;
   int64_t planning_ns_ = 0;
   int abandoned_ = 0;
+  int replayed_ = 0;
 };
 
 }  // namespace deltad::sim

@@ -78,6 +78,33 @@ TEST(SteadyStatePolicy, FromTheSecondIterationFollowsTheFastestReplay) {
   EXPECT_EQ(r.iterations, 3);
 }
 
+TEST(SteadyStatePolicy, APlanThatRunsInTheIdealTimeEndsTheSearch) {
+  // U-Net at batch 32 with Adam at half its peak: the static offload plan
+  // hides every copy (docs/BENCHMARKS.md), and the candidates after the
+  // first plan that reaches the ideal time are not replayed.
+  UNet net;
+  ModelOptions o;
+  o.optimizer = Optimizer::kAdam;
+  net.program = *Compile(*BuildModelTrace("unet", o, net.device));
+  net.options.budget_bytes = net.program.peak_bytes / 2;
+  SteadyStatePolicy steady;
+  SimResult r = net.Run(steady, 2);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_EQ(r.makespan_ns, net.program.compute_ns);
+  EXPECT_GT(steady.replayed(), 0);
+  EXPECT_LT(steady.replayed(), 6);
+  // With the whole peak, delta's own first iteration is ideal: nothing to
+  // replay, nothing to follow but delta.
+  UNet roomy;
+  roomy.options.budget_bytes = roomy.program.peak_bytes;
+  SteadyStatePolicy unplanned;
+  r = roomy.Run(unplanned, 2);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_EQ(r.total_makespan_ns, 2 * roomy.program.compute_ns);
+  EXPECT_EQ(unplanned.replayed(), 0);
+  EXPECT_EQ(unplanned.following(), "delta");
+}
+
 // Stands in for the simulator where only the accesses matter: a plan is
 // made on the recorded program, then the accesses go another way. Its clock
 // stands where the first iteration under `delta` ended (`now_ns`), the time
