@@ -140,6 +140,69 @@ class BestFitAllocator : public AllocatorModel {
   }
   int64_t used() const override { return used_; }
   int64_t footprint() const override { return top_; }
+  std::vector<int64_t> BlocksToFreeForRange(
+      int64_t bytes,
+      absl::FunctionRef<bool(int64_t id)> movable) const override {
+    const int64_t need = (bytes + 511) / 512 * 512;
+    struct Block {
+      int64_t start, size, id;
+      bool movable;
+    };
+    std::vector<Block> blocks;
+    for (const auto& [id, b] : blocks_) {
+      if (b.second > 0) blocks.push_back({b.first, b.second, id, movable(id)});
+    }
+    std::sort(blocks.begin(), blocks.end(),
+              [](const Block& a, const Block& b) { return a.start < b.start; });
+    // Between two blocks that may not move lies a region whose every block
+    // may. A cheapest window of `need` bytes in one starts at the region's
+    // start or at a block's start or end: sliding it down to the nearest of
+    // those adds no block to it.
+    int64_t best_cost = -1;
+    size_t best_first = 0;
+    size_t best_last = 0;  // one past
+    size_t first = 0;      // the region's first block
+    int64_t region_start = 0;
+    for (size_t i = 0; i <= blocks.size(); ++i) {
+      const bool end = i == blocks.size() || !blocks[i].movable;
+      if (!end) continue;
+      const int64_t region_end =
+          i == blocks.size() ? capacity_ : blocks[i].start;
+      std::vector<int64_t> starts = {region_start};
+      for (size_t j = first; j < i; ++j) {
+        starts.push_back(blocks[j].start);
+        starts.push_back(blocks[j].start + blocks[j].size);
+      }
+      for (int64_t a : starts) {
+        if (a + need > region_end) continue;
+        int64_t cost = 0;
+        size_t lo = i;
+        size_t hi = first;
+        for (size_t j = first; j < i; ++j) {
+          if (blocks[j].start < a + need &&
+              blocks[j].start + blocks[j].size > a) {
+            cost += blocks[j].size;
+            lo = std::min(lo, j);
+            hi = j + 1;
+          }
+        }
+        if (cost > 0 && (best_cost < 0 || cost < best_cost)) {
+          best_cost = cost;
+          best_first = lo;
+          best_last = hi;
+        }
+      }
+      if (i < blocks.size()) {
+        region_start = blocks[i].start + blocks[i].size;
+        first = i + 1;
+      }
+    }
+    std::vector<int64_t> ids;
+    for (size_t j = best_first; best_cost > 0 && j < best_last; ++j) {
+      ids.push_back(blocks[j].id);
+    }
+    return ids;
+  }
   int64_t AdjacentFree(int64_t id) const override {
     auto it = blocks_.find(id);
     if (it == blocks_.end() || it->second.second == 0) return 0;

@@ -4,8 +4,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -42,6 +44,16 @@ class AllocatorModel {
   // Free bytes adjacent to the block (MegEngine's fragmentation term);
   // 0 where the model has no addresses.
   virtual int64_t AdjacentFree(int64_t id) const = 0;
+  // Fragmentation: the blocks whose release would leave one free range in
+  // which a block of `bytes` fits, freeing the fewest bytes, all of them
+  // blocks that `movable` accepts. Empty when there is no such range, and
+  // where the model places no blocks at addresses (capacity is then its
+  // only limit).
+  virtual std::vector<int64_t> BlocksToFreeForRange(
+      int64_t /*bytes*/,
+      absl::FunctionRef<bool(int64_t id)> /*movable*/) const {
+    return {};
+  }
   int64_t capacity() const { return capacity_; }
 
  protected:

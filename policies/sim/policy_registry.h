@@ -27,6 +27,7 @@ class NoReleasePolicy final : public SimPolicy {
  public:
   std::string name() const override { return "none"; }
   bool MakeRoom(SimContext&, int64_t) override { return false; }
+  bool FreesRanges() const override { return false; }  // no manager
 };
 
 }  // namespace deltad::sim

@@ -85,6 +85,10 @@ class Engine final : public SimContext {
   }
   // Finds room for a block; false with failure_ set when impossible.
   bool Allocate(int64_t id, int64_t bytes);
+  // Frees the blocks of a range that would hold `bytes` (fragmentation);
+  // false when none could be freed.
+  bool FreeRangeFor(int64_t bytes);
+  void CancelReload(int32_t s);
   // Brings a storage back to the device for the current step.
   bool Materialize(int32_t s, int depth);
   bool Recompute(int32_t s, int depth);
@@ -239,15 +243,58 @@ bool Engine::Allocate(int64_t id, int64_t bytes) {
     }
     const bool fragmented =
         allocator_->capacity() - allocator_->used() >= bytes;
+    if (fragmented && policy_.FreesRanges() && FreeRangeFor(bytes)) continue;
     Fail(absl::StrCat(
         "out of memory at step ", step_, ": needs ", bytes, " bytes, ",
         allocator_->used(), " of ", allocator_->capacity(),
         " in use and the policy can release no more",
         fragmented ? " (fragmentation: enough bytes are free, but not in "
-                     "one piece the allocator can use)"
+                     "one piece the allocator can use, and the blocks "
+                     "that cannot be released now (in use by the step, or "
+                     "needing host room the pool lacks) split every range "
+                     "that could hold it)"
                    : ""));
     return false;
   }
+}
+
+void Engine::CancelReload(int32_t s) {
+  // The copy's link time is spent; its end is ignored (generation), and
+  // the host copy, kept until a reload lands, is the storage again.
+  ++generation_[s];
+  --reloads_in_flight_;
+  allocator_->Free(s);
+  SetState(s, StorageState::kOffloaded);
+}
+
+bool Engine::FreeRangeFor(int64_t bytes) {
+  // The policy released what it would, and the bytes free are enough but
+  // lie in pieces: a memory manager under any policy frees the blocks of
+  // the cheapest range that would hold the allocation, as it can (evicting
+  // what can be rebuilt, offloading the rest).
+  const int64_t host = host_free();
+  const std::vector<int64_t> ids =
+      allocator_->BlocksToFreeForRange(bytes, [&](int64_t id) {
+        if (id < 0) return false;  // a workspace
+        const auto s = static_cast<int32_t>(id);
+        if (locks_[s] > 0) return false;
+        // A prefetch still copying in goes back to its host copy.
+        if (state_[s] == StorageState::kReloading) return true;
+        return state_[s] == StorageState::kResident &&
+               (program_.Recomputable(s) || program_.storages[s].bytes <= host);
+      });
+  bool any = false;
+  for (int64_t id : ids) {
+    const auto s = static_cast<int32_t>(id);
+    if (state_[s] == StorageState::kReloading) {
+      CancelReload(s);
+      any = true;
+      continue;
+    }
+    any = (CanEvict(s) ? Evict(s) : Offload(s)) || any;
+  }
+  if (any) ++result_.range_releases;
+  return any;
 }
 
 bool Engine::Materialize(int32_t s, int depth) {
@@ -535,23 +582,31 @@ absl::StatusOr<SimResult> Simulate(const Program& program,
 
 absl::StatusOr<int64_t> UnlimitedPeak(const Program& program,
                                       const DeviceProfile& device,
-                                      AllocatorKind allocator) {
+                                      AllocatorKind allocator, int iterations) {
   // Releases nothing: the budget only has to hold everything.
   class KeepAll final : public SimPolicy {
    public:
     std::string name() const override { return "none"; }
     bool MakeRoom(SimContext&, int64_t) override { return false; }
+    bool FreesRanges() const override { return false; }
   } keep_all;
   SimOptions o;
   o.budget_bytes = int64_t{1} << 50;
   o.allocator = allocator;
-  absl::StatusOr<SimResult> r = Simulate(program, device, keep_all, o);
-  if (!r.ok()) return r.status();
-  if (!r->fits) {
-    return absl::InternalError(
-        absl::StrCat(program.name, " does not fit in 1 PiB: ", r->failure));
+  // A run's peak is its last iteration's: the largest over the runs of 1
+  // to `iterations` iterations is the whole run's.
+  int64_t peak = 0;
+  for (o.iterations = 1; o.iterations <= std::max(1, iterations);
+       ++o.iterations) {
+    absl::StatusOr<SimResult> r = Simulate(program, device, keep_all, o);
+    if (!r.ok()) return r.status();
+    if (!r->fits) {
+      return absl::InternalError(
+          absl::StrCat(program.name, " does not fit in 1 PiB: ", r->failure));
+    }
+    peak = std::max(peak, r->peak_bytes);
   }
-  return r->peak_bytes;
+  return peak;
 }
 
 }  // namespace deltad::sim

@@ -69,6 +69,10 @@ struct SimResult {
   int64_t prefetches = 0;
   int64_t evictions = 0;
   int64_t recomputes = 0;
+  // Times the free bytes were enough but in pieces, after the policy had
+  // released what it would, and the simulator freed the blocks of one range
+  // to hold the allocation (Engine::FreeRangeFor).
+  int64_t range_releases = 0;
   double slowdown() const {
     return compute_ns > 0 ? static_cast<double>(makespan_ns) /
                                 static_cast<double>(compute_ns)
@@ -131,6 +135,12 @@ class SimPolicy {
   // Memory is short: release at least `bytes` (Offload/Evict). False when
   // nothing more can be released.
   virtual bool MakeRoom(SimContext& ctx, int64_t bytes) = 0;
+  // Whether, once MakeRoom has released what it would and the free bytes
+  // are enough but in pieces, the simulator may free the blocks of one
+  // range to hold the allocation (evicting what can be rebuilt, offloading
+  // the rest), as the memory manager under the policy would. False for a
+  // run with no memory manager.
+  virtual bool FreesRanges() const { return true; }
   // An offloaded storage is needed now.
   virtual Restore ChooseRestore(SimContext& /*ctx*/, int32_t /*s*/) {
     return Restore::kReload;
@@ -155,10 +165,14 @@ absl::StatusOr<SimResult> Simulate(const Program& program,
 // The trace's peak under `allocator`: the largest footprint of a run that
 // releases nothing with memory to spare (program.peak_bytes for kExact;
 // more where the allocator rounds or leaves holes). Every policy is given
-// budgets as fractions of it.
+// budgets as fractions of it. Over several iterations it can be larger:
+// where an allocator places blocks, the second iteration starts from what
+// the first left (parameters in place, holes between them) and lays its
+// tensors out differently.
 absl::StatusOr<int64_t> UnlimitedPeak(const Program& program,
                                       const DeviceProfile& device,
-                                      AllocatorKind allocator);
+                                      AllocatorKind allocator,
+                                      int iterations = 1);
 
 }  // namespace deltad::sim
 

@@ -128,6 +128,57 @@ TEST(BestFitAllocator, FragmentationFailsWithEnoughFreeBytes) {
   EXPECT_TRUE(a->Allocate(10, 1024));
 }
 
+TEST(BestFitAllocator, FreesTheCheapestMovableRangeThatHoldsABlock) {
+  // 1 KiB blocks 1..8 fill 8 KiB; freeing 2, 4 and 7 leaves 3 KiB free in
+  // three holes, and 2 KiB fits none of them.
+  auto a = MakeAllocatorModel(AllocatorKind::kBestFit, 8192, 0);
+  for (int64_t id = 1; id <= 8; ++id) ASSERT_TRUE(a->Allocate(id, 1024));
+  for (int64_t id : {2, 4, 7}) a->Free(id);
+  ASSERT_FALSE(a->Allocate(9, 2048));
+  auto all = [](int64_t) { return true; };
+  // One block beside a hole frees 2 KiB: the first such, block 1 or 3.
+  std::vector<int64_t> ids = a->BlocksToFreeForRange(2048, all);
+  ASSERT_EQ(ids.size(), 1u);
+  EXPECT_TRUE(ids[0] == 1 || ids[0] == 3) << ids[0];
+  // With blocks 1, 3, 5, 6 and 8 held, no range can hold it.
+  auto none_of = [](std::vector<int64_t> held) {
+    return [held](int64_t id) {
+      return std::find(held.begin(), held.end(), id) == held.end();
+    };
+  };
+  EXPECT_TRUE(a->BlocksToFreeForRange(2048, none_of({1, 3, 5, 6, 8})).empty());
+  // With 1, 3 and 8 held, only block 5 or 6 next to a hole can go: 6 lies
+  // between 5 and the hole of 7, 5 between the hole of 4 and 6.
+  ids = a->BlocksToFreeForRange(2048, none_of({1, 3, 8}));
+  ASSERT_EQ(ids.size(), 1u);
+  EXPECT_TRUE(ids[0] == 5 || ids[0] == 6) << ids[0];
+  for (int64_t id : ids) a->Free(id);
+  EXPECT_TRUE(a->Allocate(9, 2048));
+
+  // 3 KiB between held 3 and 8, with holes where 4 and 7 were: the hole of
+  // 4 with 5 and 6, or 5, 6 and the hole of 7; two blocks either way.
+  auto b = MakeAllocatorModel(AllocatorKind::kBestFit, 8192, 0);
+  for (int64_t id = 1; id <= 8; ++id) ASSERT_TRUE(b->Allocate(id, 1024));
+  b->Free(4);
+  b->Free(7);
+  ids = b->BlocksToFreeForRange(3072, none_of({1, 2, 3, 8}));
+  std::sort(ids.begin(), ids.end());
+  EXPECT_EQ(ids, (std::vector<int64_t>{5, 6}));
+  for (int64_t id : ids) b->Free(id);
+  EXPECT_TRUE(b->Allocate(9, 3072));
+}
+
+TEST(AllocatorModel, ModelsWithoutAddressesNameNoRangeToFree) {
+  for (AllocatorKind kind : {AllocatorKind::kExact, AllocatorKind::kVmChunks,
+                             AllocatorKind::kPyTorchCaching}) {
+    auto a = MakeAllocatorModel(kind, int64_t{64} << 20, 1024);
+    ASSERT_TRUE(a->Allocate(1, 4096));
+    EXPECT_TRUE(
+        a->BlocksToFreeForRange(8192, [](int64_t) { return true; }).empty())
+        << AllocatorKindName(kind);
+  }
+}
+
 TEST(BestFitAllocator, FreeingANeighbourOnBothSidesMerges) {
   auto a = MakeAllocatorModel(AllocatorKind::kBestFit, 4096, 0);
   for (int64_t id = 0; id < 4; ++id) ASSERT_TRUE(a->Allocate(id, 1024));
