@@ -133,7 +133,9 @@ v1::DaemonConfig WithDefaults(const v1::DaemonConfig& in) {
   if (!c.has_low_watermark())
     c.set_low_watermark(policy::Watermarks::kDefaultLow);
   v1::LimitsConfig* limits = c.mutable_limits();
-  if (!limits->has_max_message_bytes()) limits->set_max_message_bytes(4 * kMiB);
+  if (!limits->has_max_message_bytes()) {
+    limits->set_max_message_bytes(RequestLimits().max_message_bytes);
+  }
   if (!limits->has_max_batch_events()) limits->set_max_batch_events(65536);
   if (!limits->has_max_tensors_per_session()) {
     limits->set_max_tensors_per_session(int64_t{4} << 20);
@@ -291,6 +293,7 @@ RequestLimits RequestLimitsFrom(const v1::DaemonConfig& config) {
   r.max_label_bytes = l.max_label_bytes();
   r.max_status_sessions = l.max_status_sessions();
   r.max_queued_order_bytes = l.max_queued_order_bytes();
+  r.max_message_bytes = l.max_message_bytes();
   return r;
 }
 

@@ -177,6 +177,12 @@ void MemoryManagerService::AddUnary(
                                            grpc::ByteBuffer, Response>(
           [handler](MemoryManagerService* service, grpc::ServerContext* context,
                     const grpc::ByteBuffer* raw, Response* response) {
+            if (absl::Status s =
+                    CheckMessageBytes(raw->Length(), service->limits_);
+                !s.ok()) {
+              service->CountRefusal(Refusal::kMessageBytes);
+              return ToGrpc(s);
+            }
             Request request;
             if (absl::Status s = Decode(*raw, service->limits_, &request);
                 !s.ok()) {
@@ -269,7 +275,11 @@ void MemoryManagerService::WatchLeases() {
 }
 
 void MemoryManagerService::CountInvalid() {
-  if (metrics_ != nullptr) metrics_->AddRefusal(Refusal::kInvalidRequest);
+  CountRefusal(Refusal::kInvalidRequest);
+}
+
+void MemoryManagerService::CountRefusal(Refusal refusal) {
+  if (metrics_ != nullptr) metrics_->AddRefusal(refusal);
 }
 
 void MemoryManagerService::EndUnread(grpc::ServerContextBase* context,

@@ -170,6 +170,7 @@ class MemoryManagerService final : public grpc::Service {
   // limits.max_queued_order_bytes: ends the call with RESOURCE_EXHAUSTED.
   void EndUnread(grpc::ServerContextBase* context, SessionId session);
   void CountInvalid();
+  void CountRefusal(Refusal refusal);
 
   // Ticks the leases and carries out what changed (Node::MarkUnresponsive
   // and the others), until the service is destroyed.

@@ -97,7 +97,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                             "connection shut down: its client left the "
                             "daemon's bytes unread past the keepalive), "
                             "grpc_max_threads (a call gRPC refused for want "
-                            "of a free thread).")
+                            "of a free thread), max_message_bytes (a request "
+                            "past it).")
                         .Register(r);
     for (const auto& [refusal, limit] :
          {std::pair{Refusal::kInvalidRequest, "invalid_request"},
@@ -113,7 +114,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
           std::pair{Refusal::kGrpcConnectionsPerUid,
                     "max_grpc_connections_per_uid"},
           std::pair{Refusal::kUnreadConnection, "unread_connection"},
-          std::pair{Refusal::kGrpcThreads, "grpc_max_threads"}}) {
+          std::pair{Refusal::kGrpcThreads, "grpc_max_threads"},
+          std::pair{Refusal::kMessageBytes, "max_message_bytes"}}) {
       m->refusals_[static_cast<size_t>(refusal)] =
           &refused.Add({{"limit", limit}});
     }

@@ -59,8 +59,10 @@ enum class Refusal {
   kGrpcConnectionsPerUid,  // "max_grpc_connections_per_uid": and per user
   kUnreadConnection,       // "unread_connection": a gRPC connection shut down,
                            // its client leaving the daemon's bytes unread
-  kGrpcThreads,  // "grpc_max_threads": a unary call gRPC answered itself for
-                 // want of a free thread (daemon/thread_refusals.h)
+  kGrpcThreads,   // "grpc_max_threads": a unary call gRPC answered itself for
+                  // want of a free thread (daemon/thread_refusals.h)
+  kMessageBytes,  // "max_message_bytes": a request past it (up to gRPC's own
+                  // backstop, request_limits.h)
 };
 
 // The daemon's Prometheus metrics. Call sites use the typed methods and never
@@ -153,7 +155,7 @@ class Metrics {
   prometheus::Gauge* host_free_ = nullptr;
   prometheus::Gauge* host_granted_ = nullptr;
   prometheus::Gauge* heap_in_use_ = nullptr;
-  std::array<prometheus::Counter*, 12> refusals_{};       // indexed by Refusal
+  std::array<prometheus::Counter*, 13> refusals_{};       // indexed by Refusal
   std::array<prometheus::Counter*, 3> sessions_ended_{};  // by SessionEnd
   std::array<prometheus::Counter*, 3> lease_events_{};    // by LeaseEvent
 };

@@ -29,6 +29,15 @@ absl::Status CheckLabel(absl::string_view label, const RequestLimits& limits) {
 
 }  // namespace
 
+absl::Status CheckMessageBytes(size_t bytes, const RequestLimits& limits) {
+  if (bytes <= static_cast<size_t>(limits.max_message_bytes)) {
+    return absl::OkStatus();
+  }
+  return absl::ResourceExhaustedError(
+      absl::StrCat("the request is ", bytes, " bytes; the limit is ",
+                   limits.max_message_bytes, " (limits.max_message_bytes)"));
+}
+
 absl::Status Validate(const v1::OpenSessionRequest& request,
                       const RequestLimits& limits) {
   return CheckLabel(request.label(), limits);

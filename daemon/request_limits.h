@@ -16,6 +16,12 @@ namespace deltad::daemon {
 // and what passing each one gets.
 struct RequestLimits {
   // --- What one message may carry.
+  // A request's bytes on the wire (limits.max_message_bytes, whose default
+  // config.cc sets). Past it the daemon answers RESOURCE_EXHAUSTED naming
+  // the limit and counts it; gRPC refuses on its own, unseen, a message past
+  // kMessageBytesBackstop times this, so that no message can make it buffer
+  // more (server.cc).
+  int64_t max_message_bytes = int64_t{4} << 20;
   // OpenSessionRequest.label: text for operators, which every NodeStatus
   // reply repeats.
   int32_t max_label_bytes = 256;
@@ -76,6 +82,15 @@ struct RequestLimits {
   // expect floods can set it; the default stays glibc's.
   int32_t malloc_arenas = 0;
 };
+
+// gRPC's own bound on a received message, in multiples of
+// max_message_bytes: between the two the daemon refuses, names the limit and
+// counts; past it gRPC refuses before the daemon sees the message.
+inline constexpr int64_t kMessageBytesBackstop = 4;
+
+// Whether a request of `bytes` on the wire is within max_message_bytes:
+// RESOURCE_EXHAUSTED naming the limit if not.
+absl::Status CheckMessageBytes(size_t bytes, const RequestLimits& limits);
 
 // Whether a request's fields are within the limits. INVALID_ARGUMENT with a
 // message that names the field and the limit ("OpenSessionRequest.label is

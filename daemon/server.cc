@@ -3,8 +3,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <string_view>
 #include <utility>
@@ -210,9 +212,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   grpc::ServerBuilder builder;
   // The Unix socket and the TCP port are the daemon's own (GrpcListener),
   // not gRPC's: gRPC listens on nothing.
-  const int max_message = static_cast<int>(config.limits().max_message_bytes());
-  builder.SetMaxReceiveMessageSize(max_message);
-  builder.SetMaxSendMessageSize(max_message);
+  // Requests past max_message_bytes reach the daemon, which refuses them
+  // naming the limit and counts them (gRPC's own refusal is seen by no hook
+  // of its C++ API); gRPC refuses what is past the backstop.
+  const int64_t max_message = config.limits().max_message_bytes();
+  constexpr int64_t kMostGrpcTakes = std::numeric_limits<int>::max();
+  builder.SetMaxReceiveMessageSize(static_cast<int>(
+      std::min(max_message * kMessageBytesBackstop, kMostGrpcTakes)));
+  builder.SetMaxSendMessageSize(
+      static_cast<int>(std::min(max_message, kMostGrpcTakes)));
   ApplyConnectionLimits(config.limits(), builder);
   std::vector<
       std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>

@@ -113,10 +113,15 @@ void SessionStream::OnReadDone(bool ok) {
     return;
   }
   v1::SessionMessage message;
-  // A message that does not parse ends the stream: what else the client
-  // meant cannot be known.
-  if (absl::Status parsed = ParseBuffer(raw_, message); !parsed.ok()) {
+  // A message past the size limit, or that does not parse, ends the
+  // stream: what else the client meant cannot be known.
+  absl::Status parsed = CheckMessageBytes(raw_.Length(), service_.limits_);
+  if (!parsed.ok()) {
+    service_.CountRefusal(Refusal::kMessageBytes);
+  } else if (parsed = ParseBuffer(raw_, message); !parsed.ok()) {
     service_.CountInvalid();
+  }
+  if (!parsed.ok()) {
     if (opened_) {
       EndReads(std::move(parsed));
     } else {

@@ -143,7 +143,7 @@ TEST_F(BadInputTest, EachMalformedRequestGetsItsOwnStatus) {
        Code::RESOURCE_EXHAUSTED, "max_host_quota_bytes"},
       {"OpenSession past max_message_bytes",
        open([](auto& r) { r.set_label(std::string(128 << 10, 'L')); }),
-       Code::RESOURCE_EXHAUSTED, ""},
+       Code::RESOURCE_EXHAUSTED, "limits.max_message_bytes"},
       // CloseSession
       {"CloseSession without a token", [&] { return Close(""); },
        Code::UNAUTHENTICATED, "session token"},

@@ -243,9 +243,16 @@ TEST_F(BadInputTest, MessageOverMaxMessageBytesIsResourceExhausted) {
   grpc::Status s = Open(request);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << Describe(s);
-  EXPECT_FALSE(s.error_message().empty());
+  EXPECT_THAT(s.error_message(), HasSubstr("limits.max_message_bytes"));
   ExpectServing("an oversized OpenSession");
   EXPECT_EQ(Status().sessions_size(), 0);
+  // Past gRPC's own backstop (4 times the limit) gRPC refuses it before the
+  // daemon sees it: the same code, gRPC's message, and no count.
+  request.set_label(std::string(5 * kMaxMessageBytes, 'L'));
+  s = Open(request);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << Describe(s);
+  ExpectServing("a message past gRPC's backstop");
 
   // On the stream: within the event limit, over the byte limit. The stream
   // fails; as it is the session's lifeline, the session goes with it.
@@ -261,10 +268,16 @@ TEST_F(BadInputTest, MessageOverMaxMessageBytesIsResourceExhausted) {
   s = stream.FinishWithoutWritesDone();
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << Describe(s);
+  EXPECT_THAT(s.error_message(), HasSubstr("limits.max_message_bytes"));
   ExpectServing("an oversized stream message");
   EXPECT_TRUE(WaitForSessions(0)) << "the session of a failed stream stays";
   // The process can open again.
   MustOpen(peer_->token(), 0);
+  // Both refusals the daemon saw are counted.
+  const std::string metrics =
+      Http(MetricsPort(daemon_->Output()), "GET", "/metrics").second;
+  EXPECT_THAT(metrics,
+              HasSubstr("deltad_refused_total{limit=\"max_message_bytes\"} 2"));
 }
 
 // Not bad input, but the fixture fits: a release asked by one process is

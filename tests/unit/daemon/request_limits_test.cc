@@ -31,6 +31,16 @@ TEST(RequestLimits, ALabelWithControlCharactersIsRefused) {
   EXPECT_THAT(s.message(), HasSubstr("control character"));
 }
 
+TEST(RequestLimits, ARequestPastMaxMessageBytesIsResourceExhausted) {
+  RequestLimits limits;
+  limits.max_message_bytes = 1000;
+  EXPECT_TRUE(CheckMessageBytes(1000, limits).ok());
+  const absl::Status s = CheckMessageBytes(1001, limits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("1001 bytes"));
+  EXPECT_THAT(s.message(), HasSubstr("limits.max_message_bytes"));
+}
+
 TEST(RequestLimits, RequestsWithoutStringsOfTheirOwnPass) {
   v1::ReleaseRequest release;
   release.set_session_token(std::string(4000, 'x'));  // the Node's to refuse
