@@ -45,9 +45,40 @@ SteadyStatePolicy::~SteadyStatePolicy() = default;
 void SteadyStatePolicy::BeginIteration(SimContext& ctx) {
   ++iteration_;
   position_ = 0;
-  if (iteration_ == 2 && !decided_) Plan(ctx);
+  const bool plan_now = iteration_ == 2 && !decided_;
+  if (plan_now) Plan(ctx);
   delta_->BeginIteration(ctx);
   if (planned()) plan_->BeginIteration(ctx);
+  if (plan_now && planned()) Adopt(ctx);
+}
+
+void SteadyStatePolicy::Adopt(SimContext& ctx) {
+  // What the first iteration left in place (parameters, gradients,
+  // optimizer state: the constants) the plan has not seen made; the replay
+  // that chose it saw them made, and released them as it saw fit. It
+  // learns them as they stand, each through the states that led there.
+  const Program& program = ctx.program();
+  for (int32_t s = 0; s < static_cast<int32_t>(program.storages.size()); ++s) {
+    const StorageState state = ctx.state(s);
+    if (!program.storages[s].constant || state == StorageState::kAbsent ||
+        state == StorageState::kDead) {
+      continue;
+    }
+    plan_->OnCreate(ctx, s);
+    if (state == StorageState::kResident) continue;
+    if (state == StorageState::kEvicted) {
+      plan_->OnStateChange(ctx, s, StorageState::kResident, state);
+      continue;
+    }
+    plan_->OnStateChange(ctx, s, StorageState::kResident,
+                         StorageState::kOffloading);
+    if (state == StorageState::kOffloading) continue;
+    plan_->OnStateChange(ctx, s, StorageState::kOffloading,
+                         StorageState::kOffloaded);
+    if (state == StorageState::kReloading) {
+      plan_->OnStateChange(ctx, s, StorageState::kOffloaded, state);
+    }
+  }
 }
 
 void SteadyStatePolicy::Plan(SimContext& ctx) {

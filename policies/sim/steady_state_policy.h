@@ -56,6 +56,8 @@ class SteadyStatePolicy final : public SimPolicy {
 
  private:
   void Plan(SimContext& ctx);
+  // Shows the plan chosen the storages that outlive an iteration.
+  void Adopt(SimContext& ctx);
   void Abandon();
   bool planned() const { return plan_ != nullptr; }
 
