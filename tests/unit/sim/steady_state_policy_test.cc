@@ -13,14 +13,13 @@
 namespace deltad::sim {
 namespace {
 
-// U-Net at batch 2 on the A100 profile: at 0.6 of its peak the static
-// offload plan hides every copy (1.000) where delta, deciding online,
-// stalls.
-struct UNet {
+// A model trace on the A100 profile, by default U-Net at batch 2 and 0.6
+// of its peak, where a static plan beats delta, deciding online.
+struct Net {
   DeviceProfile device = *FindDeviceProfile("a100-80gb");
   Program program;
   SimOptions options;
-  UNet() {
+  Net() {
     ModelOptions o;
     o.batch = 2;
     program = *Compile(*BuildModelTrace("unet", o, device));
@@ -35,8 +34,19 @@ struct UNet {
   }
 };
 
+// `model` at batch 32 with Adam at half its peak, as in the bench's
+// steady-state section.
+Net AdamAtHalf(const char* model) {
+  Net net;
+  ModelOptions o;
+  o.optimizer = Optimizer::kAdam;
+  net.program = *Compile(*BuildModelTrace(model, o, net.device));
+  net.options.budget_bytes = net.program.peak_bytes / 2;
+  return net;
+}
+
 TEST(SteadyStatePolicy, FollowsDeltaInTheFirstIterationAndPlansNothingYet) {
-  UNet net;
+  Net net;
   SteadyStatePolicy steady;
   const SimResult r = net.Run(steady, 1);
   ASSERT_TRUE(r.fits) << r.failure;
@@ -48,7 +58,7 @@ TEST(SteadyStatePolicy, FollowsDeltaInTheFirstIterationAndPlansNothingYet) {
 }
 
 TEST(SteadyStatePolicy, FromTheSecondIterationFollowsTheFastestReplay) {
-  UNet net;
+  Net net;
   SteadyStatePolicy steady;
   const SimResult r = net.Run(steady, 3);
   ASSERT_TRUE(r.fits) << r.failure;
@@ -82,11 +92,7 @@ TEST(SteadyStatePolicy, APlanThatRunsInTheIdealTimeEndsTheSearch) {
   // U-Net at batch 32 with Adam at half its peak: the static offload plan
   // hides every copy (docs/BENCHMARKS.md), and the candidates after the
   // first plan that reaches the ideal time are not replayed.
-  UNet net;
-  ModelOptions o;
-  o.optimizer = Optimizer::kAdam;
-  net.program = *Compile(*BuildModelTrace("unet", o, net.device));
-  net.options.budget_bytes = net.program.peak_bytes / 2;
+  const Net net = AdamAtHalf("unet");
   SteadyStatePolicy steady;
   SimResult r = net.Run(steady, 2);
   ASSERT_TRUE(r.fits) << r.failure;
@@ -95,7 +101,7 @@ TEST(SteadyStatePolicy, APlanThatRunsInTheIdealTimeEndsTheSearch) {
   EXPECT_LT(steady.replayed(), 6);
   // With the whole peak, delta's own first iteration is ideal: nothing to
   // replay, nothing to follow but delta.
-  UNet roomy;
+  Net roomy;
   roomy.options.budget_bytes = roomy.program.peak_bytes;
   SteadyStatePolicy unplanned;
   r = roomy.Run(unplanned, 2);
@@ -110,11 +116,7 @@ TEST(SteadyStatePolicy, APlanThatRunsInTheIdealTimeEndsTheSearch) {
 // iteration left in place; following it, an iteration takes what it takes
 // in the plan's own run, as its replay predicted.
 TEST(SteadyStatePolicy, TheFollowedPlanSeesWhatTheFirstIterationLeftInPlace) {
-  UNet net;
-  ModelOptions o;
-  o.optimizer = Optimizer::kAdam;
-  net.program = *Compile(*BuildModelTrace("densenet121", o, net.device));
-  net.options.budget_bytes = net.program.peak_bytes / 2;
+  const Net net = AdamAtHalf("densenet121");
   SteadyStatePolicy steady;
   const SimResult r = net.Run(steady, 3);
   ASSERT_TRUE(r.fits) << r.failure;
@@ -131,7 +133,7 @@ TEST(SteadyStatePolicy, TheFollowedPlanSeesWhatTheFirstIterationLeftInPlace) {
 // the plans must beat.
 class AccessesOnly final : public SimContext {
  public:
-  AccessesOnly(const UNet& net, int64_t now_ns) : net_(net), now_ns_(now_ns) {}
+  AccessesOnly(const Net& net, int64_t now_ns) : net_(net), now_ns_(now_ns) {}
   const Program& program() const override { return net_.program; }
   const DeviceProfile& device() const override { return net_.device; }
   int64_t now_ns() const override { return now_ns_; }
@@ -152,13 +154,13 @@ class AccessesOnly final : public SimContext {
   bool Prefetch(int32_t) override { return false; }
 
  private:
-  const UNet& net_;
+  const Net& net_;
   const int64_t now_ns_;
   std::vector<int32_t> none_;
 };
 
 TEST(SteadyStatePolicy, AnAccessOffTheRecordingAbandonsThePlanAtOnce) {
-  UNet net;
+  Net net;
   AccessesOnly ctx(net, net.Run(**MakePolicy("delta"), 1).makespan_ns);
   SteadyStatePolicy steady;
   steady.BeginIteration(ctx);
