@@ -280,8 +280,8 @@ bool Engine::FreeRangeFor(int64_t bytes) {
         if (locks_[s] > 0) return false;
         // A prefetch still copying in goes back to its host copy.
         if (state_[s] == StorageState::kReloading) return true;
-        return state_[s] == StorageState::kResident &&
-               (program_.Recomputable(s) || program_.storages[s].bytes <= host);
+        return CanEvict(s) || (state_[s] == StorageState::kResident &&
+                               program_.storages[s].bytes <= host);
       });
   bool any = false;
   for (int64_t id : ids) {

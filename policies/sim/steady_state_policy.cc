@@ -65,11 +65,9 @@ void SteadyStatePolicy::Adopt(SimContext& ctx) {
       continue;
     }
     plan_->OnCreate(ctx, s);
+    // A constant cannot be rebuilt, so never evicted: it is resident or on
+    // its way out, out, or back.
     if (state == StorageState::kResident) continue;
-    if (state == StorageState::kEvicted) {
-      plan_->OnStateChange(ctx, s, StorageState::kResident, state);
-      continue;
-    }
     plan_->OnStateChange(ctx, s, StorageState::kResident,
                          StorageState::kOffloading);
     if (state == StorageState::kOffloading) continue;
