@@ -53,8 +53,10 @@ class CostModel {
   // c_s(t): offload now (after the backlog and `queued` more bytes that
   // the caller is about to add) and reload later.
   int64_t SwapNs(const Tensor& t, int64_t queued = 0) const {
-    return OffloadNs(t.gpu, Backlog(t.gpu) + queued + t.bytes) +
-           ReloadNs(t.gpu, t.bytes);
+    return SwapNs(t.gpu, t.bytes, queued);
+  }
+  int64_t SwapNs(GpuId gpu, int64_t bytes, int64_t queued = 0) const {
+    return OffloadNs(gpu, Backlog(gpu) + queued + bytes) + ReloadNs(gpu, bytes);
   }
 
  private:

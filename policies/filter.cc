@@ -26,8 +26,10 @@ Filter::Filter(FilterOptions options, const CostModel* costs)
 absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
                                         const Scope& scope, int64_t now_ns,
                                         Eligible eligible) {
-  const absl::Span<const uint32_t> candidates = table.Candidates(scope);
-  const size_t n = candidates.size();
+  const absl::Span<const CandidateEntry> entries =
+      table.CandidateEntries(scope);
+  const size_t n = entries.size();
+  const GpuId gpu = table.ScopeGpu(scope);
   int64_t min_bytes = 0;
   if (options_.skip_small && n > 0) {
     // 1% of the mean, computed from the running byte total: O(1).
@@ -46,11 +48,17 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
     return t.lock_count == 0 && t.bytes >= min_bytes && eligible(t);
   };
 
-  // The first of the lowest scores in scan order wins; `pos` is the order.
-  // A candidate whose lower bound cannot beat the best so far is never
-  // scored: the choice is the same, without most neighbourhood walks.
+  // Every score but MegEngine's has a bound read from the list entry alone
+  // (EntryBound): a candidate whose bound cannot beat the best so far is
+  // neither loaded nor scored, and the choice is the same.
   const bool bounded =
       options_.skip_by_bound && HasLowerBound(options_.heuristic);
+  auto bound_of = [&](const CandidateEntry& e) {
+    return bounded ? EntryBound(options_.heuristic, e, gpu, now_ns, costs_)
+                   : -std::numeric_limits<double>::infinity();
+  };
+  // The first of the lowest scores in scan order wins; `pos` is the order.
+  // Which it is does not depend on the order of the offers.
   uint32_t best = UINT32_MAX;
   size_t best_pos = 0;
   double best_score = std::numeric_limits<double>::infinity();
@@ -59,6 +67,7 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
         (bound > best_score || (bound == best_score && pos > best_pos))) {
       return;
     }
+    if (!usable(slot)) return;
     const double s = Score(table, slot, now_ns);
     if (best == UINT32_MAX || s < best_score ||
         (s == best_score && pos < best_pos)) {
@@ -66,12 +75,6 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
       best_pos = pos;
       best_score = s;
     }
-  };
-  auto consider = [&](uint32_t slot, size_t pos) {
-    if (!usable(slot)) return;
-    offer(slot, pos,
-          bounded ? LowerBound(table, slot, now_ns)
-                  : -std::numeric_limits<double>::infinity());
   };
 
   if (options_.sampled && n > 0) {
@@ -82,68 +85,77 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
                  batch_scope_.gpu == scope.gpu &&
                  batch_scope_.session == scope.session &&
                  batch_picks_ < sample_.size() / kTensorsPerPick;
-    size_t k = again ? sample_.size()
-                     : static_cast<size_t>(std::ceil(std::sqrt(double(n))));
+    const size_t fresh_k =
+        static_cast<size_t>(std::ceil(std::sqrt(static_cast<double>(n))));
+    size_t k = again ? sample_.size() : fresh_k;
     sample_.resize(k);
+    bounds_.resize(k);
     uint32_t* sample = sample_.data();
-    // With a lower bound, the first pass only bounds each sample (NaN:
-    // not usable); scoring the lowest bound first then leaves few others
-    // that can beat it, against a walk per new minimum in sample order.
-    if (bounded) bounds_.resize(k);
     double* bounds = bounds_.data();
+    constexpr double kOut = std::numeric_limits<double>::quiet_NaN();
+    // The sample with the lowest bound, noted as the bounds are made.
     size_t lowest = SIZE_MAX;
-    auto look = [&](size_t i) {
-      if (!bounded) {
-        consider(sample[i], i);
-        return;
-      }
-      bounds[i] = std::numeric_limits<double>::quiet_NaN();
-      if (!usable(sample[i])) return;
-      bounds[i] = LowerBound(table, sample[i], now_ns);
+    auto note = [&](size_t i) {
       if (lowest == SIZE_MAX || bounds[i] < bounds[lowest]) lowest = i;
     };
-    // Every load is a miss at a million tensors, so each is started
-    // kPrefetchAhead draws before it is needed. A multiply maps a draw to
-    // [0, n) (Lemire): a division took a third of the decision.
-    auto below = [&](uint64_t range) {
-      return static_cast<uint32_t>(
-          absl::Uint128High64(absl::uint128(NextRandom()) * range));
-    };
     if (again) {
+      // The sample's tensors are in cache: bound each from the tensor, as
+      // its entry may have moved since.
       recheck = true;
-      for (size_t i = 0; i < k; ++i) look(i);
-      recheck = false;
-      if (lowest == SIZE_MAX && best == UINT32_MAX) {
-        // Nothing of it qualifies any more: a new sample.
-        k = static_cast<size_t>(std::ceil(std::sqrt(double(n))));
-        sample_.resize(k);
-        sample = sample_.data();
-        if (bounded) bounds_.resize(k);
-        bounds = bounds_.data();
+      bool any = false;
+      for (size_t i = 0; i < k; ++i) {
+        bounds[i] = kOut;
+        if (!usable(sample[i])) continue;
+        bounds[i] =
+            bound_of(CandidateEntry::Of(table.AtSlot(sample[i]), sample[i]));
+        note(i);
+        any = true;
+      }
+      if (!any) {  // nothing of it qualifies any more: a new sample
+        recheck = false;
         again = false;
+        k = fresh_k;
+        sample_.resize(k);
+        bounds_.resize(k);
+        sample = sample_.data();
+        bounds = bounds_.data();
       }
     }
     if (!again) {
-      // Three stages: a position in the list (its entry being loaded), the
-      // slot there (its tensor being loaded), the tensor. (Drawing slots of
-      // the table and keeping the candidates, one miss a draw instead of
-      // two, measured 1.3-1.5x slower at a million tensors, whether each
-      // draw was kept as it arrived or all were checked after loading.)
-      for (size_t i = 0; i < k; ++i) sample[i] = below(n);
-      auto resolve = [&](size_t i) {
-        sample[i] = candidates[sample[i]];
-        table.Prefetch(sample[i]);
-      };
-      for (size_t i = 0; i < std::min(k, 2 * kPrefetchAhead); ++i) {
-        __builtin_prefetch(&candidates[sample[i]]);
-      }
-      for (size_t i = 0; i < std::min(k, kPrefetchAhead); ++i) resolve(i);
+      // Every load is a miss at a million tensors, so each is started
+      // kPrefetchAhead draws before it is needed: the entry, and without
+      // a bound the tensor too (the slot in the entry, then the tensor).
+      // A multiply maps a draw to [0, n) (Lemire): a division took a third
+      // of the decision. (Drawing slots of the table and keeping the
+      // candidates measured 1.3-1.5x slower: most slots were not in the
+      // scope.)
       for (size_t i = 0; i < k; ++i) {
-        if (i + 2 * kPrefetchAhead < k) {
-          __builtin_prefetch(&candidates[sample[i + 2 * kPrefetchAhead]]);
+        sample[i] = static_cast<uint32_t>(
+            absl::Uint128High64(absl::uint128(NextRandom()) * n));
+      }
+      const size_t ahead = bounded ? kPrefetchAhead : 2 * kPrefetchAhead;
+      for (size_t i = 0; i < std::min(k, ahead); ++i) {
+        __builtin_prefetch(&entries[sample[i]]);
+      }
+      auto resolve = [&](size_t i) {
+        const CandidateEntry& e = entries[sample[i]];
+        sample[i] = e.slot;
+        if (e.bytes < min_bytes) {
+          bounds[i] = kOut;
+        } else {
+          bounds[i] = bound_of(e);
+          note(i);
         }
-        if (i + kPrefetchAhead < k) resolve(i + kPrefetchAhead);
-        look(i);
+        if (!bounded) table.Prefetch(e.slot);
+      };
+      if (!bounded) {
+        for (size_t i = 0; i < std::min(k, kPrefetchAhead); ++i) resolve(i);
+      }
+      const size_t lag = bounded ? 0 : kPrefetchAhead;
+      for (size_t i = 0; i < k; ++i) {
+        if (i + ahead < k) __builtin_prefetch(&entries[sample[i + ahead]]);
+        if (i + lag < k) resolve(i + lag);
+        if (!bounded && !std::isnan(bounds[i])) offer(sample[i], i, bounds[i]);
       }
       if (batch_depth_ > 0) {
         batch_sample_ = true;
@@ -151,28 +163,46 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
         batch_picks_ = 0;
       }
     }
-    if (bounded && lowest < k) {
-      offer(sample[lowest], lowest, bounds[lowest]);
-      for (size_t i = 0; i < k; ++i) {
-        if (i != lowest && !std::isnan(bounds[i])) {
-          offer(sample[i], i, bounds[i]);
+    if (bounded || again) {
+      // The lowest bound first: scored first, it leaves few others that
+      // can beat it, against a walk per new minimum in sample order. A
+      // few more tries when the lowest is not usable; then sample order.
+      for (int tries = 0; tries < 4 && lowest != SIZE_MAX; ++tries) {
+        offer(sample[lowest], lowest, bounds[lowest]);
+        if (best != UINT32_MAX) break;
+        bounds[lowest] = kOut;  // not usable
+        lowest = SIZE_MAX;
+        for (size_t i = 0; i < k; ++i) {
+          if (!std::isnan(bounds[i])) note(i);
         }
       }
+      for (size_t i = 0; i < k; ++i) {
+        // !(<=): neither out (NaN) nor beaten already; offer decides ties.
+        if (!(bounds[i] <= best_score) || sample[i] == best) continue;
+        offer(sample[i], i, bounds[i]);
+      }
     }
+    recheck = false;
     if (batch_depth_ > 0 && best != UINT32_MAX) ++batch_picks_;
   }
   if (best == UINT32_MAX) {
+    // Entries are read in order; a tensor is loaded only where its bound
+    // can win (every one without a bound, ahead of need).
     for (size_t i = 0; i < n; ++i) {
-      if (i + kPrefetchAhead < n)
-        table.Prefetch(candidates[i + kPrefetchAhead]);
-      consider(candidates[i], i);
+      if (!bounded && i + kPrefetchAhead < n) {
+        table.Prefetch(entries[i + kPrefetchAhead].slot);
+      }
+      if (entries[i].bytes < min_bytes) continue;
+      offer(entries[i].slot, i, bound_of(entries[i]));
     }
   }
   // Skipping small tensors must not make a release impossible: when only
   // small ones qualify, take the best of them.
   if (best == UINT32_MAX && min_bytes > 0) {
     min_bytes = 0;
-    for (size_t i = 0; i < n; ++i) consider(candidates[i], i);
+    for (size_t i = 0; i < n; ++i) {
+      offer(entries[i].slot, i, bound_of(entries[i]));
+    }
   }
   if (best == UINT32_MAX) {
     return absl::NotFoundError(absl::StrCat(

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -47,55 +48,37 @@ namespace {
 
 constexpr double kNever = 1e30;
 
-double Staleness(const Tensor& t, int64_t now_ns) {
-  return static_cast<double>(std::max<int64_t>(1, now_ns - t.last_access_ns));
+double Staleness(int64_t last_access_ns, int64_t now_ns) {
+  return static_cast<double>(std::max<int64_t>(1, now_ns - last_access_ns));
 }
 
 // c_s for delta_cost: kNever where offloading is forbidden or unpriced.
-double SwapPrice(const Tensor& t, const CostModel* costs) {
-  return t.flags.offload_pinned || costs == nullptr
+double SwapPrice(const TensorFlags& flags, GpuId gpu, int64_t bytes,
+                 const CostModel* costs) {
+  return flags.offload_pinned || costs == nullptr
              ? kNever
-             : static_cast<double>(costs->SwapNs(t));
+             : static_cast<double>(costs->SwapNs(gpu, bytes));
 }
 
 // delta_cost's min(c_r, c_s) / (m * s) for a given c_r and c_s.
-double DeltaCost(const Tensor& t, int64_t recompute_ns, double swap,
+double DeltaCost(const TensorFlags& flags, int64_t bytes,
+                 int64_t last_access_ns, int64_t recompute_ns, double swap,
                  int64_t now_ns) {
-  const double recompute = t.flags.uncomputable || t.flags.evict_pinned
+  const double recompute = flags.uncomputable || flags.evict_pinned
                                ? kNever
                                : static_cast<double>(recompute_ns);
   return std::min(recompute, swap) /
-         (static_cast<double>(t.bytes) * Staleness(t, now_ns));
+         (static_cast<double>(bytes) * Staleness(last_access_ns, now_ns));
 }
 
 }  // namespace
 
-bool HasLowerBound(Heuristic h) {
-  return h == Heuristic::kDtr || h == Heuristic::kDtrEq ||
-         h == Heuristic::kDeltaCost;
-}
+bool HasLowerBound(Heuristic h) { return h != Heuristic::kMegEngine; }
 
-double ScoreLowerBound(Heuristic h, const MegEngineParams& me,
-                       const TensorTable& table, uint32_t slot, int64_t now_ns,
-                       const CostModel* costs) {
-  const Tensor& t = table.AtSlot(slot);
-  switch (h) {
-    case Heuristic::kDtr:
-    case Heuristic::kDtrEq:
-      return static_cast<double>(t.compute_cost_ns) /
-             (static_cast<double>(t.bytes) * Staleness(t, now_ns));
-    case Heuristic::kDeltaCost:
-      return DeltaCost(t, t.compute_cost_ns, SwapPrice(t, costs), now_ns);
-    default:
-      return Score(h, me, table, slot, now_ns, costs);
-  }
-}
-
-double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
-             uint32_t slot, int64_t now_ns, const CostModel* costs) {
-  const Tensor& t = table.AtSlot(slot);
-  const double m = static_cast<double>(t.bytes);
-  const double s = Staleness(t, now_ns);
+double EntryBound(Heuristic h, const CandidateEntry& e, GpuId gpu,
+                  int64_t now_ns, const CostModel* costs) {
+  const double m = static_cast<double>(e.bytes);
+  const double s = Staleness(e.last_access_ns, now_ns);
   switch (h) {
     case Heuristic::kDelta:
       return 1.0 / (m * s);
@@ -104,19 +87,50 @@ double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
     case Heuristic::kGreedy:
       return 1.0 / m;
     case Heuristic::kDtr:
+    case Heuristic::kDtrEq:
+      return static_cast<double>(e.compute_cost_ns) / (m * s);
+    case Heuristic::kDeltaCost:
+      return DeltaCost(e.flags, e.bytes, e.last_access_ns, e.compute_cost_ns,
+                       SwapPrice(e.flags, gpu, e.bytes, costs), now_ns);
+    case Heuristic::kMegEngine:
+      break;
+  }
+  return -std::numeric_limits<double>::infinity();
+}
+
+double ScoreLowerBound(Heuristic h, const MegEngineParams& me,
+                       const TensorTable& table, uint32_t slot, int64_t now_ns,
+                       const CostModel* costs) {
+  const Tensor& t = table.AtSlot(slot);
+  if (!HasLowerBound(h)) return Score(h, me, table, slot, now_ns, costs);
+  return EntryBound(h, CandidateEntry::Of(t, slot), t.gpu, now_ns, costs);
+}
+
+double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
+             uint32_t slot, int64_t now_ns, const CostModel* costs) {
+  const Tensor& t = table.AtSlot(slot);
+  const double m = static_cast<double>(t.bytes);
+  const double s = Staleness(t.last_access_ns, now_ns);
+  switch (h) {
+    case Heuristic::kDelta:
+    case Heuristic::kLru:
+    case Heuristic::kGreedy:  // their bound is the score
+      return EntryBound(h, CandidateEntry::Of(t, slot), t.gpu, now_ns, costs);
+    case Heuristic::kDtr:
       return static_cast<double>(NeighbourhoodNsExact(table, slot)) / (m * s);
     case Heuristic::kDtrEq:
       return static_cast<double>(NeighbourhoodNsEq(table, slot)) / (m * s);
     case Heuristic::kDeltaCost: {
       // The neighbours' walk changes nothing when the tensor cannot be
       // recomputed, or when a swap costs less than its own recompute.
-      const double swap = SwapPrice(t, costs);
+      const double swap = SwapPrice(t.flags, t.gpu, t.bytes, costs);
       int64_t recompute_ns = t.compute_cost_ns;
       if (!t.flags.uncomputable && !t.flags.evict_pinned &&
           swap > static_cast<double>(recompute_ns)) {
         recompute_ns = NeighbourhoodNsEq(table, slot);
       }
-      return DeltaCost(t, recompute_ns, swap, now_ns);
+      return DeltaCost(t.flags, t.bytes, t.last_access_ns, recompute_ns, swap,
+                       now_ns);
     }
     case Heuristic::kMegEngine: {
       const double cost = static_cast<double>(NeighbourhoodNsEq(table, slot));

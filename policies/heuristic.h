@@ -48,15 +48,22 @@ class CostModel;
 double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
              uint32_t slot, int64_t now_ns, const CostModel* costs = nullptr);
 
-// Whether Score walks the tensor's neighbours (dtr, dtr_eq, delta_cost):
-// then ScoreLowerBound, which reads the tensor alone, lets a search skip the
-// walk for candidates that cannot beat the best one found. At a million
-// tensors each walk is several cache misses.
+// Whether a score has a bound that reads the candidate entry alone
+// (EntryBound): every heuristic but MegEngine's, whose terms the entry
+// lacks. For dtr, dtr_eq and delta_cost the bound lets a search skip the
+// neighbourhood walk of candidates that cannot beat the best found; for
+// all, it lets a search at scale skip loading the tensor (a cache miss).
 bool HasLowerBound(Heuristic h);
 
-// At most Score (exactly, in floating point): the neighbourhood cost taken
-// as the tensor's own compute cost, which every neighbourhood includes and
-// costs never being negative. Score itself for the other heuristics.
+// At most Score (exactly, in floating point), from the entry alone: the
+// neighbourhood cost taken as the tensor's own compute cost, which every
+// neighbourhood includes and costs never being negative; Score itself for
+// delta, lru and greedy. -infinity (no bound) for MegEngine. `gpu` is the
+// tensor's (the swap price depends on its link).
+double EntryBound(Heuristic h, const CandidateEntry& e, GpuId gpu,
+                  int64_t now_ns, const CostModel* costs = nullptr);
+
+// EntryBound of a table's tensor; Score itself for MegEngine.
 double ScoreLowerBound(Heuristic h, const MegEngineParams& me,
                        const TensorTable& table, uint32_t slot, int64_t now_ns,
                        const CostModel* costs = nullptr);

@@ -87,6 +87,26 @@ struct alignas(64) Tensor {
   uint32_t session_pos = UINT32_MAX;
 };
 
+// What every Filter score but MegEngine's reads of a tensor to bound it
+// (and, for delta, lru and greedy, to score it), copied beside the slot in
+// the candidate lists: a sampled decision at a million tensors then costs
+// one cache miss a sample (the entry) instead of two (the entry, then the
+// tensor), and loads the tensor only for the few samples that can win.
+// The table keeps the copies equal to the tensor's fields.
+struct CandidateEntry {
+  int64_t bytes = 0;
+  int64_t last_access_ns = 0;
+  int64_t compute_cost_ns = 0;
+  uint32_t slot = 0;
+  TensorFlags flags;
+
+  static CandidateEntry Of(const Tensor& t, uint32_t slot) {
+    return {t.bytes, t.last_access_ns, t.compute_cost_ns, slot, t.flags};
+  }
+};
+// Two to a cache line: an entry never straddles two.
+static_assert(sizeof(CandidateEntry) == 32);
+
 // The set of tensors a decision looks at: one GPU, or one session on it.
 struct Scope {
   GpuId gpu = 0;

@@ -229,7 +229,7 @@ uint32_t TensorTable::Insert(const TensorSpec& spec, int64_t now_ns) {
   t.compute_cost_ns = spec.compute_cost_ns;
   t.stable_key = spec.stable_key;
   t.state = TensorState::kResident;
-  t.last_access_tick = ++session_clock_[spec.session];
+  t.last_access_tick = ++sessions_[spec.session].clock;
   t.last_access_ns = now_ns;
   index_.emplace(spec.id, slot);
   session_gpu_.emplace(spec.session, spec.gpu);
@@ -266,13 +266,14 @@ void TensorTable::Account(const Tensor& t, int sign) {
 
 void TensorTable::AddCandidate(uint32_t slot) {
   Tensor& t = slots_[slot];
+  const CandidateEntry entry = CandidateEntry::Of(t, slot);
   CandidateList& g = gpus_[t.gpu].candidates;
-  t.gpu_pos = static_cast<uint32_t>(g.slots.size());
-  g.slots.push_back(slot);
+  t.gpu_pos = static_cast<uint32_t>(g.entries.size());
+  g.entries.push_back(entry);
   g.bytes += t.bytes;
   CandidateList& s = sessions_[t.session].candidates;
-  t.session_pos = static_cast<uint32_t>(s.slots.size());
-  s.slots.push_back(slot);
+  t.session_pos = static_cast<uint32_t>(s.entries.size());
+  s.entries.push_back(entry);
   s.bytes += t.bytes;
 }
 
@@ -280,18 +281,27 @@ void TensorTable::RemoveCandidate(uint32_t slot) {
   Tensor& t = slots_[slot];
   // Swap-with-last removal keeps it O(1); order carries no meaning.
   CandidateList& g = gpus_[t.gpu].candidates;
-  const uint32_t gl = g.slots.back();
-  g.slots[t.gpu_pos] = gl;
-  slots_[gl].gpu_pos = t.gpu_pos;
-  g.slots.pop_back();
+  const CandidateEntry gl = g.entries.back();
+  g.entries[t.gpu_pos] = gl;
+  slots_[gl.slot].gpu_pos = t.gpu_pos;
+  g.entries.pop_back();
   g.bytes -= t.bytes;
   CandidateList& s = sessions_[t.session].candidates;
-  const uint32_t sl = s.slots.back();
-  s.slots[t.session_pos] = sl;
-  slots_[sl].session_pos = t.session_pos;
-  s.slots.pop_back();
+  const CandidateEntry sl = s.entries.back();
+  s.entries[t.session_pos] = sl;
+  slots_[sl.slot].session_pos = t.session_pos;
+  s.entries.pop_back();
   s.bytes -= t.bytes;
   t.gpu_pos = t.session_pos = UINT32_MAX;
+}
+
+void TensorTable::Stamp(uint32_t slot, Group& session, int64_t now_ns) {
+  Tensor& t = slots_[slot];
+  t.last_access_tick = ++session.clock;
+  t.last_access_ns = now_ns;
+  if (t.gpu_pos == UINT32_MAX) return;  // not a candidate
+  gpus_[t.gpu].candidates.entries[t.gpu_pos].last_access_ns = now_ns;
+  session.candidates.entries[t.session_pos].last_access_ns = now_ns;
 }
 
 void TensorTable::DeferComponents(bool defer) {
@@ -384,8 +394,7 @@ absl::Status TensorTable::Touch(TensorId id, int64_t now_ns) {
         absl::StrCat("tensor ", id, " is ", TensorStateName(t.state),
                      ": make it resident before using it"));
   }
-  t.last_access_tick = ++session_clock_[t.session];
-  t.last_access_ns = now_ns;
+  Stamp(*slot, sessions_[t.session], now_ns);
   return absl::OkStatus();
 }
 
@@ -432,8 +441,7 @@ absl::Status TensorTable::MarkRecomputed(TensorId id, int64_t now_ns) {
   }
   ChangeState(*slot, TensorState::kResident);
   ++t.recompute_count;
-  t.last_access_tick = ++session_clock_[t.session];
-  t.last_access_ns = now_ns;
+  Stamp(*slot, sessions_[t.session], now_ns);
   return absl::OkStatus();
 }
 
@@ -559,7 +567,6 @@ void TensorTable::RemoveSession(SessionId session) {
     ReleaseSlot(slot);
   }
   sessions_.erase(session);
-  session_clock_.erase(session);
   session_gpu_.erase(session);
 }
 
@@ -572,15 +579,24 @@ MemoryStats TensorTable::ScopeStats(const Scope& scope) const {
   return scope.session ? SessionStats(*scope.session) : GpuStats(scope.gpu);
 }
 
-absl::Span<const uint32_t> TensorTable::Candidates(const Scope& scope) const {
+absl::Span<const CandidateEntry> TensorTable::CandidateEntries(
+    const Scope& scope) const {
   if (scope.session) {
     auto it = sessions_.find(*scope.session);
     if (it == sessions_.end()) return {};
-    return it->second.candidates.slots;
+    return it->second.candidates.entries;
   }
   auto it = gpus_.find(scope.gpu);
   if (it == gpus_.end()) return {};
-  return it->second.candidates.slots;
+  return it->second.candidates.entries;
+}
+
+std::vector<uint32_t> TensorTable::Candidates(const Scope& scope) const {
+  std::vector<uint32_t> slots;
+  for (const CandidateEntry& e : CandidateEntries(scope)) {
+    slots.push_back(e.slot);
+  }
+  return slots;
 }
 
 int64_t TensorTable::CandidateBytes(const Scope& scope) const {

@@ -90,8 +90,17 @@ class TensorTable {
   size_t size() const { return index_.size(); }
 
   // --- For the Filter and cost functions: slot-level access. -------------
-  // Slots of kResident tensors in the scope, in no particular order.
-  absl::Span<const uint32_t> Candidates(const Scope& scope) const;
+  // The kResident tensors of the scope, in no particular order, each with
+  // the fields a score's bound reads (CandidateEntry).
+  absl::Span<const CandidateEntry> CandidateEntries(const Scope& scope) const;
+  // Their slots, copied: for tests and reports, not for a search.
+  std::vector<uint32_t> Candidates(const Scope& scope) const;
+  // The scope's GPU: a session's is the one its tensors live on.
+  GpuId ScopeGpu(const Scope& scope) const {
+    if (!scope.session) return scope.gpu;
+    auto it = session_gpu_.find(*scope.session);
+    return it == session_gpu_.end() ? scope.gpu : it->second;
+  }
   // Summed bytes of the tensors in Candidates(scope).
   int64_t CandidateBytes(const Scope& scope) const;
   const Tensor& AtSlot(uint32_t slot) const { return slots_[slot]; }
@@ -124,12 +133,13 @@ class TensorTable {
 
  private:
   struct CandidateList {
-    std::vector<uint32_t, HugePageAllocator<uint32_t>> slots;
+    std::vector<CandidateEntry, HugePageAllocator<CandidateEntry>> entries;
     int64_t bytes = 0;
   };
   struct Group {  // one GPU or one session
     MemoryStats stats;
     CandidateList candidates;
+    uint64_t clock = 0;  // a session's logical clock (a GPU's is unused)
   };
 
   absl::StatusOr<uint32_t> SlotFor(TensorId id) const;
@@ -139,6 +149,9 @@ class TensorTable {
   void Account(const Tensor& t, int sign);
   void AddCandidate(uint32_t slot);
   void RemoveCandidate(uint32_t slot);
+  // Records an access at `now_ns` (the session's group given: one lookup
+  // less on the hottest path), in the tensor and in its candidate entries.
+  void Stamp(uint32_t slot, Group& session, int64_t now_ns);
   void ChangeState(uint32_t slot, TensorState to);
   void JoinComponents(uint32_t slot);
   void LeaveComponents(uint32_t slot);
@@ -154,7 +167,6 @@ class TensorTable {
   absl::flat_hash_map<TensorId, uint32_t> index_;
   absl::flat_hash_map<GpuId, Group> gpus_;
   absl::flat_hash_map<SessionId, Group> sessions_;
-  absl::flat_hash_map<SessionId, uint64_t> session_clock_;
   // A session lives on one GPU; its first tensor binds it.
   absl::flat_hash_map<SessionId, GpuId> session_gpu_;
   absl::flat_hash_map<std::pair<SessionId, uint64_t>, uint32_t> by_key_;

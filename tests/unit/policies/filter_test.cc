@@ -34,6 +34,12 @@ constexpr Heuristic kAllHeuristics[] = {
     Heuristic::kDtr,   Heuristic::kDtrEq, Heuristic::kMegEngine,
 };
 
+// Those whose bound the search uses (every one but MegEngine's).
+constexpr Heuristic kBoundedHeuristics[] = {
+    Heuristic::kDelta, Heuristic::kLru,   Heuristic::kGreedy,
+    Heuristic::kDtr,   Heuristic::kDtrEq, Heuristic::kDeltaCost,
+};
+
 bool Any(const Tensor&) { return true; }
 
 TensorId SelectId(Filter& filter, const TensorTable& table, const Scope& scope,
@@ -107,8 +113,7 @@ TEST(FilterTest, SearchesSkippingByLowerBoundPickWhatScoringAllPicks) {
   CostModel costs;
   ASSERT_TRUE(costs.SetBandwidth(0, {4e9, 4e9}).ok());  // a swap: 500 ns
   constexpr int64_t kNow = 20;
-  for (Heuristic h :
-       {Heuristic::kDtr, Heuristic::kDtrEq, Heuristic::kDeltaCost}) {
+  for (Heuristic h : kBoundedHeuristics) {
     Filter filter(Options(h), &costs);
     // Excluding each pick in turn walks the order down through the ties.
     std::vector<uint32_t> taken;
@@ -144,19 +149,52 @@ TEST(FilterTest, SampledSearchesSkippingByLowerBoundPickWhatScoringAllPicks) {
   FillTying(table, 900, /*seed=*/11, /*evict_every=*/4);
   CostModel costs;
   ASSERT_TRUE(costs.SetBandwidth(0, {4e9, 4e9}).ok());
-  for (Heuristic h :
-       {Heuristic::kDtr, Heuristic::kDtrEq, Heuristic::kDeltaCost}) {
+  // Half the tensors ineligible: the lowest bound of a sample is then
+  // often one that cannot be taken.
+  auto odd = [](const Tensor& t) { return t.id % 2 == 1; };
+  for (Heuristic h : kBoundedHeuristics) {
     for (uint64_t seed = 1; seed <= 50; ++seed) {
       FilterOptions skipping = Options(h, /*sampled=*/true, false, seed);
       FilterOptions scoring = skipping;
       scoring.skip_by_bound = false;
       Filter a(skipping, &costs), b(scoring, &costs);
-      for (int call = 0; call < 5; ++call) {
-        absl::StatusOr<uint32_t> pa = a.Select(table, kGpu0, 20, Any);
-        absl::StatusOr<uint32_t> pb = b.Select(table, kGpu0, 20, Any);
+      for (int call = 0; call < 6; ++call) {
+        const Filter::Eligible eligible =
+            call % 2 == 0 ? Filter::Eligible(Any) : Filter::Eligible(odd);
+        absl::StatusOr<uint32_t> pa = a.Select(table, kGpu0, 20, eligible);
+        absl::StatusOr<uint32_t> pb = b.Select(table, kGpu0, 20, eligible);
         ASSERT_TRUE(pa.ok() && pb.ok());
         ASSERT_EQ(*pa, *pb) << HeuristicName(h) << " seed " << seed;
       }
+    }
+  }
+}
+
+// In a Batch a large sample serves several picks, re-bounded from the
+// tensors as earlier picks left them (released: no longer candidates).
+TEST(FilterTest,
+     BatchedSampledSearchesSkippingByLowerBoundPickWhatScoringAllPicks) {
+  // ceil(sqrt(20000)) = 142 samples: two picks from each sample.
+  constexpr int kTensors = 20000;
+  TensorTable skipped, scored;
+  FillTying(skipped, kTensors, /*seed=*/5, /*evict_every=*/9);
+  FillTying(scored, kTensors, /*seed=*/5, /*evict_every=*/9);
+  CostModel costs;
+  ASSERT_TRUE(costs.SetBandwidth(0, {4e9, 4e9}).ok());
+  for (Heuristic h : kBoundedHeuristics) {
+    FilterOptions skipping = Options(h, /*sampled=*/true, false, /*seed=*/3);
+    FilterOptions scoring = skipping;
+    scoring.skip_by_bound = false;
+    Filter a(skipping, &costs), b(scoring, &costs);
+    Filter::Batch batch_a(a), batch_b(b);
+    for (int pick = 0; pick < 6; ++pick) {
+      absl::StatusOr<uint32_t> pa = a.Select(skipped, kGpu0, 20, Any);
+      absl::StatusOr<uint32_t> pb = b.Select(scored, kGpu0, 20, Any);
+      ASSERT_TRUE(pa.ok() && pb.ok());
+      ASSERT_EQ(*pa, *pb) << HeuristicName(h) << " pick " << pick;
+      const TensorId id = skipped.AtSlot(*pa).id;
+      ASSERT_TRUE(skipped.SetState(id, TensorState::kOffloading).ok());
+      ASSERT_TRUE(scored.SetState(id, TensorState::kOffloading).ok());
     }
   }
 }

@@ -345,7 +345,9 @@ TEST(HeuristicTest, ScoreLowerBoundIsNeverAboveTheScore) {
       const double score = Score(h, me, table, slot, kNow, &costs);
       const double bound = ScoreLowerBound(h, me, table, slot, kNow, &costs);
       EXPECT_LE(bound, score) << HeuristicName(h) << " slot " << slot;
-      if (!HasLowerBound(h)) {
+      const bool exact = h == Heuristic::kDelta || h == Heuristic::kLru ||
+                         h == Heuristic::kGreedy || !HasLowerBound(h);
+      if (exact) {
         EXPECT_EQ(bound, score) << HeuristicName(h);
       } else if (bound < score) {
         ++looser;
@@ -354,7 +356,33 @@ TEST(HeuristicTest, ScoreLowerBoundIsNeverAboveTheScore) {
   }
   EXPECT_GT(looser, 10);
   EXPECT_TRUE(HasLowerBound(Heuristic::kDeltaCost));
-  EXPECT_FALSE(HasLowerBound(Heuristic::kDelta));
+  EXPECT_TRUE(HasLowerBound(Heuristic::kDelta));
+  EXPECT_FALSE(HasLowerBound(Heuristic::kMegEngine));
+}
+
+TEST(HeuristicTest, EntryBoundOfTheCandidateListEqualsTheTensorsBound) {
+  TensorTable table;
+  FillWithEvictedNeighbours(table);
+  CostModel costs;
+  ASSERT_TRUE(costs.SetBandwidth(0, {1e9, 2e9}).ok());
+  constexpr int64_t kNow = 5000;
+  // Touches after the adds change what the entries must mirror.
+  for (TensorId id = 2; id <= 300; id += 7) {
+    if (table.Find(id)->state == TensorState::kResident) {
+      ASSERT_TRUE(table.Touch(id, 4000 + static_cast<int64_t>(id)).ok());
+    }
+  }
+  int checked = 0;
+  for (Heuristic h :
+       {Heuristic::kDelta, Heuristic::kDtrEq, Heuristic::kDeltaCost}) {
+    for (const CandidateEntry& e : table.CandidateEntries(kGpu0)) {
+      EXPECT_EQ(EntryBound(h, e, 0, kNow, &costs),
+                ScoreLowerBound(h, {}, table, e.slot, kNow, &costs))
+          << HeuristicName(h) << " slot " << e.slot;
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 300);
 }
 
 }  // namespace

@@ -90,6 +90,38 @@ TEST(TensorTable, CandidatesHoldExactlyResidentTensorsOfScope) {
   }
 }
 
+// The Filter bounds a sample from its list entry alone: every entry must
+// equal its tensor's fields after adds, touches, recomputes and the swaps
+// that removals make in the lists.
+TEST(TensorTable, CandidateEntriesMirrorTheirTensorsFields) {
+  TensorTable table;
+  for (TensorId id = 1; id <= 6; ++id) {
+    TensorSpec s = Spec(id, 10 * static_cast<int64_t>(id), {}, 1 + id % 2);
+    s.compute_cost_ns = 7 * static_cast<int64_t>(id);
+    s.flags.offload_pinned = id == 4;
+    ASSERT_TRUE(IsOk(table.Add(s, static_cast<int64_t>(id))));
+  }
+  ASSERT_TRUE(IsOk(table.Touch(2, 100)));
+  ASSERT_TRUE(IsOk(table.SetState(1, S::kEvicted)));  // swaps the last in
+  ASSERT_TRUE(IsOk(table.Touch(6, 200)));
+  ASSERT_TRUE(IsOk(table.MarkRecomputed(1, 300)));
+  ASSERT_TRUE(IsOk(table.Free(3)));
+  ASSERT_TRUE(IsOk(table.Touch(1, 400)));
+  for (const Scope& scope :
+       {GpuScope(0), SessionScope(0, 1), SessionScope(0, 2)}) {
+    for (const CandidateEntry& e : table.CandidateEntries(scope)) {
+      const Tensor& t = table.AtSlot(e.slot);
+      EXPECT_EQ(e.bytes, t.bytes) << t.id;
+      EXPECT_EQ(e.last_access_ns, t.last_access_ns) << t.id;
+      EXPECT_EQ(e.compute_cost_ns, t.compute_cost_ns) << t.id;
+      EXPECT_EQ(e.flags.offload_pinned, t.flags.offload_pinned) << t.id;
+    }
+  }
+  EXPECT_EQ(table.Find(1)->last_access_ns, 400);
+  EXPECT_THAT(Ids(table, table.Candidates(GpuScope(0))),
+              ::testing::UnorderedElementsAre(1, 2, 4, 5, 6));
+}
+
 TEST(TensorTable, FindByKeyReturnsCurrentTensorOfSession) {
   TensorTable table;
   TensorSpec a = Spec(1, 100, {}, 1);
