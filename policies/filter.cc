@@ -35,16 +35,8 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
     // 1% of the mean, computed from the running byte total: O(1).
     min_bytes = table.CandidateBytes(scope) / static_cast<int64_t>(n) / 100;
   }
-  // Set while a batch scores its sample again: a sampled tensor may have
-  // left the candidates since (released by an earlier pick).
-  bool recheck = false;
   auto usable = [&](uint32_t slot) {
     const Tensor& t = table.AtSlot(slot);
-    if (recheck &&
-        (t.bytes <= 0 || t.state != TensorState::kResident ||
-         (scope.session ? t.session != *scope.session : t.gpu != scope.gpu))) {
-      return false;
-    }
     return t.lock_count == 0 && t.bytes >= min_bytes && eligible(t);
   };
 
@@ -98,21 +90,43 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
     auto note = [&](size_t i) {
       if (lowest == SIZE_MAX || bounds[i] < bounds[lowest]) lowest = i;
     };
-    if (again) {
-      // The sample's tensors are in cache: bound each from the tensor, as
-      // its entry may have moved since.
-      recheck = true;
-      bool any = false;
-      for (size_t i = 0; i < k; ++i) {
-        bounds[i] = kOut;
-        if (!usable(sample[i])) continue;
-        bounds[i] =
-            bound_of(CandidateEntry::Of(table.AtSlot(sample[i]), sample[i]));
-        note(i);
-        any = true;
+    // When the lowest bound's tensor is one the caller will not take,
+    // such tensors are common in this search (other sessions', locked):
+    // loading each lazily in the pass below would be a serial miss, so
+    // every sample's usability is read first, its tensor loaded ahead.
+    auto drop_unusable = [&] {
+      if (lowest == SIZE_MAX || usable(sample[lowest])) return;
+      lowest = SIZE_MAX;
+      for (size_t i = 0; i < std::min(k, kPrefetchAhead); ++i) {
+        table.Prefetch(sample[i]);
       }
-      if (!any) {  // nothing of it qualifies any more: a new sample
-        recheck = false;
+      for (size_t i = 0; i < k; ++i) {
+        if (i + kPrefetchAhead < k) table.Prefetch(sample[i + kPrefetchAhead]);
+        if (std::isnan(bounds[i])) continue;
+        if (usable(sample[i])) {
+          note(i);
+        } else {
+          bounds[i] = kOut;
+        }
+      }
+    };
+    if (again) {
+      // The sample's entries are in cache. A sampled tensor is still a
+      // candidate where its entry is still at the position it was drawn
+      // from (an entry is unique in its list; an earlier pick's removal
+      // moved the last entry into its place, or shortened the list).
+      for (size_t i = 0; i < k; ++i) {
+        const uint32_t p = positions_[i];
+        if (p < n && entries[p].slot == sample[i] &&
+            entries[p].bytes >= min_bytes) {
+          bounds[i] = bound_of(entries[p]);
+          note(i);
+        } else {
+          bounds[i] = kOut;
+        }
+      }
+      drop_unusable();
+      if (lowest == SIZE_MAX) {  // nothing of it qualifies: a new sample
         again = false;
         k = fresh_k;
         sample_.resize(k);
@@ -129,9 +143,11 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
       // of the decision. (Drawing slots of the table and keeping the
       // candidates measured 1.3-1.5x slower: most slots were not in the
       // scope.)
+      positions_.resize(k);
       for (size_t i = 0; i < k; ++i) {
         sample[i] = static_cast<uint32_t>(
             absl::Uint128High64(absl::uint128(NextRandom()) * n));
+        positions_[i] = sample[i];
       }
       const size_t ahead = bounded ? kPrefetchAhead : 2 * kPrefetchAhead;
       for (size_t i = 0; i < std::min(k, ahead); ++i) {
@@ -157,6 +173,7 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
         if (i + lag < k) resolve(i + lag);
         if (!bounded && !std::isnan(bounds[i])) offer(sample[i], i, bounds[i]);
       }
+      if (bounded) drop_unusable();
       if (batch_depth_ > 0) {
         batch_sample_ = true;
         batch_scope_ = scope;
@@ -165,24 +182,14 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
     }
     if (bounded || again) {
       // The lowest bound first: scored first, it leaves few others that
-      // can beat it, against a walk per new minimum in sample order. A
-      // few more tries when the lowest is not usable; then sample order.
-      for (int tries = 0; tries < 4 && lowest != SIZE_MAX; ++tries) {
-        offer(sample[lowest], lowest, bounds[lowest]);
-        if (best != UINT32_MAX) break;
-        bounds[lowest] = kOut;  // not usable
-        lowest = SIZE_MAX;
-        for (size_t i = 0; i < k; ++i) {
-          if (!std::isnan(bounds[i])) note(i);
-        }
-      }
+      // can beat it, against a walk per new minimum in sample order.
+      if (lowest != SIZE_MAX) offer(sample[lowest], lowest, bounds[lowest]);
       for (size_t i = 0; i < k; ++i) {
         // !(<=): neither out (NaN) nor beaten already; offer decides ties.
         if (!(bounds[i] <= best_score) || sample[i] == best) continue;
         offer(sample[i], i, bounds[i]);
       }
     }
-    recheck = false;
     if (batch_depth_ > 0 && best != UINT32_MAX) ++batch_picks_;
   }
   if (best == UINT32_MAX) {

@@ -54,13 +54,13 @@ class Filter {
 
   // The picks of one release (RAII; may nest; every Select in it on the
   // same table). While one is open, a sampled Select scores the sample it
-  // drew last for the same scope again (its tensors are in cache: no
-  // miss), less the tensors no longer
-  // resident or usable, each pick seeing the table as the earlier ones
-  // left it; it draws anew when none of them qualifies, or when the sample
-  // has served one pick per 64 of its tensors (a sample of under 128
-  // serves one: each pick draws anew, as without a batch). A release of
-  // several tensors at scale then costs one sample's misses instead of one
+  // drew last for the same scope again (its entries are in cache: no
+  // miss), less the tensors no longer candidates (their entries moved
+  // from where they were drawn) or usable, each pick seeing the table as
+  // the earlier ones left it; it draws anew when none of them qualifies, or
+  // when the sample has served one pick per 64 of its tensors (a sample of
+  // under 128 serves one: each pick draws anew, as without a batch). A release
+  // of several tensors at scale then costs one sample's misses instead of one
   // each: the best few of a sample of ceil(sqrt(N)) rather than the best
   // of several samples.
   class Batch {
@@ -90,8 +90,10 @@ class Filter {
   FilterOptions options_;
   const CostModel* costs_;
   uint64_t rng_state_;
-  // Reused between calls: the sampled slots and their lower bounds.
+  // Reused between calls: the sampled slots, the list positions they were
+  // drawn from, and their lower bounds.
   std::vector<uint32_t> sample_;
+  std::vector<uint32_t> positions_;
   std::vector<double> bounds_;
   // Open Batches, and whether sample_ is the last one drawn in them, for
   // batch_scope_.

@@ -44,59 +44,11 @@ absl::string_view HeuristicName(Heuristic h) {
   return "unknown";
 }
 
-namespace {
-
-constexpr double kNever = 1e30;
-
-double Staleness(int64_t last_access_ns, int64_t now_ns) {
-  return static_cast<double>(std::max<int64_t>(1, now_ns - last_access_ns));
-}
-
-// c_s for delta_cost: kNever where offloading is forbidden or unpriced.
-double SwapPrice(const TensorFlags& flags, GpuId gpu, int64_t bytes,
-                 const CostModel* costs) {
-  return flags.offload_pinned || costs == nullptr
-             ? kNever
-             : static_cast<double>(costs->SwapNs(gpu, bytes));
-}
-
-// delta_cost's min(c_r, c_s) / (m * s) for a given c_r and c_s.
-double DeltaCost(const TensorFlags& flags, int64_t bytes,
-                 int64_t last_access_ns, int64_t recompute_ns, double swap,
-                 int64_t now_ns) {
-  const double recompute = flags.uncomputable || flags.evict_pinned
-                               ? kNever
-                               : static_cast<double>(recompute_ns);
-  return std::min(recompute, swap) /
-         (static_cast<double>(bytes) * Staleness(last_access_ns, now_ns));
-}
-
-}  // namespace
+using heuristic_internal::DeltaCost;
+using heuristic_internal::Staleness;
+using heuristic_internal::SwapPrice;
 
 bool HasLowerBound(Heuristic h) { return h != Heuristic::kMegEngine; }
-
-double EntryBound(Heuristic h, const CandidateEntry& e, GpuId gpu,
-                  int64_t now_ns, const CostModel* costs) {
-  const double m = static_cast<double>(e.bytes);
-  const double s = Staleness(e.last_access_ns, now_ns);
-  switch (h) {
-    case Heuristic::kDelta:
-      return 1.0 / (m * s);
-    case Heuristic::kLru:
-      return 1.0 / s;
-    case Heuristic::kGreedy:
-      return 1.0 / m;
-    case Heuristic::kDtr:
-    case Heuristic::kDtrEq:
-      return static_cast<double>(e.compute_cost_ns) / (m * s);
-    case Heuristic::kDeltaCost:
-      return DeltaCost(e.flags, e.bytes, e.last_access_ns, e.compute_cost_ns,
-                       SwapPrice(e.flags, gpu, e.bytes, costs), now_ns);
-    case Heuristic::kMegEngine:
-      break;
-  }
-  return -std::numeric_limits<double>::infinity();
-}
 
 double ScoreLowerBound(Heuristic h, const MegEngineParams& me,
                        const TensorTable& table, uint32_t slot, int64_t now_ns,
