@@ -4,9 +4,9 @@
 #include <cmath>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
+#include "policies/epoch_marks.h"
 
 namespace deltad::policy {
 
@@ -72,8 +72,11 @@ int64_t NeighbourhoodNsEq(const TensorTable& table, uint32_t slot) {
 int64_t NeighbourhoodNsExact(const TensorTable& table, uint32_t slot) {
   const Tensor& start = table.AtSlot(slot);
   int64_t sum = start.compute_cost_ns;
-  absl::flat_hash_set<uint32_t> seen;
-  std::vector<uint32_t> stack;
+  // Reused from call to call: a set and a stack allocated per walk were
+  // most of a `dtr` replay's time (walks are mostly a few tensors long).
+  thread_local EpochMarks seen;
+  thread_local std::vector<uint32_t> stack;
+  seen.Clear(table.slot_count());
   // Ancestors through evicted parents, descendants through evicted children:
   // two separate walks, since an evicted ancestor's other children are not
   // part of t's rebuild.
@@ -84,7 +87,7 @@ int64_t NeighbourhoodNsExact(const TensorTable& table, uint32_t slot) {
       const uint32_t s = stack.back();
       stack.pop_back();
       const Tensor& n = table.AtSlot(s);
-      if (!TensorTable::NeedsRecompute(n.state) || !seen.insert(s).second) {
+      if (!TensorTable::NeedsRecompute(n.state) || !seen.insert(s)) {
         continue;
       }
       sum += n.compute_cost_ns;

@@ -104,6 +104,8 @@ class TensorTable {
   // Summed bytes of the tensors in Candidates(scope).
   int64_t CandidateBytes(const Scope& scope) const;
   const Tensor& AtSlot(uint32_t slot) const { return slots_[slot]; }
+  // Every slot is below this.
+  size_t slot_count() const { return slots_.size(); }
   // Starts loading a tensor's first cache line; a hint, no effect on state.
   void Prefetch(uint32_t slot) const { __builtin_prefetch(&slots_[slot]); }
   uint32_t SlotOf(TensorId id) const;  // UINT32_MAX when unknown
