@@ -14,6 +14,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -69,9 +70,11 @@ std::unique_ptr<World> BuildWorld(int n) {
   return w;
 }
 
-World& WorldOf(int n) {
-  static auto* worlds = new std::map<int, std::unique_ptr<World>>();
-  auto& w = (*worlds)[n];
+// `touched`: a table of its own for the benchmarks that change it.
+World& WorldOf(int n, bool touched = false) {
+  static auto* worlds =
+      new std::map<std::pair<int, bool>, std::unique_ptr<World>>();
+  auto& w = (*worlds)[{n, touched}];
   if (!w) w = BuildWorld(n);
   return *w;
 }
@@ -105,18 +108,16 @@ void BM_ReleaseDecision(benchmark::State& state, Heuristic h, bool sampled,
 // RPC): a Touch of a random resident tensor, which also keeps the tensor's
 // candidate entries current. Its own table: touches change it.
 void BM_Touch(benchmark::State& state) {
-  static auto* worlds = new std::map<int, std::unique_ptr<World>>();
   const int n = static_cast<int>(state.range(0));
-  auto& w = (*worlds)[n];
-  if (!w) w = BuildWorld(n);
+  World& w = WorldOf(n, /*touched=*/true);
   uint64_t draw = 12345;
-  int64_t now = w->now_ns;
+  int64_t now = w.now_ns;
   for (auto _ : state) {
     draw = draw * 6364136223846793005ULL + 1442695040888963407ULL;
     // Every 20th tensor is evicted (BuildWorld); step over it.
     TensorId id = 1 + (draw >> 33) % static_cast<uint64_t>(n);
     if (id % 20 == 0) --id;
-    benchmark::DoNotOptimize(w->table.Touch(id, ++now));
+    benchmark::DoNotOptimize(w.table.Touch(id, ++now));
   }
 }
 

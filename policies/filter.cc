@@ -192,9 +192,9 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
     }
     if (batch_depth_ > 0 && best != UINT32_MAX) ++batch_picks_;
   }
-  if (best == UINT32_MAX) {
-    // Entries are read in order; a tensor is loaded only where its bound
-    // can win (every one without a bound, ahead of need).
+  // Entries are read in order; a tensor is loaded only where its bound can
+  // win (every one without a bound, ahead of need).
+  auto scan_all = [&] {
     for (size_t i = 0; i < n; ++i) {
       if (!bounded && i + kPrefetchAhead < n) {
         table.Prefetch(entries[i + kPrefetchAhead].slot);
@@ -202,14 +202,13 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
       if (entries[i].bytes < min_bytes) continue;
       offer(entries[i].slot, i, bound_of(entries[i]));
     }
-  }
+  };
+  if (best == UINT32_MAX) scan_all();
   // Skipping small tensors must not make a release impossible: when only
   // small ones qualify, take the best of them.
   if (best == UINT32_MAX && min_bytes > 0) {
     min_bytes = 0;
-    for (size_t i = 0; i < n; ++i) {
-      offer(entries[i].slot, i, bound_of(entries[i]));
-    }
+    scan_all();
   }
   if (best == UINT32_MAX) {
     return absl::NotFoundError(absl::StrCat(

@@ -45,11 +45,6 @@ class Filter {
     return policy::Score(options_.heuristic, options_.megengine, table, slot,
                          now_ns, costs_);
   }
-  double LowerBound(const TensorTable& table, uint32_t slot,
-                    int64_t now_ns) const {
-    return policy::ScoreLowerBound(options_.heuristic, options_.megengine,
-                                   table, slot, now_ns, costs_);
-  }
   const FilterOptions& options() const { return options_; }
 
   // The picks of one release (RAII; may nest; every Select in it on the

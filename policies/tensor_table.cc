@@ -295,8 +295,9 @@ void TensorTable::RemoveCandidate(uint32_t slot) {
   t.gpu_pos = t.session_pos = UINT32_MAX;
 }
 
-void TensorTable::Stamp(uint32_t slot, Group& session, int64_t now_ns) {
+void TensorTable::Stamp(uint32_t slot, int64_t now_ns) {
   Tensor& t = slots_[slot];
+  Group& session = sessions_[t.session];
   t.last_access_tick = ++session.clock;
   t.last_access_ns = now_ns;
   if (t.gpu_pos == UINT32_MAX) return;  // not a candidate
@@ -394,7 +395,7 @@ absl::Status TensorTable::Touch(TensorId id, int64_t now_ns) {
         absl::StrCat("tensor ", id, " is ", TensorStateName(t.state),
                      ": make it resident before using it"));
   }
-  Stamp(*slot, sessions_[t.session], now_ns);
+  Stamp(*slot, now_ns);
   return absl::OkStatus();
 }
 
@@ -441,7 +442,7 @@ absl::Status TensorTable::MarkRecomputed(TensorId id, int64_t now_ns) {
   }
   ChangeState(*slot, TensorState::kResident);
   ++t.recompute_count;
-  Stamp(*slot, sessions_[t.session], now_ns);
+  Stamp(*slot, now_ns);
   return absl::OkStatus();
 }
 

@@ -151,9 +151,9 @@ class TensorTable {
   void Account(const Tensor& t, int sign);
   void AddCandidate(uint32_t slot);
   void RemoveCandidate(uint32_t slot);
-  // Records an access at `now_ns` (the session's group given: one lookup
-  // less on the hottest path), in the tensor and in its candidate entries.
-  void Stamp(uint32_t slot, Group& session, int64_t now_ns);
+  // Records an access at `now_ns`, in the tensor and in its candidate
+  // entries (the session's clock lives in its group: one lookup for both).
+  void Stamp(uint32_t slot, int64_t now_ns);
   void ChangeState(uint32_t slot, TensorState to);
   void JoinComponents(uint32_t slot);
   void LeaveComponents(uint32_t slot);
