@@ -4,7 +4,9 @@
 #include <sys/mman.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <new>
+#include <vector>
 
 namespace deltad::policy {
 
@@ -58,11 +60,36 @@ class HugePageAllocator {
     return true;
   }
 
- private:
+  // What allocate() maps for an array of `bytes` (2 MiB or more).
   static size_t Mapped(size_t bytes) {
     return (bytes + kHugePageBytes - 1) & ~(kHugePageBytes - 1);
   }
 };
+
+// Hands the whole huge pages of `v`'s storage past its size back to the
+// kernel, keeping the capacity: the next growth finds them zeroed, which is
+// all a vector asks of storage it has not constructed in. Without it a
+// table keeps resident every page its largest day ever touched. Storage
+// under 2 MiB (operator new's) is left alone; returns the bytes of the
+// range discarded (resident or not).
+template <typename T>
+size_t DiscardUnusedCapacity(std::vector<T, HugePageAllocator<T>>& v) noexcept {
+  constexpr size_t kPage = HugePageAllocator<T>::kHugePageBytes;
+  const size_t capacity_bytes = v.capacity() * sizeof(T);
+  if (capacity_bytes < kPage) return 0;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(v.data());
+  const uintptr_t end = base + HugePageAllocator<T>::Mapped(capacity_bytes);
+  // Rounded to the next huge page of the address space: a huge page that
+  // still holds an element stays whole.
+  const uintptr_t unused =
+      (base + v.size() * sizeof(T) + kPage - 1) & ~(kPage - 1);
+  if (unused >= end) return 0;
+  if (madvise(reinterpret_cast<void*>(unused), end - unused, MADV_DONTNEED) !=
+      0) {
+    return 0;
+  }
+  return end - unused;
+}
 
 }  // namespace deltad::policy
 

@@ -40,7 +40,7 @@ struct TensorFlags {
 
 // What a client reports when a tensor is created.
 struct TensorSpec {
-  TensorId id = 0;
+  TensorId id = 0;  // 0 is reserved (it marks a free slot in the table)
   SessionId session = 0;
   GpuId gpu = 0;
   int64_t bytes = 0;

@@ -90,6 +90,9 @@ const Tensor* TensorTable::FindByKey(SessionId session, uint64_t key) const {
 }
 
 absl::Status TensorTable::ValidateSpec(const TensorSpec& spec) const {
+  if (spec.id == 0) {
+    return absl::InvalidArgumentError("tensor id 0 is reserved");
+  }
   if (spec.bytes <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tensor ", spec.id, ": size must be positive, got ", spec.bytes));
@@ -537,6 +540,11 @@ void TensorTable::Retire(uint32_t slot) {
 }
 
 void TensorTable::ReleaseSlot(uint32_t slot) {
+  ForgetSlot(slot);
+  free_slots_.push_back(slot);
+}
+
+void TensorTable::ForgetSlot(uint32_t slot) {
   Tensor& t = slots_[slot];
   if (t.stable_key != 0) {
     auto it = by_key_.find(std::make_pair(t.session, t.stable_key));
@@ -544,7 +552,6 @@ void TensorTable::ReleaseSlot(uint32_t slot) {
   }
   index_.erase(t.id);
   t = Tensor{};
-  free_slots_.push_back(slot);
 }
 
 MemoryStats TensorTable::GpuStats(GpuId gpu) const {
@@ -553,22 +560,60 @@ MemoryStats TensorTable::GpuStats(GpuId gpu) const {
 }
 
 void TensorTable::RemoveSession(SessionId session) {
-  for (uint32_t slot = 0; slot < slots_.size(); ++slot) {
+  // The free list is rebuilt in the same pass, highest slot first, so that
+  // the lowest free slots are reused first and those at the end can be cut
+  // off (GiveBackMemory).
+  free_slots_.clear();
+  for (uint32_t slot = static_cast<uint32_t>(slots_.size()); slot-- > 0;) {
     Tensor& t = slots_[slot];
-    if (t.id == 0 || t.session != session) continue;
-    // Every neighbour goes too, so connectivity no longer matters: each
-    // member leaves its component as a leaf would, in O(1).
-    if (defer_components_ || components_stale_) {
-      components_stale_ = true;
-    } else {
-      components_.Erase(slot, [](uint32_t, auto) {});
+    if (t.id != 0 && t.session == session) {
+      // Every neighbour goes too, so connectivity no longer matters: each
+      // member leaves its component as a leaf would, in O(1).
+      if (defer_components_ || components_stale_) {
+        components_stale_ = true;
+      } else {
+        components_.Erase(slot, [](uint32_t, auto) {});
+      }
+      Account(t, -1);
+      if (t.state == TensorState::kResident) RemoveCandidate(slot);
+      ForgetSlot(slot);
     }
-    Account(t, -1);
-    if (t.state == TensorState::kResident) RemoveCandidate(slot);
-    ReleaseSlot(slot);
+    if (t.id == 0) free_slots_.push_back(slot);
   }
   sessions_.erase(session);
   session_gpu_.erase(session);
+  GiveBackMemory();
+}
+
+void TensorTable::GiveBackMemory() {
+  // free_slots_ is in descending order here: its first entries are the
+  // free slots at the end of the array, if any.
+  size_t live = slots_.size();
+  size_t cut = 0;
+  while (cut < free_slots_.size() && free_slots_[cut] == live - 1) {
+    --live;
+    ++cut;
+  }
+  free_slots_.erase(free_slots_.begin(), free_slots_.begin() + cut);
+  slots_.resize(live);
+  DiscardUnusedCapacity(slots_);
+  for (auto& [gpu, group] : gpus_) {
+    DiscardUnusedCapacity(group.candidates.entries);
+  }
+  // Hash maps never shrink by themselves; a quarter full is the point
+  // where rebuilding one (O(size)) is worth its memory.
+  constexpr size_t kMinCapacity = 4096;
+  auto shrink = [](auto& map) {
+    if (map.capacity() > kMinCapacity && map.size() * 4 < map.capacity()) {
+      map.rehash(0);
+    }
+  };
+  shrink(index_);
+  shrink(by_key_);
+  if (free_slots_.capacity() > kMinCapacity &&
+      free_slots_.size() * 4 < free_slots_.capacity()) {
+    free_slots_.shrink_to_fit();
+  }
 }
 
 MemoryStats TensorTable::SessionStats(SessionId session) const {

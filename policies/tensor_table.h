@@ -74,7 +74,8 @@ class TensorTable {
   // clock, GPU binding, stats), so that a daemon serving sessions for
   // months does not grow. O(tensors in the table): freeing them one by one
   // would re-form evicted components over and over, quadratic in a long
-  // chain. Sessions never share edges, so no other tensor is touched.
+  // chain. Sessions never share edges, so no other tensor is touched. The
+  // table then gives back the memory its arrays no longer use.
   void RemoveSession(SessionId session);
 
   absl::StatusOr<const Tensor*> Get(TensorId id) const;
@@ -163,6 +164,13 @@ class TensorTable {
   void Retire(uint32_t slot);
   // Forgets the slot's id and key and makes the slot reusable.
   void ReleaseSlot(uint32_t slot);
+  // Forgets the slot's id and key; the caller lists it as free.
+  void ForgetSlot(uint32_t slot);
+  // Cuts the free slots off the end of the array and gives the kernel the
+  // pages past what the arrays and maps hold (after a session's tensors
+  // left, the event that shrinks a table by the most): a daemon's tables
+  // would otherwise stay at the largest size they ever reached.
+  void GiveBackMemory();
 
   std::vector<Tensor, HugePageAllocator<Tensor>> slots_;
   std::vector<uint32_t> free_slots_;

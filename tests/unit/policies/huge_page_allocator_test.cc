@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/unit/policies/resident_bytes.h"
 
 namespace deltad::policy {
 namespace {
@@ -63,6 +64,38 @@ TEST(HugePageAllocatorTest, ArraysAreAlignedAsTheirTypeAsks) {
     EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u) << n;
   }
   for (auto [p, n] : held) alloc.deallocate(p, n);
+}
+
+using testing_util::ResidentBytes;
+
+TEST(HugePageAllocatorTest,
+     DiscardingUnusedCapacityGivesItsPagesBackAndKeepsTheElements) {
+  constexpr size_t kHuge = HugePageAllocator<uint64_t>::kHugePageBytes;
+  std::vector<uint64_t, HugePageAllocator<uint64_t>> v(size_t{2} << 20);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = i + 1;
+  const uint64_t* data = v.data();
+  const size_t capacity_bytes = v.capacity() * sizeof(uint64_t);  // 16 MiB
+  ASSERT_GE(ResidentBytes(data, capacity_bytes), capacity_bytes / 2);
+  v.resize(1000);
+  EXPECT_GE(DiscardUnusedCapacity(v), capacity_bytes - 2 * kHuge);
+  // What holds the 1000 elements stays: at most the two huge pages around
+  // them (the mapping need not start on one).
+  EXPECT_LE(ResidentBytes(data, capacity_bytes), 2 * kHuge);
+  EXPECT_EQ(v.data(), data);
+  EXPECT_EQ(v.capacity() * sizeof(uint64_t), capacity_bytes);
+  for (size_t i = 0; i < v.size(); ++i) ASSERT_EQ(v[i], i + 1) << i;
+  // Growing again within the capacity uses the discarded pages anew.
+  for (size_t i = v.size(); i < (size_t{2} << 20); ++i) v.push_back(~i);
+  EXPECT_EQ(v.data(), data);
+  EXPECT_EQ(v[999], 1000u);
+  EXPECT_EQ(v.back(), ~((size_t{2} << 20) - 1));
+}
+
+TEST(HugePageAllocatorTest, SmallArraysAreNotDiscarded) {
+  std::vector<uint64_t, HugePageAllocator<uint64_t>> v(1000, 7);
+  v.resize(10);
+  EXPECT_EQ(DiscardUnusedCapacity(v), 0u);
+  EXPECT_EQ(v[9], 7u);
 }
 
 TEST(HugePageAllocatorTest, AnImpossibleSizeThrowsInsteadOfWrapping) {

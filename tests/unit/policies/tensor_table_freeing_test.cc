@@ -7,11 +7,14 @@
 #include "gtest/gtest.h"
 #include "policies/tensor.h"
 #include "policies/tensor_table.h"
+#include "tests/unit/policies/resident_bytes.h"
 #include "tests/unit/policies/status_assertions.h"
 #include "tests/unit/policies/tensor_table_test_helpers.h"
 
 namespace deltad::policy {
 namespace {
+
+using testing_util::ResidentBytes;
 
 using ::testing::ElementsAre;
 using ::testing::IsEmpty;
@@ -269,6 +272,49 @@ TEST(TensorTable, RemovingASessionWithALongEvictedChainEmptiesTheTable) {
   table.RemoveSession(1);
   EXPECT_EQ(table.size(), 0u);
   EXPECT_EQ(table.components().size(), 0u);
+}
+
+TEST(TensorTable, SessionsEndingGiveTheirSlotsBackLowestReusedFirst) {
+  TensorTable table;
+  constexpr TensorId kN = 30000;
+  for (TensorId id = 1; id <= 2 * kN; ++id) {
+    ASSERT_TRUE(IsOk(table.Add(Spec(id, 100, {}, id <= kN ? 1 : 2), 0)));
+  }
+  ASSERT_EQ(table.slot_count(), 2 * kN);
+  const Tensor* base = &table.AtSlot(0);
+  const size_t high_water = ResidentBytes(base, 2 * kN * sizeof(Tensor));
+  ASSERT_GE(high_water, 2 * kN * sizeof(Tensor) / 2);
+
+  // Session 2 holds the end of the array: nothing can be cut yet, but a
+  // newcomer fills the lowest slots session 1 left.
+  table.RemoveSession(1);
+  EXPECT_EQ(table.slot_count(), 2 * kN);
+  for (TensorId id = 1; id <= 1000; ++id) {
+    ASSERT_TRUE(IsOk(table.Add(Spec(100000 + id, 100, {}, 3), 0)));
+    ASSERT_EQ(table.SlotOf(100000 + id), id - 1);
+  }
+  // Once session 2 ends, the array ends after session 3's tensors, and the
+  // pages past them go back to the kernel (in whole 2 MiB pages).
+  table.RemoveSession(2);
+  EXPECT_EQ(table.slot_count(), 1000u);
+  EXPECT_LE(ResidentBytes(base, 2 * kN * sizeof(Tensor)),
+            1000 * sizeof(Tensor) + 2 * (size_t{2} << 20));
+  EXPECT_TRUE(StatsAre(table.GpuStats(0), {.device = 100000, .tensors = 1000}));
+  EXPECT_EQ(table.Candidates(GpuScope(0)).size(), 1000u);
+  // The table works on: new tensors take the next slots, old ones are found.
+  ASSERT_TRUE(IsOk(table.Add(Spec(7, 100, {100001}, 3), 0)));
+  EXPECT_EQ(table.SlotOf(7), 1000u);
+  EXPECT_EQ(table.Find(100500)->id, 100500u);
+  table.RemoveSession(3);
+  EXPECT_EQ(table.slot_count(), 0u);
+  EXPECT_EQ(table.size(), 0u);
+}
+
+TEST(TensorTable, IdZeroIsRejected) {
+  TensorTable table;
+  EXPECT_TRUE(IsError(table.Add(Spec(0), 0), absl::StatusCode::kInvalidArgument,
+                      {"tensor id 0 is reserved"}));
+  EXPECT_EQ(table.size(), 0u);
 }
 
 }  // namespace
