@@ -51,9 +51,11 @@ class CostModel {
                                 Bandwidth(gpu).h2d_bytes_per_s);
   }
   // c_s(t): offload now (after the backlog and `queued` more bytes that
-  // the caller is about to add) and reload later.
+  // the caller is about to add) and reload later; a tensor whose bytes are
+  // on the host already pays the reload alone.
   int64_t SwapNs(const Tensor& t, int64_t queued = 0) const {
-    return SwapNs(t.gpu, t.bytes, queued);
+    return t.flags.host_copy ? ReloadNs(t.gpu, t.bytes)
+                             : SwapNs(t.gpu, t.bytes, queued);
   }
   int64_t SwapNs(GpuId gpu, int64_t bytes, int64_t queued = 0) const {
     return OffloadNs(gpu, Backlog(gpu) + queued + bytes) + ReloadNs(gpu, bytes);

@@ -21,7 +21,8 @@ bool CanEvict(const Tensor& t) {
 }
 
 bool CanOffload(const Tensor& t, int64_t host_bytes_available) {
-  return !t.flags.offload_pinned && t.bytes <= host_bytes_available;
+  return !t.flags.offload_pinned &&
+         (t.flags.host_copy || t.bytes <= host_bytes_available);
 }
 
 }  // namespace

@@ -94,6 +94,7 @@ absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Plan(
         break;
       }
       const ReleaseOrder order{t.id, *action, t.bytes};
+      const bool copied = t.flags.host_copy;  // cleared by the state change
       const absl::Status applied = table_.SetState(
           t.id, *action == ReleaseAction::kEvict ? TensorState::kEvicted
                                                  : TensorState::kOffloading);
@@ -101,7 +102,9 @@ absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Plan(
         failure = applied;
         break;
       }
-      if (*action == ReleaseAction::kOffload) host_left -= order.bytes;
+      if (*action == ReleaseAction::kOffload && !copied) {
+        host_left -= order.bytes;
+      }
       freed += order.bytes;
       orders.push_back(order);
     }

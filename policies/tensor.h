@@ -36,6 +36,10 @@ struct TensorFlags {
   bool evict_pinned = false;    // may not be evicted (offload is allowed)
   bool offload_pinned = false;  // may not be offloaded (evict is allowed)
   bool uncomputable = false;    // no recompute path: inputs, parameters
+  // Its bytes are on the host already, copied ahead while it stayed on the
+  // device: an offload costs no copy and no host room. Only a resident
+  // tensor has it; leaving the device clears it.
+  bool host_copy = false;
 };
 
 // What a client reports when a tensor is created.

@@ -216,8 +216,7 @@ absl::Status TensorTable::AddBatch(absl::Span<const TensorSpec> specs,
 uint32_t TensorTable::Insert(const TensorSpec& spec, int64_t now_ns) {
   uint32_t slot;
   if (!free_slots_.empty()) {
-    slot = free_slots_.back();
-    free_slots_.pop_back();
+    slot = free_slots_.PopLowest();
   } else {
     slot = static_cast<uint32_t>(slots_.size());
     slots_.emplace_back();
@@ -378,7 +377,10 @@ void TensorTable::ChangeState(uint32_t slot, TensorState to) {
   const TensorState from = t.state;
   if (from == to) return;
   Account(t, -1);
-  if (from == TensorState::kResident) RemoveCandidate(slot);
+  if (from == TensorState::kResident) {
+    RemoveCandidate(slot);
+    t.flags.host_copy = false;  // whatever comes back is another copy
+  }
   if (NeedsRecompute(from) && !NeedsRecompute(to)) LeaveComponents(slot);
   t.state = to;
   if (to == TensorState::kEvicted) {
@@ -501,6 +503,21 @@ absl::Status TensorTable::SetAdjacentFreeBytes(TensorId id, int64_t bytes) {
   return absl::OkStatus();
 }
 
+absl::Status TensorTable::SetHostCopy(TensorId id, bool copied) {
+  auto slot = SlotFor(id);
+  if (!slot.ok()) return slot.status();
+  Tensor& t = slots_[*slot];
+  if (t.state != TensorState::kResident) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor ", id, " is ", TensorStateName(t.state),
+                     ": only a resident tensor has a copy made ahead"));
+  }
+  t.flags.host_copy = copied;
+  gpus_[t.gpu].candidates.entries[t.gpu_pos].flags = t.flags;
+  sessions_[t.session].candidates.entries[t.session_pos].flags = t.flags;
+  return absl::OkStatus();
+}
+
 absl::Status TensorTable::Free(TensorId id) {
   auto slot = SlotFor(id);
   if (!slot.ok()) return slot.status();
@@ -541,7 +558,8 @@ void TensorTable::Retire(uint32_t slot) {
 
 void TensorTable::ReleaseSlot(uint32_t slot) {
   ForgetSlot(slot);
-  free_slots_.push_back(slot);
+  free_slots_.insert(slot);
+  CutFreeTail();
 }
 
 void TensorTable::ForgetSlot(uint32_t slot) {
@@ -560,42 +578,36 @@ MemoryStats TensorTable::GpuStats(GpuId gpu) const {
 }
 
 void TensorTable::RemoveSession(SessionId session) {
-  // The free list is rebuilt in the same pass, highest slot first, so that
-  // the lowest free slots are reused first and those at the end can be cut
-  // off (GiveBackMemory).
-  free_slots_.clear();
-  for (uint32_t slot = static_cast<uint32_t>(slots_.size()); slot-- > 0;) {
+  for (uint32_t slot = 0; slot < slots_.size(); ++slot) {
     Tensor& t = slots_[slot];
-    if (t.id != 0 && t.session == session) {
-      // Every neighbour goes too, so connectivity no longer matters: each
-      // member leaves its component as a leaf would, in O(1).
-      if (defer_components_ || components_stale_) {
-        components_stale_ = true;
-      } else {
-        components_.Erase(slot, [](uint32_t, auto) {});
-      }
-      Account(t, -1);
-      if (t.state == TensorState::kResident) RemoveCandidate(slot);
-      ForgetSlot(slot);
+    if (t.id == 0 || t.session != session) continue;
+    // Every neighbour goes too, so connectivity no longer matters: each
+    // member leaves its component as a leaf would, in O(1).
+    if (defer_components_ || components_stale_) {
+      components_stale_ = true;
+    } else {
+      components_.Erase(slot, [](uint32_t, auto) {});
     }
-    if (t.id == 0) free_slots_.push_back(slot);
+    Account(t, -1);
+    if (t.state == TensorState::kResident) RemoveCandidate(slot);
+    ForgetSlot(slot);
+    free_slots_.insert(slot);
   }
+  CutFreeTail();
   sessions_.erase(session);
   session_gpu_.erase(session);
   GiveBackMemory();
 }
 
-void TensorTable::GiveBackMemory() {
-  // free_slots_ is in descending order here: its first entries are the
-  // free slots at the end of the array, if any.
-  size_t live = slots_.size();
-  size_t cut = 0;
-  while (cut < free_slots_.size() && free_slots_[cut] == live - 1) {
-    --live;
-    ++cut;
+void TensorTable::CutFreeTail() {
+  while (!slots_.empty() &&
+         free_slots_.contains(static_cast<uint32_t>(slots_.size() - 1))) {
+    free_slots_.erase(static_cast<uint32_t>(slots_.size() - 1));
+    slots_.pop_back();
   }
-  free_slots_.erase(free_slots_.begin(), free_slots_.begin() + cut);
-  slots_.resize(live);
+}
+
+void TensorTable::GiveBackMemory() {
   DiscardUnusedCapacity(slots_);
   for (auto& [gpu, group] : gpus_) {
     DiscardUnusedCapacity(group.candidates.entries);
@@ -610,10 +622,6 @@ void TensorTable::GiveBackMemory() {
   };
   shrink(index_);
   shrink(by_key_);
-  if (free_slots_.capacity() > kMinCapacity &&
-      free_slots_.size() * 4 < free_slots_.capacity()) {
-    free_slots_.shrink_to_fit();
-  }
 }
 
 MemoryStats TensorTable::SessionStats(SessionId session) const {

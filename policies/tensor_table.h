@@ -10,6 +10,7 @@
 #include "absl/types/span.h"
 #include "policies/epoch_marks.h"
 #include "policies/evicted_components.h"
+#include "policies/free_slots.h"
 #include "policies/huge_page_allocator.h"
 #include "policies/tensor.h"
 
@@ -68,6 +69,9 @@ class TensorTable {
   absl::Status Unlock(TensorId id);
   // Free bytes around the tensor in the allocator (MegEngine's term).
   absl::Status SetAdjacentFreeBytes(TensorId id, int64_t bytes);
+  // Whether a resident tensor's bytes are on the host already
+  // (TensorFlags::host_copy).
+  absl::Status SetHostCopy(TensorId id, bool copied);
 
   // Removes every tensor of the session at once, freed ones kept for
   // recompute included, and what the table keeps per session (its logical
@@ -166,14 +170,18 @@ class TensorTable {
   void ReleaseSlot(uint32_t slot);
   // Forgets the slot's id and key; the caller lists it as free.
   void ForgetSlot(uint32_t slot);
-  // Cuts the free slots off the end of the array and gives the kernel the
-  // pages past what the arrays and maps hold (after a session's tensors
-  // left, the event that shrinks a table by the most): a daemon's tables
-  // would otherwise stay at the largest size they ever reached.
+  // Drops the free slots at the end of the array: with the lowest free
+  // slot reused first, the array shrinks back once a peak's tensors are
+  // gone.
+  void CutFreeTail();
+  // Gives the kernel the pages past what the arrays and maps hold (after
+  // a session's tensors left, the event that shrinks a table by the most):
+  // a daemon's tables would otherwise stay at the largest size they ever
+  // reached.
   void GiveBackMemory();
 
   std::vector<Tensor, HugePageAllocator<Tensor>> slots_;
-  std::vector<uint32_t> free_slots_;
+  FreeSlots free_slots_;  // reused lowest first
   absl::flat_hash_map<TensorId, uint32_t> index_;
   absl::flat_hash_map<GpuId, Group> gpus_;
   absl::flat_hash_map<SessionId, Group> sessions_;

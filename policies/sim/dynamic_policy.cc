@@ -47,6 +47,8 @@ void DynamicPolicy::BeginIteration(SimContext& ctx) {
     plan_.EndIteration();
   }
   first_iteration_ = false;
+  to_copy_.clear();  // the iteration's storages start anew
+  copying_.clear();
 }
 
 void DynamicPolicy::OnCreate(SimContext& ctx, int32_t s) {
@@ -71,6 +73,10 @@ void DynamicPolicy::OnCreate(SimContext& ctx, int32_t s) {
   const absl::Status added = table_.Add(spec, ctx.now_ns());
   Check(added);
   if (added.ok()) ids_[s] = spec.id;
+  if (options_.copy_ahead && options_.allow_offload &&
+      program.steps[ctx.step()].phase == Phase::kForward) {
+    to_copy_.push_back(s);
+  }
 }
 
 void DynamicPolicy::OnAccess(SimContext& ctx, int32_t s) {
@@ -123,7 +129,9 @@ void DynamicPolicy::OnStateChange(SimContext& ctx, int32_t s, StorageState from,
 }
 
 std::vector<policy::TensorId> DynamicPolicy::LockInUse(SimContext& ctx) {
-  // Every decision prices offloads behind the copies already queued.
+  // Every decision prices offloads behind the copies already queued, and
+  // those of tensors whose copy has landed at no copy at all.
+  MarkLandedCopies(ctx);
   costs_.SetOffloadBacklog(0, ctx.releasing_bytes());
   // The engine's locks (the op running, a recompute's inputs) become table
   // locks for the planner, so it never picks a tensor in use.
@@ -153,6 +161,10 @@ bool DynamicPolicy::Release(SimContext& ctx, int64_t bytes) {
       any = true;
     } else {
       Check(table_.CancelRelease(o.id));
+      // Refused (in use): a copy made ahead is still there.
+      if (ctx.host_copy(s) == HostCopy::kLanded) {
+        Check(table_.SetHostCopy(o.id, true));
+      }
     }
   }
   return any;
@@ -173,6 +185,40 @@ void DynamicPolicy::OffloadAhead(SimContext& ctx, int64_t bytes) {
   }
 }
 
+void DynamicPolicy::CopyAhead(SimContext& ctx, int32_t step) {
+  // Copies start while the link would be idle before the next step ends
+  // (this step's time standing for the next one's): one behind the other,
+  // so a release that comes waits for at most the copy in flight.
+  const int64_t horizon = ctx.now_ns() + ctx.program().steps[step].time_ns;
+  while (!to_copy_.empty() && ctx.d2h_free_at() <= horizon) {
+    const int32_t s = to_copy_.front();
+    // The oldest first: a forward pass reads them last in the backward.
+    // Those gone by now were temporaries; the link never carried them.
+    if (ctx.state(s) != StorageState::kResident ||
+        ctx.host_copy(s) != HostCopy::kNone) {
+      to_copy_.pop_front();
+      continue;
+    }
+    if (!ctx.CopyAhead(s)) return;  // no host room
+    to_copy_.pop_front();
+    copying_.push_back(s);
+  }
+}
+
+void DynamicPolicy::MarkLandedCopies(SimContext& ctx) {
+  // The link carries copies in the order issued: they land in that order.
+  while (!copying_.empty()) {
+    const int32_t s = copying_.front();
+    const HostCopy copy = ctx.host_copy(s);
+    if (copy == HostCopy::kCopying) return;
+    copying_.pop_front();
+    const policy::TensorId id = IdOf(s);
+    if (copy == HostCopy::kLanded && id != 0) {
+      Check(table_.SetHostCopy(id, true));
+    }
+  }
+}
+
 bool DynamicPolicy::MakeRoom(SimContext& ctx, int64_t bytes) {
   if (Release(ctx, bytes)) return true;
   // Less than asked may still be releasable: take what there is, one tensor
@@ -189,6 +235,7 @@ bool DynamicPolicy::MakeRoom(SimContext& ctx, int64_t bytes) {
 
 void DynamicPolicy::AfterStep(SimContext& ctx, int32_t step) {
   const Phase phase = ctx.program().steps[step].phase;
+  if (options_.copy_ahead && phase == Phase::kForward) CopyAhead(ctx, step);
   const int64_t committed = ctx.device_used() - ctx.releasing_bytes();
   if (options_.early_release != EarlyRelease::kNone &&
       phase == Phase::kForward) {
@@ -243,12 +290,15 @@ std::optional<DynamicPolicyOptions> DynamicPolicyPreset(
     const std::string& name) {
   DynamicPolicyOptions o;
   o.name = name;
-  if (name == "delta" || name == "delta-replay" || name == "delta-ahead") {
+  if (name == "delta" || name == "delta-replay" || name == "delta-ahead" ||
+      name == "delta-nocopy") {
     // The project's configuration: the cost-aware Filter, releases when
-    // memory is short, prefetch in backward. docs/BENCHMARKS.md shows why it
-    // differs from the paper; delta-ahead is the ablation that offloads
-    // ahead from the high watermark (not in the default table).
+    // memory is short, copies ahead while the link is idle, prefetch in
+    // backward. docs/BENCHMARKS.md shows why it differs from the paper.
+    // Ablations (not in the default table): delta-nocopy copies nothing
+    // ahead; delta-ahead offloads ahead from the high watermark instead.
     o.filter.heuristic = policy::Heuristic::kDeltaCost;
+    o.copy_ahead = name == "delta" || name == "delta-replay";
     if (name == "delta-replay") o.replay_window_fraction = 0.25;
     if (name == "delta-ahead") o.early_release = EarlyRelease::kOffloadAhead;
     return o;

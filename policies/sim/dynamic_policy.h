@@ -2,6 +2,7 @@
 #define DELTAD_POLICIES_SIM_DYNAMIC_POLICY_H_
 
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <string>
 #include <vector>
@@ -43,6 +44,12 @@ struct DynamicPolicyOptions {
   double replay_window_fraction = 0;
   // Let the Director choose recompute over reload for offloaded tensors.
   bool director_restore = true;
+  // In the forward pass, while the link to the host is idle, copy the
+  // oldest tensors still alive to the host and keep them on the device
+  // (SimContext::CopyAhead). Once a copy lands, the Filter and the
+  // Director price that tensor's offload at its reload alone
+  // (TensorFlags::host_copy): releasing it waits for no copy.
+  bool copy_ahead = false;
 };
 
 // The policy library driven by the simulator exactly as the daemon drives
@@ -79,6 +86,10 @@ class DynamicPolicy final : public SimPolicy {
   void Check(const absl::Status& status);
   bool Release(SimContext& ctx, int64_t bytes);
   void OffloadAhead(SimContext& ctx, int64_t bytes);
+  // Starts copies ahead while the link would otherwise be idle.
+  void CopyAhead(SimContext& ctx, int32_t step);
+  // Tells the table which copies have landed since the last decision.
+  void MarkLandedCopies(SimContext& ctx);
   std::vector<policy::TensorId> LockInUse(SimContext& ctx);
 
   DynamicPolicyOptions options_;
@@ -93,10 +104,15 @@ class DynamicPolicy final : public SimPolicy {
   policy::TensorId next_id_ = 1;
   bool first_iteration_ = true;
   absl::Status mirror_status_;
+  // copy_ahead: the forward pass's storages in creation order, not yet
+  // copied, and those whose copy is in flight, in the order issued.
+  std::deque<int32_t> to_copy_;
+  std::deque<int32_t> copying_;
 };
 
 // The named configurations: delta, delta-paper, delta-replay, dtr,
-// dtr-sampled, swap-lru; and delta-ahead, an ablation (see its comment).
+// dtr-sampled, swap-lru; and the ablations delta-nocopy and delta-ahead
+// (see their comment).
 std::optional<DynamicPolicyOptions> DynamicPolicyPreset(
     const std::string& name);
 

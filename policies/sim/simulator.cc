@@ -34,6 +34,7 @@ class Engine final : public SimContext {
         state_(program.storages.size(), StorageState::kAbsent),
         locks_(program.storages.size(), 0),
         generation_(program.storages.size(), 0),
+        host_copy_(program.storages.size(), HostCopy::kNone),
         allocator_(MakeAllocatorModel(options.allocator, options.budget_bytes,
                                       options.chunk_bytes)) {
     // With one copy engine both directions share its queue.
@@ -61,13 +62,18 @@ class Engine final : public SimContext {
     return options_.host_bytes - host_used_;
   }
   int reloads_in_flight() const override { return reloads_in_flight_; }
+  int64_t d2h_free_at() const override { return d2h_.free_at; }
+  HostCopy host_copy(int32_t s) const override { return host_copy_[s]; }
   bool CanEvict(int32_t s) const override;
   bool Offload(int32_t s) override;
   bool Evict(int32_t s) override;
   bool Prefetch(int32_t s) override;
+  bool CopyAhead(int32_t s) override;
 
  private:
   void SetState(int32_t s, StorageState to);
+  // Drops a resident storage's host copy, cancelling it if in flight.
+  void DropHostCopy(int32_t s);
   void Lock(int32_t s) {
     if (locks_[s]++ == 0) locked_list_.push_back(s);
   }
@@ -108,6 +114,7 @@ class Engine final : public SimContext {
   std::vector<StorageState> state_;
   std::vector<uint32_t> locks_;
   std::vector<uint32_t> generation_;
+  std::vector<HostCopy> host_copy_;
   std::unique_ptr<AllocatorModel> allocator_;
   CopyEngine d2h_;
   CopyEngine h2d_own_;
@@ -137,12 +144,35 @@ bool Engine::CanEvict(int32_t s) const {
          program_.Recomputable(s);
 }
 
+void Engine::DropHostCopy(int32_t s) {
+  if (host_copy_[s] == HostCopy::kNone) return;
+  if (host_copy_[s] == HostCopy::kCopying) ++generation_[s];  // cancelled
+  host_copy_[s] = HostCopy::kNone;
+  host_used_ -= program_.storages[s].bytes;
+}
+
 bool Engine::Offload(int32_t s) {
   const int64_t bytes = program_.storages[s].bytes;
-  if (state_[s] != StorageState::kResident || locks_[s] > 0 ||
-      host_free() < bytes) {
-    return false;
+  if (state_[s] != StorageState::kResident || locks_[s] > 0) return false;
+  if (host_copy_[s] == HostCopy::kLanded) {
+    // The copy is on the host already: the memory is free at once.
+    host_copy_[s] = HostCopy::kNone;
+    allocator_->Free(s);
+    ++result_.offloads;
+    ++result_.offloads_from_copies;
+    SetState(s, StorageState::kOffloading);
+    SetState(s, StorageState::kOffloaded);
+    return true;
   }
+  if (host_copy_[s] == HostCopy::kCopying) {
+    // The copy in flight becomes the offload's: its end frees the memory.
+    host_copy_[s] = HostCopy::kNone;
+    releasing_ += bytes;
+    ++result_.offloads;
+    SetState(s, StorageState::kOffloading);
+    return true;
+  }
+  if (host_free() < bytes) return false;
   const int64_t start = std::max(now_, d2h_.free_at);
   d2h_.free_at = start + CopyNs(bytes, device_.d2h_bytes_per_s);
   d2h_.queue.push_back({s, d2h_.free_at, ++generation_[s]});
@@ -154,8 +184,25 @@ bool Engine::Offload(int32_t s) {
   return true;
 }
 
+bool Engine::CopyAhead(int32_t s) {
+  const int64_t bytes = program_.storages[s].bytes;
+  if (state_[s] != StorageState::kResident ||
+      host_copy_[s] != HostCopy::kNone || host_free() < bytes) {
+    return false;
+  }
+  const int64_t start = std::max(now_, d2h_.free_at);
+  d2h_.free_at = start + CopyNs(bytes, device_.d2h_bytes_per_s);
+  d2h_.queue.push_back({s, d2h_.free_at, ++generation_[s]});
+  host_copy_[s] = HostCopy::kCopying;
+  host_used_ += bytes;
+  result_.d2h_bytes += bytes;
+  ++result_.copies_ahead;
+  return true;
+}
+
 bool Engine::Evict(int32_t s) {
   if (!CanEvict(s)) return false;
+  DropHostCopy(s);
   allocator_->Free(s);
   ++result_.evictions;
   SetState(s, StorageState::kEvicted);
@@ -199,6 +246,8 @@ void Engine::Advance(int64_t t) {
       allocator_->Free(s);
       releasing_ -= bytes;
       SetState(s, StorageState::kOffloaded);
+    } else if (host_copy_[s] == HostCopy::kCopying) {
+      host_copy_[s] = HostCopy::kLanded;
     } else if (state_[s] == StorageState::kReloading) {
       --reloads_in_flight_;
       host_used_ -= bytes;  // the host copy is dropped once back
@@ -400,6 +449,7 @@ void Engine::FreeStorage(int32_t s) {
   const int64_t bytes = program_.storages[s].bytes;
   switch (state_[s]) {
     case StorageState::kResident:
+      DropHostCopy(s);
       allocator_->Free(s);
       break;
     case StorageState::kOffloading:
@@ -435,6 +485,7 @@ bool Engine::TakeOverInPlace(const Step& step, int32_t created) {
       (void)allocator_->Allocate(ip.old, program_.storages[ip.old].bytes);
       return false;
     }
+    DropHostCopy(ip.old);
     ++generation_[ip.old];
     SetState(ip.old, StorageState::kDead);
     return true;

@@ -28,6 +28,9 @@ enum class StorageState : uint8_t {
 
 enum class Restore { kReload, kRecompute };
 
+// A resident storage's copy on the host, made ahead of need (CopyAhead).
+enum class HostCopy : uint8_t { kNone, kCopying, kLanded };
+
 struct SimOptions {
   int64_t budget_bytes = 0;
   int64_t host_bytes = int64_t{1} << 40;  // pinned host pool
@@ -65,6 +68,10 @@ struct SimResult {
   int64_t d2h_bytes = 0;
   int64_t h2d_bytes = 0;
   int64_t offloads = 0;
+  // Copies started ahead of need (CopyAhead), and of them those whose
+  // storage was offloaded from its landed copy, with no wait.
+  int64_t copies_ahead = 0;
+  int64_t offloads_from_copies = 0;
   int64_t reloads = 0;  // on demand and prefetched
   int64_t prefetches = 0;
   int64_t evictions = 0;
@@ -109,6 +116,11 @@ class SimContext {
   virtual int64_t releasing_bytes() const = 0;  // offloads in flight
   virtual int64_t host_free() const = 0;
   virtual int reloads_in_flight() const = 0;
+  // When the device-to-host link has carried every copy queued so far.
+  virtual int64_t d2h_free_at() const = 0;
+  // A resident storage's copy made ahead (CopyAhead); kNone for others.
+  // Offloading one whose copy has landed frees its memory at once.
+  virtual HostCopy host_copy(int32_t s) const = 0;
   // Whether evicting `s` now would still let it be rebuilt.
   virtual bool CanEvict(int32_t s) const = 0;
 
@@ -116,6 +128,11 @@ class SimContext {
   virtual bool Offload(int32_t s) = 0;   // async copy out; memory freed after
   virtual bool Evict(int32_t s) = 0;     // memory freed now
   virtual bool Prefetch(int32_t s) = 0;  // async copy in, if memory fits now
+  // Starts copying a resident storage to the host while it stays on the
+  // device, so that a later Offload needs no copy to wait for (or only the
+  // rest of this one). Takes host room now; evicting or dropping the
+  // storage drops the host copy.
+  virtual bool CopyAhead(int32_t s) = 0;
 };
 
 // A release policy plugged into the simulator. Callbacks come from the

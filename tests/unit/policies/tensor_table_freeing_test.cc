@@ -310,6 +310,28 @@ TEST(TensorTable, SessionsEndingGiveTheirSlotsBackLowestReusedFirst) {
   EXPECT_EQ(table.size(), 0u);
 }
 
+TEST(TensorTable,
+     FreedSlotsAreReusedLowestFirstAndTheArrayEndsAtTheLastLiveOne) {
+  TensorTable table;
+  for (TensorId id = 1; id <= 10; ++id) {
+    ASSERT_TRUE(IsOk(table.Add(Spec(id), 0)));
+  }
+  // A stack would hand back slot 7 (tensor 8's, freed last) first; the
+  // array keeps its end while slot 9 lives.
+  for (TensorId id : {4, 3, 8}) ASSERT_TRUE(IsOk(table.Free(id)));
+  EXPECT_EQ(table.slot_count(), 10u);
+  ASSERT_TRUE(IsOk(table.Add(Spec(11), 0)));
+  EXPECT_EQ(table.SlotOf(11), 2u);
+  // Once the last ones go, the array ends after the last live tensor.
+  for (TensorId id : {10, 9}) ASSERT_TRUE(IsOk(table.Free(id)));
+  EXPECT_EQ(table.slot_count(), 7u);  // slots 0-6; 7 and 8 cut off
+  ASSERT_TRUE(IsOk(table.Add(Spec(12), 0)));
+  EXPECT_EQ(table.SlotOf(12), 3u);
+  ASSERT_TRUE(IsOk(table.Add(Spec(13), 0)));
+  EXPECT_EQ(table.SlotOf(13), 7u);
+  EXPECT_TRUE(StatsAre(table.GpuStats(0), {.device = 800, .tensors = 8}));
+}
+
 TEST(TensorTable, IdZeroIsRejected) {
   TensorTable table;
   EXPECT_TRUE(IsError(table.Add(Spec(0), 0), absl::StatusCode::kInvalidArgument,

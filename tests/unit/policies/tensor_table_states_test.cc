@@ -395,5 +395,28 @@ TEST(TensorTable, TouchRefusesTensorsNotOnTheDevice) {
   }
 }
 
+TEST(TensorTable, AHostCopyIsMarkedOnAResidentTensorAndClearedWhenItLeaves) {
+  TensorTable table;
+  ASSERT_TRUE(IsOk(table.Add(Spec(1), 0)));
+  ASSERT_TRUE(IsOk(table.SetHostCopy(1, true)));
+  EXPECT_TRUE(table.Find(1)->flags.host_copy);
+  // The candidate lists' entries carry it too: the Filter prices from them.
+  for (const Scope& scope : {GpuScope(0), SessionScope(0, 1)}) {
+    ASSERT_EQ(table.CandidateEntries(scope).size(), 1u);
+    EXPECT_TRUE(table.CandidateEntries(scope)[0].flags.host_copy);
+  }
+  ASSERT_TRUE(IsOk(table.SetState(1, S::kOffloading)));
+  EXPECT_FALSE(table.Find(1)->flags.host_copy);
+  EXPECT_TRUE(IsError(table.SetHostCopy(1, true),
+                      absl::StatusCode::kFailedPrecondition,
+                      {"tensor 1 is offloading"}));
+  // Back on the device, it has no copy unless one is marked again.
+  ASSERT_TRUE(IsOk(table.CancelRelease(1)));
+  EXPECT_FALSE(table.Find(1)->flags.host_copy);
+  EXPECT_FALSE(table.CandidateEntries(GpuScope(0))[0].flags.host_copy);
+  EXPECT_TRUE(
+      IsError(table.SetHostCopy(2, true), absl::StatusCode::kNotFound, {"2"}));
+}
+
 }  // namespace
 }  // namespace deltad::policy

@@ -148,10 +148,13 @@ class AccessesOnly final : public SimContext {
   int64_t releasing_bytes() const override { return 0; }
   int64_t host_free() const override { return net_.options.host_bytes; }
   int reloads_in_flight() const override { return 0; }
+  int64_t d2h_free_at() const override { return 0; }
+  HostCopy host_copy(int32_t) const override { return HostCopy::kNone; }
   bool CanEvict(int32_t) const override { return false; }
   bool Offload(int32_t) override { return false; }
   bool Evict(int32_t) override { return false; }
   bool Prefetch(int32_t) override { return false; }
+  bool CopyAhead(int32_t) override { return false; }
 
  private:
   const Net& net_;

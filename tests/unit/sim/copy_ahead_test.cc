@@ -1,0 +1,156 @@
+// Copies made ahead of need (SimContext::CopyAhead): the engine keeps the
+// storage on the device with a host copy, an offload of a landed copy frees
+// its memory at once, and `delta` uses them to stop waiting for releases.
+
+#include <functional>
+#include <string>
+
+#include "gtest/gtest.h"
+#include "policies/sim/program.h"
+#include "policies/sim/simulator.h"
+#include "tests/unit/sim/simulator_test_helpers.h"
+
+namespace deltad::sim {
+namespace {
+
+using testing_util::ChainTrace;
+using testing_util::Compiled;
+using testing_util::RunPolicy;
+using testing_util::TestDevice;
+
+// A policy whose steps a test scripts; it releases nothing by itself.
+class Scripted final : public SimPolicy {
+ public:
+  std::function<void(SimContext&, int32_t)> after_step;
+  std::string name() const override { return "scripted"; }
+  void AfterStep(SimContext& ctx, int32_t step) override {
+    if (after_step) after_step(ctx, step);
+  }
+  bool MakeRoom(SimContext&, int64_t) override { return false; }
+};
+
+// 4 layers of 1000-byte activations, 1000 ns a step, 1 byte per ns each
+// way: a copy takes one step. Storage of a0: the chain's first output.
+struct Chain {
+  Program program = Compiled(ChainTrace(4, 1000, 1000));
+  int32_t a0 = program.steps[0].creates[0];
+  SimResult Go(Scripted& policy) {
+    SimOptions o;
+    o.budget_bytes = int64_t{1} << 20;
+    auto r = Simulate(program, TestDevice(), policy, o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : SimResult{};
+  }
+};
+
+TEST(CopyAhead, ALandedCopyIsOffloadedAtOnceWithoutAnotherCopy) {
+  Chain run;
+  Scripted policy;
+  int64_t d2h_before_offload = -1;
+  policy.after_step = [&](SimContext& ctx, int32_t step) {
+    const int32_t a0 = run.a0;
+    if (step == 0) {
+      EXPECT_TRUE(ctx.CopyAhead(a0));
+      EXPECT_FALSE(ctx.CopyAhead(a0));  // one copy at a time
+      EXPECT_EQ(ctx.host_copy(a0), HostCopy::kCopying);
+      EXPECT_EQ(ctx.state(a0), StorageState::kResident);
+    } else if (step == 1) {  // a step later: landed, still on the device
+      EXPECT_EQ(ctx.host_copy(a0), HostCopy::kLanded);
+      EXPECT_EQ(ctx.state(a0), StorageState::kResident);
+      const int64_t used = ctx.device_used();
+      d2h_before_offload = ctx.d2h_free_at();
+      EXPECT_TRUE(ctx.Offload(a0));
+      EXPECT_EQ(ctx.state(a0), StorageState::kOffloaded);
+      EXPECT_EQ(ctx.device_used(), used - 1000);
+      EXPECT_EQ(ctx.releasing_bytes(), 0);
+      EXPECT_EQ(ctx.d2h_free_at(), d2h_before_offload);  // no copy queued
+      EXPECT_EQ(ctx.host_copy(a0), HostCopy::kNone);
+    }
+  };
+  const SimResult r = run.Go(policy);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_EQ(r.copies_ahead, 1);
+  EXPECT_EQ(r.offloads, 1);
+  EXPECT_EQ(r.offloads_from_copies, 1);
+  EXPECT_EQ(r.d2h_bytes, 1000);  // the copy ahead, once
+  EXPECT_EQ(r.h2d_bytes, 1000);  // a0 read back in backward
+}
+
+TEST(CopyAhead, AnOffloadDuringTheCopyEndsWithIt) {
+  Chain run;
+  Scripted policy;
+  policy.after_step = [&](SimContext& ctx, int32_t step) {
+    if (step != 0) return;
+    ASSERT_TRUE(ctx.CopyAhead(run.a0));
+    const int64_t lands = ctx.d2h_free_at();
+    EXPECT_TRUE(ctx.Offload(run.a0));
+    EXPECT_EQ(ctx.state(run.a0), StorageState::kOffloading);
+    EXPECT_EQ(ctx.releasing_bytes(), 1000);
+    EXPECT_EQ(ctx.d2h_free_at(), lands);  // the copy in flight serves it
+  };
+  const SimResult r = run.Go(policy);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_EQ(r.d2h_bytes, 1000);
+  EXPECT_EQ(r.offloads, 1);
+  EXPECT_EQ(r.offloads_from_copies, 0);
+}
+
+TEST(CopyAhead, EvictingACopiedStorageGivesItsHostRoomBack) {
+  Chain run;
+  Scripted policy;
+  policy.after_step = [&](SimContext& ctx, int32_t step) {
+    if (step == 0) {
+      const int64_t host = ctx.host_free();
+      ASSERT_TRUE(ctx.CopyAhead(run.a0));
+      EXPECT_EQ(ctx.host_free(), host - 1000);
+    } else if (step == 1) {
+      const int64_t host = ctx.host_free();
+      ASSERT_EQ(ctx.host_copy(run.a0), HostCopy::kLanded);
+      ASSERT_TRUE(ctx.Evict(run.a0));
+      EXPECT_EQ(ctx.host_free(), host + 1000);
+      EXPECT_EQ(ctx.host_copy(run.a0), HostCopy::kNone);
+    }
+  };
+  const SimResult r = run.Go(policy);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_EQ(r.recomputes, 1);  // a0 rebuilt for the backward
+  EXPECT_EQ(r.h2d_bytes, 0);
+}
+
+TEST(CopyAhead, ACopiedStorageFreedByTheProgramLeavesNoHostBytes) {
+  Chain run;
+  Scripted policy;
+  int64_t host_at_start = -1;
+  int64_t host_at_end = -1;
+  policy.after_step = [&](SimContext& ctx, int32_t step) {
+    if (step == 0) {
+      host_at_start = ctx.host_free();
+      for (const Step& s : ctx.program().steps) {
+        for (int32_t c : s.creates) (void)ctx.CopyAhead(c);
+      }
+    }
+    host_at_end = ctx.host_free();
+  };
+  const SimResult r = run.Go(policy);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_EQ(r.copies_ahead, 1);  // only a0 existed then
+  EXPECT_EQ(host_at_end, host_at_start);
+}
+
+TEST(CopyAhead, DeltaCopiesAheadAndWaitsLessThanWithout) {
+  // Recompute dearer than a copy: delta offloads. With copies made while
+  // the link idles, its releases find the bytes on the host already.
+  const Program p = Compiled(ChainTrace(12, 1000, 1000, /*heavy=*/true));
+  const SimResult with = RunPolicy(p, "delta", p.peak_bytes / 2);
+  const SimResult without = RunPolicy(p, "delta-nocopy", p.peak_bytes / 2);
+  ASSERT_TRUE(with.fits) << with.failure;
+  ASSERT_TRUE(without.fits) << without.failure;
+  EXPECT_GT(with.copies_ahead, 0);
+  EXPECT_GT(with.offloads_from_copies, 0);
+  EXPECT_EQ(without.copies_ahead, 0);
+  EXPECT_LT(with.stall_ns, without.stall_ns);
+  EXPECT_LT(with.makespan_ns, without.makespan_ns);
+}
+
+}  // namespace
+}  // namespace deltad::sim
