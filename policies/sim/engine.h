@@ -23,6 +23,9 @@
 namespace deltad::sim::engine_internal {
 
 inline constexpr int64_t kWorkspaceId = -1;
+// A copy made ahead goes out in pieces of this size (the client's device
+// chunk), so a release that needs the link waits for one piece at most.
+inline constexpr int64_t kAheadChunkBytes = int64_t{2} << 20;
 
 // One copy engine: transfers run in issue order, each after the last.
 struct CopyEngine {
@@ -71,7 +74,7 @@ class Engine final : public SimContext {
   int64_t device_used() const override { return allocator_->used(); }
   int64_t releasing_bytes() const override { return releasing_; }
   int64_t host_free() const override {
-    return options_.host_bytes - host_used_;
+    return options_.host_bytes - host_used_ + ahead_bytes_;
   }
   int reloads_in_flight() const override { return reloads_in_flight_; }
   int64_t d2h_free_at() const override { return d2h_.free_at; }
@@ -85,6 +88,11 @@ class Engine final : public SimContext {
  private:
   void SetState(int32_t s, StorageState to);
   // Drops a resident storage's host copy, cancelling it if in flight.
+  // Drops copies made ahead, the latest first, until `bytes` of the host
+  // pool are free or none is left.
+  void ReclaimHost(int64_t bytes);
+  // Makes way on the D2H link for a release (YieldCopiesAhead's comment).
+  void YieldCopiesAhead();
   void DropHostCopy(int32_t s);
   void Lock(int32_t s) {
     if (locks_[s]++ == 0) locked_list_.push_back(s);
@@ -138,6 +146,10 @@ class Engine final : public SimContext {
   int iteration_ = 0;
   int64_t releasing_ = 0;
   int64_t host_used_ = 0;
+  // Of it, the copies made ahead of resident storages: they give way to an
+  // offload that needs the room (ReclaimHost), so host_free() counts them.
+  int64_t ahead_bytes_ = 0;
+  std::vector<int32_t> ahead_order_;  // in the order made; stale entries too
   int reloads_in_flight_ = 0;
   std::string failure_;
   bool gave_up_ = false;  // at options_.give_up_at_ns

@@ -24,6 +24,17 @@ void Engine::DropHostCopy(int32_t s) {
   if (host_copy_[s] == HostCopy::kCopying) ++generation_[s];  // cancelled
   host_copy_[s] = HostCopy::kNone;
   host_used_ -= program_.storages[s].bytes;
+  ahead_bytes_ -= program_.storages[s].bytes;
+}
+
+void Engine::ReclaimHost(int64_t bytes) {
+  // The copies made last go first: a forward pass reads its oldest
+  // tensors last, so their copies are the ones worth keeping.
+  while (options_.host_bytes - host_used_ < bytes && !ahead_order_.empty()) {
+    const int32_t s = ahead_order_.back();
+    ahead_order_.pop_back();
+    DropHostCopy(s);  // a no-op for an entry whose copy is gone already
+  }
 }
 
 bool Engine::Offload(int32_t s) {
@@ -32,6 +43,7 @@ bool Engine::Offload(int32_t s) {
   if (host_copy_[s] == HostCopy::kLanded) {
     // The copy is on the host already: the memory is free at once.
     host_copy_[s] = HostCopy::kNone;
+    ahead_bytes_ -= bytes;
     allocator_->Free(s);
     ++result_.offloads;
     ++result_.offloads_from_copies;
@@ -42,12 +54,15 @@ bool Engine::Offload(int32_t s) {
   if (host_copy_[s] == HostCopy::kCopying) {
     // The copy in flight becomes the offload's: its end frees the memory.
     host_copy_[s] = HostCopy::kNone;
+    ahead_bytes_ -= bytes;
     releasing_ += bytes;
     ++result_.offloads;
     SetState(s, StorageState::kOffloading);
     return true;
   }
   if (host_free() < bytes) return false;
+  ReclaimHost(bytes);
+  YieldCopiesAhead();
   const int64_t start = std::max(now_, d2h_.free_at);
   d2h_.free_at = start + CopyNs(bytes, device_.d2h_bytes_per_s);
   d2h_.queue.push_back({s, d2h_.free_at, ++generation_[s]});
@@ -59,10 +74,42 @@ bool Engine::Offload(int32_t s) {
   return true;
 }
 
+void Engine::YieldCopiesAhead() {
+  // Copies made ahead are issued in chunks behind anything else: a release
+  // waits for the chunk under way, and those not started are dropped.
+  std::deque<CopyEngine::Transfer>& q = d2h_.queue;
+  int64_t free_at = now_;
+  bool cut = false;
+  while (!q.empty()) {
+    const CopyEngine::Transfer tr = q.back();
+    const int32_t s = tr.storage;
+    if (tr.generation != generation_[s] ||
+        host_copy_[s] != HostCopy::kCopying) {
+      break;  // a release's or a reload's: it keeps its place
+    }
+    const int64_t bytes = program_.storages[s].bytes;
+    const int64_t start = tr.end_ns - CopyNs(bytes, device_.d2h_bytes_per_s);
+    if (start < now_) {
+      free_at = std::min(
+          tr.end_ns, now_ + CopyNs(kAheadChunkBytes, device_.d2h_bytes_per_s));
+    } else {
+      result_.d2h_bytes -= bytes;  // never carried
+    }
+    q.pop_back();
+    DropHostCopy(s);
+    cut = true;
+  }
+  if (cut) {
+    d2h_.free_at = q.empty() ? free_at : std::max(q.back().end_ns, free_at);
+  }
+}
+
 bool Engine::CopyAhead(int32_t s) {
   const int64_t bytes = program_.storages[s].bytes;
+  // Only room no one holds: a copy ahead never displaces another.
   if (state_[s] != StorageState::kResident ||
-      host_copy_[s] != HostCopy::kNone || host_free() < bytes) {
+      host_copy_[s] != HostCopy::kNone ||
+      options_.host_bytes - host_used_ < bytes) {
     return false;
   }
   const int64_t start = std::max(now_, d2h_.free_at);
@@ -70,6 +117,8 @@ bool Engine::CopyAhead(int32_t s) {
   d2h_.queue.push_back({s, d2h_.free_at, ++generation_[s]});
   host_copy_[s] = HostCopy::kCopying;
   host_used_ += bytes;
+  ahead_bytes_ += bytes;
+  ahead_order_.push_back(s);
   result_.d2h_bytes += bytes;
   ++result_.copies_ahead;
   return true;

@@ -114,6 +114,8 @@ class SimContext {
   virtual const SimOptions& options() const = 0;
   virtual int64_t device_used() const = 0;
   virtual int64_t releasing_bytes() const = 0;  // offloads in flight
+  // Pinned host bytes an offload can take: copies made ahead of resident
+  // storages count as free, since they give way to one.
   virtual int64_t host_free() const = 0;
   virtual int reloads_in_flight() const = 0;
   // When the device-to-host link has carried every copy queued so far.

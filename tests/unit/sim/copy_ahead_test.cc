@@ -34,9 +34,10 @@ class Scripted final : public SimPolicy {
 struct Chain {
   Program program = Compiled(ChainTrace(4, 1000, 1000));
   int32_t a0 = program.steps[0].creates[0];
-  SimResult Go(Scripted& policy) {
+  SimResult Go(Scripted& policy, int64_t host_bytes = int64_t{1} << 40) {
     SimOptions o;
     o.budget_bytes = int64_t{1} << 20;
+    o.host_bytes = host_bytes;
     auto r = Simulate(program, TestDevice(), policy, o);
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? *r : SimResult{};
@@ -95,19 +96,15 @@ TEST(CopyAhead, AnOffloadDuringTheCopyEndsWithIt) {
   EXPECT_EQ(r.offloads_from_copies, 0);
 }
 
-TEST(CopyAhead, EvictingACopiedStorageGivesItsHostRoomBack) {
+TEST(CopyAhead, EvictingACopiedStorageDropsItsCopy) {
   Chain run;
   Scripted policy;
   policy.after_step = [&](SimContext& ctx, int32_t step) {
     if (step == 0) {
-      const int64_t host = ctx.host_free();
       ASSERT_TRUE(ctx.CopyAhead(run.a0));
-      EXPECT_EQ(ctx.host_free(), host - 1000);
     } else if (step == 1) {
-      const int64_t host = ctx.host_free();
       ASSERT_EQ(ctx.host_copy(run.a0), HostCopy::kLanded);
       ASSERT_TRUE(ctx.Evict(run.a0));
-      EXPECT_EQ(ctx.host_free(), host + 1000);
       EXPECT_EQ(ctx.host_copy(run.a0), HostCopy::kNone);
     }
   };
@@ -115,26 +112,58 @@ TEST(CopyAhead, EvictingACopiedStorageGivesItsHostRoomBack) {
   ASSERT_TRUE(r.fits) << r.failure;
   EXPECT_EQ(r.recomputes, 1);  // a0 rebuilt for the backward
   EXPECT_EQ(r.h2d_bytes, 0);
+  EXPECT_EQ(r.offloads, 0);
+}
+
+TEST(CopyAhead, CopiesMadeAheadGiveWayToAnOffloadThatNeedsTheHostRoom) {
+  // A pool of two tensors: a0's and a1's copies fill it, and offloading
+  // a2 drops the copy made last (a1's) while a0's stays.
+  Chain run;
+  Scripted policy;
+  policy.after_step = [&](SimContext& ctx, int32_t step) {
+    const int32_t a1 = ctx.program().steps[1].creates[0];
+    if (step == 1) {
+      ASSERT_TRUE(ctx.CopyAhead(run.a0));
+      ASSERT_TRUE(ctx.CopyAhead(a1));
+      // Nothing left for a third copy ahead, but the copies count as room
+      // for an offload.
+      const int32_t x = ctx.program().steps[0].reads[0];
+      EXPECT_FALSE(ctx.CopyAhead(x));
+      EXPECT_EQ(ctx.host_free(), 2000);
+    } else if (step == 2) {
+      const int32_t a2 = ctx.program().steps[2].creates[0];
+      ASSERT_TRUE(ctx.Offload(a2));
+      EXPECT_EQ(ctx.host_copy(a1), HostCopy::kNone);
+      EXPECT_NE(ctx.host_copy(run.a0), HostCopy::kNone);
+      EXPECT_EQ(ctx.host_free(), 1000);  // a0's copy
+    }
+  };
+  const SimResult r = run.Go(policy, /*host_bytes=*/2000);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_EQ(r.copies_ahead, 2);
+  EXPECT_EQ(r.offloads, 1);
 }
 
 TEST(CopyAhead, ACopiedStorageFreedByTheProgramLeavesNoHostBytes) {
+  // A pool of one tensor: a0's copy fills it; once the backward pass has
+  // dropped a0, the input's copy finds the room again.
   Chain run;
   Scripted policy;
-  int64_t host_at_start = -1;
-  int64_t host_at_end = -1;
+  bool copied_input = false;
   policy.after_step = [&](SimContext& ctx, int32_t step) {
+    const int32_t x = ctx.program().steps[0].reads[0];
     if (step == 0) {
-      host_at_start = ctx.host_free();
-      for (const Step& s : ctx.program().steps) {
-        for (int32_t c : s.creates) (void)ctx.CopyAhead(c);
-      }
+      ASSERT_TRUE(ctx.CopyAhead(run.a0));
+      EXPECT_FALSE(ctx.CopyAhead(x));
+    } else if (step + 1 == static_cast<int32_t>(ctx.program().steps.size())) {
+      ASSERT_EQ(ctx.state(run.a0), StorageState::kDead);
+      copied_input = ctx.CopyAhead(x);
     }
-    host_at_end = ctx.host_free();
   };
-  const SimResult r = run.Go(policy);
+  const SimResult r = run.Go(policy, /*host_bytes=*/1000);
   ASSERT_TRUE(r.fits) << r.failure;
-  EXPECT_EQ(r.copies_ahead, 1);  // only a0 existed then
-  EXPECT_EQ(host_at_end, host_at_start);
+  EXPECT_TRUE(copied_input);
+  EXPECT_EQ(r.copies_ahead, 2);
 }
 
 TEST(CopyAhead, DeltaCopiesAheadAndWaitsLessThanWithout) {
