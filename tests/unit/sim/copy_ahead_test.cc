@@ -29,14 +29,17 @@ class Scripted final : public SimPolicy {
   bool MakeRoom(SimContext&, int64_t) override { return false; }
 };
 
-// 4 layers of 1000-byte activations, 1000 ns a step, 1 byte per ns each
-// way: a copy takes one step. Storage of a0: the chain's first output.
+// 4 layers of 1000-byte activations (or `bytes`), 1000 ns a step, 1 byte
+// per ns each way: a copy of 1000 bytes takes one step. Storage of a0: the
+// chain's first output.
 struct Chain {
-  Program program = Compiled(ChainTrace(4, 1000, 1000));
+  explicit Chain(int64_t bytes = 1000)
+      : program(Compiled(ChainTrace(4, bytes, 1000))) {}
+  Program program;
   int32_t a0 = program.steps[0].creates[0];
   SimResult Go(Scripted& policy, int64_t host_bytes = int64_t{1} << 40) {
     SimOptions o;
-    o.budget_bytes = int64_t{1} << 20;
+    o.budget_bytes = int64_t{1} << 30;
     o.host_bytes = host_bytes;
     auto r = Simulate(program, TestDevice(), policy, o);
     EXPECT_TRUE(r.ok()) << r.status();
@@ -164,6 +167,34 @@ TEST(CopyAhead, ACopiedStorageFreedByTheProgramLeavesNoHostBytes) {
   ASSERT_TRUE(r.fits) << r.failure;
   EXPECT_TRUE(copied_input);
   EXPECT_EQ(r.copies_ahead, 2);
+}
+
+TEST(CopyAhead, AReleaseWaitsForOnePieceOfACopyMadeAheadAndDropsTheRest) {
+  // 8 MiB tensors: a copy takes 8 MiB of ns, a piece of it 2 MiB of ns.
+  constexpr int64_t kBytes = int64_t{8} << 20;
+  constexpr int64_t kPiece = int64_t{2} << 20;
+  Chain run(kBytes);
+  Scripted policy;
+  policy.after_step = [&](SimContext& ctx, int32_t step) {
+    const int32_t x = ctx.program().steps[0].reads[0];
+    if (step == 0) {
+      ASSERT_TRUE(ctx.CopyAhead(run.a0));  // under way from now on
+      ASSERT_TRUE(ctx.CopyAhead(x));       // queued behind it
+    } else if (step == 1) {
+      const int32_t a1 = ctx.program().steps[1].creates[0];
+      const int64_t now = ctx.now_ns();
+      ASSERT_TRUE(ctx.Offload(a1));
+      // a0's copy gives up after the piece under way, x's never starts;
+      // the release's copy follows at once.
+      EXPECT_EQ(ctx.d2h_free_at(), now + kPiece + kBytes);
+      EXPECT_EQ(ctx.host_copy(run.a0), HostCopy::kNone);
+      EXPECT_EQ(ctx.host_copy(x), HostCopy::kNone);
+    }
+  };
+  const SimResult r = run.Go(policy);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_EQ(r.copies_ahead, 2);
+  EXPECT_EQ(r.d2h_bytes, 2 * kBytes);  // a0's (begun) and a1's; not x's
 }
 
 TEST(CopyAhead, DeltaCopiesAheadAndWaitsLessThanWithout) {
