@@ -1,6 +1,7 @@
 #ifndef DELTAD_POLICIES_FREE_SLOTS_H_
 #define DELTAD_POLICIES_FREE_SLOTS_H_
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>

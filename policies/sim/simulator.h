@@ -132,8 +132,11 @@ class SimContext {
   virtual bool Prefetch(int32_t s) = 0;  // async copy in, if memory fits now
   // Starts copying a resident storage to the host while it stays on the
   // device, so that a later Offload needs no copy to wait for (or only the
-  // rest of this one). Takes host room now; evicting or dropping the
-  // storage drops the host copy.
+  // rest of this one). Takes host room no one holds, which an offload short
+  // of room takes back (the copies made last first); evicting or dropping
+  // the storage drops its copy, and a release that needs the link drops
+  // the copies not started and waits for at most a 2 MiB piece of the one
+  // under way.
   virtual bool CopyAhead(int32_t s) = 0;
 };
 
