@@ -54,8 +54,11 @@ class CostModel {
   // the caller is about to add) and reload later; a tensor whose bytes are
   // on the host already pays the reload alone.
   int64_t SwapNs(const Tensor& t, int64_t queued = 0) const {
-    return t.flags.host_copy ? ReloadNs(t.gpu, t.bytes)
-                             : SwapNs(t.gpu, t.bytes, queued);
+    return SwapNs(t.gpu, t.bytes, t.flags, queued);
+  }
+  int64_t SwapNs(GpuId gpu, int64_t bytes, const TensorFlags& flags,
+                 int64_t queued = 0) const {
+    return flags.host_copy ? ReloadNs(gpu, bytes) : SwapNs(gpu, bytes, queued);
   }
   int64_t SwapNs(GpuId gpu, int64_t bytes, int64_t queued = 0) const {
     return OffloadNs(gpu, Backlog(gpu) + queued + bytes) + ReloadNs(gpu, bytes);

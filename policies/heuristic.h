@@ -84,9 +84,9 @@ inline double Staleness(int64_t last_access_ns, int64_t now_ns) {
 // c_s for delta_cost: kNever where offloading is forbidden or unpriced.
 inline double SwapPrice(const TensorFlags& flags, GpuId gpu, int64_t bytes,
                         const CostModel* costs) {
-  if (flags.offload_pinned || costs == nullptr) return kNever;
-  return static_cast<double>(flags.host_copy ? costs->ReloadNs(gpu, bytes)
-                                             : costs->SwapNs(gpu, bytes));
+  return flags.offload_pinned || costs == nullptr
+             ? kNever
+             : static_cast<double>(costs->SwapNs(gpu, bytes, flags));
 }
 
 // delta_cost's min(c_r, c_s) / (m * s) for a given c_r and c_s.

@@ -88,12 +88,12 @@ class Engine final : public SimContext {
  private:
   void SetState(int32_t s, StorageState to);
   // Drops a resident storage's host copy, cancelling it if in flight.
+  void DropHostCopy(int32_t s);
   // Drops copies made ahead, the latest first, until `bytes` of the host
   // pool are free or none is left.
   void ReclaimHost(int64_t bytes);
   // Makes way on the D2H link for a release (YieldCopiesAhead's comment).
   void YieldCopiesAhead();
-  void DropHostCopy(int32_t s);
   void Lock(int32_t s) {
     if (locks_[s]++ == 0) locked_list_.push_back(s);
   }

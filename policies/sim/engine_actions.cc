@@ -40,24 +40,21 @@ void Engine::ReclaimHost(int64_t bytes) {
 bool Engine::Offload(int32_t s) {
   const int64_t bytes = program_.storages[s].bytes;
   if (state_[s] != StorageState::kResident || locks_[s] > 0) return false;
-  if (host_copy_[s] == HostCopy::kLanded) {
-    // The copy is on the host already: the memory is free at once.
+  if (const HostCopy copy = host_copy_[s]; copy != HostCopy::kNone) {
+    // The copy made ahead becomes the offload's (its host bytes stay).
     host_copy_[s] = HostCopy::kNone;
     ahead_bytes_ -= bytes;
-    allocator_->Free(s);
     ++result_.offloads;
+    if (copy == HostCopy::kCopying) {
+      releasing_ += bytes;  // the copy's end frees the memory
+      SetState(s, StorageState::kOffloading);
+      return true;
+    }
+    // On the host already: the memory is free at once.
+    allocator_->Free(s);
     ++result_.offloads_from_copies;
     SetState(s, StorageState::kOffloading);
     SetState(s, StorageState::kOffloaded);
-    return true;
-  }
-  if (host_copy_[s] == HostCopy::kCopying) {
-    // The copy in flight becomes the offload's: its end frees the memory.
-    host_copy_[s] = HostCopy::kNone;
-    ahead_bytes_ -= bytes;
-    releasing_ += bytes;
-    ++result_.offloads;
-    SetState(s, StorageState::kOffloading);
     return true;
   }
   if (host_free() < bytes) return false;
