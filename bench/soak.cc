@@ -76,7 +76,7 @@ ABSL_FLAG(int, drain_timeout, 420,
           "seconds the trainers get to finish after --duration (a DenseNet "
           "trainer started at the end of the load needs about 4 x 100 s on "
           "2 cores)");
-ABSL_FLAG(double, flat_mib_per_min, 1.0,
+ABSL_FLAG(double, flat_mib_per_min, 0.1,
           "memory is flat when the RSS slope over the second half is below "
           "this");
 ABSL_FLAG(double, flat_growth, 0.05,

@@ -138,6 +138,11 @@ bool Soak::StartDaemon() {
     const size_t at = log.find("(port ");
     if (at != std::string::npos) {
       metrics_port_ = std::atoi(log.c_str() + at + 6);
+      if (const size_t heap = log.find("heap: ", at);
+          heap != std::string::npos) {
+        const size_t from = heap + 6;
+        result_.daemon_heap = log.substr(from, log.find('\n', from) - from);
+      }
     }
     if (metrics_port_ > 0 && NodeStatus(&status)) break;
     if (Clock::now() > deadline) {

@@ -65,6 +65,7 @@ struct SoakResult {
   int64_t fds_after = -1;
   int64_t rss_after = -1;
   std::string daemon_exit;  // on SIGTERM, as DescribeWait says it
+  std::string daemon_heap;  // its malloc, as its start line names it
   // Each one fails the run.
   std::vector<std::string> problems;
 };

@@ -139,9 +139,9 @@ Memory MemoryFigures(const SoakSettings& settings,
                                   &Sample::heap_kib);
   }
   // From the middle: the first half holds the allocator's climb to its
-  // high-water mark (glibc's per-thread arenas, one per thread that ever
-  // allocated, and the cached stacks of exited threads), which a process
-  // reaches once; a leak goes on climbing through the second half.
+  // high-water mark (its per-thread caches, glibc's arenas, one per thread
+  // that ever allocated, and the cached stacks of exited threads), which a
+  // process reaches once; a leak goes on climbing through the second half.
   m.growth = m.rss_mid > 0 ? (m.rss_end - m.rss_mid) / m.rss_mid : 0;
   m.flat =
       m.slope < settings.flat_mib_per_min && m.growth <= settings.flat_growth;
@@ -200,7 +200,7 @@ void WriteIntro(std::ostringstream& md, const SoakSettings& settings,
         "must hold nothing. Sampled every second: RSS and descriptors "
         "(/proc), sessions (`NodeStatus`), and from the metrics endpoint "
         "the daemon's heap in use (`deltad_heap_in_use_bytes`, set once a "
-        "second: what glibc handed out and did not get back, with no "
+        "second: what its malloc handed out and did not get back, with no "
         "high-water mark in it, unlike the RSS) and the release-decision "
         "histogram (`deltad_release_decision_seconds`: one decision per "
         "event batch applied and per `Release` call); percentiles "
@@ -317,6 +317,8 @@ void WriteTable(std::ostringstream& md, const SoakSettings& settings,
       "0 / 0 / 0 / 0", Verdict(result.reclaimed));
   row("daemon RSS after every client left (MiB)",
       absl::StrFormat("%.1f", result.rss_after / 1024.0), "-", "-");
+  row("deltad's malloc (its start line)",
+      result.daemon_heap.empty() ? "-" : result.daemon_heap, "-", "-");
   row("deltad on SIGTERM", result.daemon_exit, "exit code 0",
       Verdict(result.daemon_exit == "exit code 0"));
   md << "\n";
@@ -365,10 +367,12 @@ void WriteMemoryOverTime(std::ostringstream& md, const SoakSettings& settings,
      << absl::StrFormat("%.0f%%", 100 * settings.flat_growth)
      << " above the RSS in the middle. The first half is left out: it holds "
         "the allocator's climb to its high-water mark (the anonymous memory "
-        "column: glibc's per-thread arenas for gRPC's threads, which serve "
+        "column: the malloc's caches for gRPC's threads, which serve "
         "every stream and call (no thread is a session's own), and the "
-        "stacks it caches for exited threads), which a "
-        "process reaches once and does not give back. A leak keeps "
+        "stacks it caches for exited threads), which a process reaches "
+        "once (glibc's arenas keep theirs; jemalloc, the daemon's malloc "
+        "where the build found it, gives freed pages back within a "
+        "second). A leak keeps "
         "climbing: one tensor record (~100 bytes) per release decision "
         "would add several MiB a minute at the decision rates above, while "
         "the storms' extra sessions come and go and average out of the "

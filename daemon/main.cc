@@ -47,6 +47,16 @@ ABSL_FLAG(int, drain_seconds, 10,
 ABSL_FLAG(bool, print_config, false,
           "print the effective configuration and exit");
 
+// jemalloc, where it is the daemon's malloc, reads this when it starts: a
+// background thread gives freed pages back after a second (decayed ones at
+// once), so the RSS follows what the daemon holds instead of its busiest
+// minute (docs/RELIABILITY.md). MALLOC_CONF in the environment still wins.
+// Unused under glibc.
+extern "C" {
+const char* malloc_conf =
+    "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0";
+}
+
 namespace {
 
 using deltad::daemon::Server;
@@ -190,13 +200,13 @@ int main(int argc, char** argv) {
   std::fprintf(stderr,
                "deltad %s: %s backend, %zu GPUs x %s (%.0f%% as budgets)\n"
                "deltad: gRPC on unix:%s%s, side socket %s\n"
-               "deltad: metrics on http://%s/metrics (port %d)\n",
+               "deltad: metrics on http://%s/metrics (port %d); heap: %s\n",
                DELTAD_VERSION, std::string(s.backend_name()).c_str(),
                s.gpus().size(),
                GiB(s.gpus().empty() ? 0 : s.gpus()[0].memory_bytes).c_str(),
                100 * config.gpu_share(), s.socket_path().c_str(), tcp.c_str(),
                s.side_socket_path().c_str(), config.metrics_address().c_str(),
-               s.metrics_port());
+               s.metrics_port(), deltad::daemon::HeapAllocatorName().c_str());
   sd_notify(0, "READY=1\nSTATUS=serving");
   // Started after READY=1: systemd's watchdog runs from then on.
   std::unique_ptr<deltad::daemon::SystemdWatchdog> watchdog =

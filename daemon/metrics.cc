@@ -71,7 +71,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                            .Name("deltad_heap_in_use_bytes")
                            .Help(
                                "The daemon's heap handed out and not freed "
-                               "(glibc mallinfo2: arenas plus mappings); "
+                               "(jemalloc's stats.allocated, or glibc's "
+                               "mallinfo2: arenas plus mappings); "
                                "unlike its resident size, it keeps no "
                                "high-water mark, so a leak shows as a climb.")
                            .Register(r)

@@ -178,10 +178,12 @@ TEST(Trainers, SessionsThatComeAndGoLeaveTheDaemonsHeapAsItWas) {
   GTEST_SKIP() << "the sanitizers' allocators keep freed memory apart";
 #endif
   DaemonOptions options = SmallNode();
-  // Without glibc's per-thread caches, whose chunks it counts as in use
-  // (each of gRPC's threads fills its own by up to a few hundred KiB), the
-  // gauge is the live heap to within bytes.
-  options.env = {"GLIBC_TUNABLES=glibc.malloc.tcache_count=0"};
+  // Without the malloc's per-thread caches, whose blocks it counts as in
+  // use (each of gRPC's threads fills its own by up to a few hundred KiB),
+  // the gauge is the live heap to within bytes: glibc's, or jemalloc's
+  // where the daemon was linked with it.
+  options.env = {"GLIBC_TUNABLES=glibc.malloc.tcache_count=0",
+                 "MALLOC_CONF=tcache:false"};
   auto d = DaemonProcess::Start(options);
   ASSERT_TRUE(d.ok()) << d.status();
   DaemonProcess& daemon = **d;
