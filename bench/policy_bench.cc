@@ -35,6 +35,7 @@
 #include "bench/max_batch.h"
 #include "bench/own_peak_check.h"
 #include "bench/policy_table.h"
+#include "bench/random_graph_section.h"
 #include "bench/report.h"
 #include "bench/steady_state_section.h"
 #include "policies/sim/device_profile.h"
@@ -82,8 +83,9 @@ ABSL_FLAG(std::string, steady_policies,
           "dtr,delta-paper,delta,delta-steady,offload-greedy,window",
           "policies of the steady-state section");
 ABSL_FLAG(int, random_graphs, 0,
-          "check every planner at its own peak on this many random layer "
-          "graphs under every allocator model (a section of its own)");
+          "compare every policy on this many random layer graphs, and check "
+          "every planner at its own peak on them under every allocator "
+          "model (sections of their own)");
 ABSL_FLAG(int, host_gib, 128,
           "pinned host pool per GPU in GiB (a DGX A100: 1 TiB for 8 GPUs)");
 
@@ -502,13 +504,22 @@ int RunTable(const std::string& command) {
                    std::string(model_device.status().message()).c_str());
       return 2;
     }
+    auto compared = RandomGraphSection(graphs, policies, ratios, *model_device,
+                                       TableAllocator(), RunOne);
+    if (!compared.ok()) {
+      std::fprintf(stderr, "policy_bench: %s\n",
+                   compared.status().ToString().c_str());
+      return 1;
+    }
+    std::fprintf(stderr, "policy_bench: random graphs compared: %.1f s\n",
+                 Seconds(Clock::now() - bench_start));
     auto section = OwnPeakSection(graphs, policies, *model_device);
     if (!section.ok()) {
       std::fprintf(stderr, "policy_bench: %s\n",
                    section.status().ToString().c_str());
       return 1;
     }
-    own_peak = *std::move(section);
+    own_peak = *std::move(compared) + *std::move(section);
   }
   const double total = Seconds(Clock::now() - bench_start);
   targets.md << "| simulated `dtr` within ±15% of DTR's measured slowdown on "

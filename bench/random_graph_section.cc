@@ -1,0 +1,177 @@
+#include "bench/random_graph_section.h"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "policies/sim/random_graphs.h"
+
+namespace deltad::sim {
+
+namespace {
+
+constexpr double kTie = 1.005;  // within 0.5% counts as equal
+constexpr double kNoFit = std::numeric_limits<double>::infinity();
+
+// One (graph, budget) cell: each policy's slowdown, kNoFit where it did
+// not fit.
+struct Cell {
+  int seed = 0;
+  double ratio = 0;
+  std::map<std::string, double> slowdown;
+};
+
+// How one policy fared against the best of the others, over some cells.
+struct Standing {
+  int cells = 0;  // where some other policy fits
+  int at_or_below = 0;
+  std::vector<double> gaps;       // its slowdown over the best other's
+  std::map<std::string, int> by;  // who was ahead, and how often
+  double worst = 0;
+  int worst_seed = 0;
+  std::string worst_where;
+
+  void Add(const Cell& cell, const std::string& policy) {
+    double best = kNoFit;
+    std::string best_name;
+    for (const auto& [name, s] : cell.slowdown) {
+      if (name != policy && s < best) {
+        best = s;
+        best_name = name;
+      }
+    }
+    if (best == kNoFit) return;  // nothing else fits: no comparison
+    ++cells;
+    const double own = cell.slowdown.at(policy);
+    const double gap = own / best;
+    gaps.push_back(gap);
+    if (own <= best * kTie) {
+      ++at_or_below;
+      return;
+    }
+    ++by[best_name];
+    if (gap > worst) {
+      worst = gap;
+      worst_seed = cell.seed;
+      worst_where =
+          absl::StrFormat("random-%d at %.1f: %s %.3f vs %s %.3f", cell.seed,
+                          cell.ratio, policy, own, best_name, best);
+    }
+  }
+
+  std::string Median() const {
+    if (gaps.empty()) return "-";
+    std::vector<double> g = gaps;
+    std::sort(g.begin(), g.end());
+    const double m = g[g.size() / 2];
+    return m == kNoFit ? "no fit" : absl::StrFormat("%.3f", m);
+  }
+
+  std::string Ahead() const {
+    std::vector<std::pair<int, std::string>> order;
+    for (const auto& [name, n] : by) order.push_back({-n, name});
+    std::sort(order.begin(), order.end());
+    std::vector<std::string> parts;
+    for (const auto& [n, name] : order)
+      parts.push_back(absl::StrCat(name, " ", -n));
+    return parts.empty() ? "-" : absl::StrJoin(parts, ", ");
+  }
+};
+
+std::string StandingTable(const std::vector<Cell>& cells,
+                          const std::vector<double>& ratios,
+                          const std::string& policy, Standing* all) {
+  std::ostringstream md;
+  md << "**`" << policy << "`**\n\n"
+     << "| budget | cells | at or below every other | median ratio to the "
+        "best other | worst ratio | ahead of it |\n"
+     << "|---:|---:|---:|---:|---:|---|\n";
+  for (double ratio : ratios) {
+    Standing s;
+    for (const Cell& c : cells) {
+      if (c.ratio != ratio) continue;
+      s.Add(c, policy);
+      all->Add(c, policy);
+    }
+    std::string worst = "-";
+    if (s.worst > 0) {
+      worst = absl::StrCat(s.worst == kNoFit ? std::string("no fit")
+                                             : absl::StrFormat("%.3f", s.worst),
+                           " (random-", s.worst_seed, ")");
+    }
+    md << absl::StrFormat("| %.1f | %d | %d | %s | %s | %s |\n", ratio, s.cells,
+                          s.at_or_below, s.Median(), worst, s.Ahead());
+  }
+  md << "\n";
+  return md.str();
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> RandomGraphSection(
+    int graphs, const std::vector<std::string>& policies,
+    const std::vector<double>& ratios, const DeviceProfile& device,
+    AllocatorKind allocator, const RunPolicyFn& run) {
+  std::vector<Cell> cells;
+  for (int seed = 1; seed <= graphs; ++seed) {
+    auto program = Compile(RandomLayerGraph(seed));
+    if (!program.ok()) return program.status();
+    auto peak = UnlimitedPeak(*program, device, allocator);
+    if (!peak.ok()) return peak.status();
+    for (double ratio : ratios) {
+      Cell cell{seed, ratio, {}};
+      const auto budget =
+          static_cast<int64_t>(ratio * static_cast<double>(*peak));
+      for (const std::string& name : policies) {
+        auto r = run(*program, device, name, budget);
+        if (!r.ok()) {
+          return absl::Status(r.status().code(),
+                              absl::StrCat(program->name, ", ", name, ": ",
+                                           r.status().message()));
+        }
+        cell.slowdown[name] = r->fits ? r->slowdown() : kNoFit;
+      }
+      cells.push_back(std::move(cell));
+    }
+  }
+  std::ostringstream md;
+  md << "### Random layer graphs: each policy against every other\n\n"
+     << graphs << " random layered networks (`RandomLayerGraph`, seeds 1.."
+     << graphs
+     << ", the graphs of the section below: no policy was tuned on them), "
+        "every policy at each budget ratio of the graph's peak under `"
+     << AllocatorKindName(allocator) << "`, on the " << device.name
+     << " profile, as in the table above. Per budget: the cells where "
+        "another policy fits, those where the policy is at or below every "
+        "other (ties within 0.5%), its slowdown over the best other's "
+        "(median and worst; `no fit` where it did not fit and another did), "
+        "and the policies that were ahead of it, with how often.\n\n";
+  std::ostringstream targets;
+  for (const std::string& policy :
+       {std::string("delta"), std::string("delta-steady")}) {
+    if (std::find(policies.begin(), policies.end(), policy) == policies.end()) {
+      continue;
+    }
+    Standing all;
+    md << StandingTable(cells, ratios, policy, &all);
+    targets << "| `" << policy
+            << "` at or below every other policy on every random graph and "
+               "budget (ties within 0.5%) | "
+            << all.at_or_below << " of " << all.cells << " cells"
+            << (all.worst_where.empty() ? "" : "; worst: " + all.worst_where)
+            << " | **" << (all.at_or_below == all.cells ? "met" : "MISSED")
+            << "** |\n";
+  }
+  if (!targets.str().empty()) {
+    md << "| target | measured | result |\n|---|---|---|\n"
+       << targets.str() << "\n";
+  }
+  return md.str();
+}
+
+}  // namespace deltad::sim
