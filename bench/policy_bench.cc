@@ -113,9 +113,12 @@ Optimizer ModelOptimizer() {
   return *ParseOptimizer(absl::GetFlag(FLAGS_optimizer));
 }
 
+// `iterations` 0: as many as the policy needs to show what it does
+// (IterationsFor).
 absl::StatusOr<SimResult> RunOne(const Program& program,
                                  const DeviceProfile& device,
-                                 const std::string& policy, int64_t budget) {
+                                 const std::string& policy, int64_t budget,
+                                 int iterations = 0) {
   auto made = MakePolicy(policy);
   if (!made.ok()) return made.status();
   SimOptions o;
@@ -123,7 +126,7 @@ absl::StatusOr<SimResult> RunOne(const Program& program,
   o.host_bytes = int64_t{absl::GetFlag(FLAGS_host_gib)} << 30;
   // Checked once in main(); an unknown name cannot reach here.
   o.allocator = TableAllocator();
-  o.iterations = IterationsFor(policy);
+  o.iterations = iterations > 0 ? iterations : IterationsFor(policy);
   auto r = Simulate(program, device, **made, o);
   if (r.ok()) return r;
   if (r.status().code() == absl::StatusCode::kFailedPrecondition) {
@@ -504,8 +507,12 @@ int RunTable(const std::string& command) {
                    std::string(model_device.status().message()).c_str());
       return 2;
     }
-    auto compared = RandomGraphSection(graphs, policies, ratios, *model_device,
-                                       TableAllocator(), RunOne);
+    const int iterations = std::max(1, absl::GetFlag(FLAGS_steady_iterations));
+    auto compared = RandomGraphSection(
+        graphs, policies, ratios, iterations, *model_device, TableAllocator(),
+        [](const Program& program, const DeviceProfile& device,
+           const std::string& policy, int64_t budget,
+           int n) { return RunOne(program, device, policy, budget, n); });
     if (!compared.ok()) {
       std::fprintf(stderr, "policy_bench: %s\n",
                    compared.status().ToString().c_str());

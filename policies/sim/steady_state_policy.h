@@ -28,7 +28,9 @@ namespace deltad::sim {
 // first one that differs (another shape, data-dependent control flow)
 // abandons the plan at once and `delta` decides from there on, as it does
 // whenever the plan cannot make room. `delta` sees every event throughout,
-// so its table is always current.
+// so its table is always current; from the second iteration on it
+// prefetches in the order the last iteration read (delta-replay's option),
+// so where it is kept, or takes over, it still gains from the recording.
 class SteadyStatePolicy final : public SimPolicy {
  public:
   SteadyStatePolicy();

@@ -8,6 +8,7 @@
 #include "policies/sim/model_traces.h"
 #include "policies/sim/policy_registry.h"
 #include "policies/sim/program.h"
+#include "policies/sim/random_graphs.h"
 #include "policies/sim/simulator.h"
 
 namespace deltad::sim {
@@ -178,6 +179,24 @@ TEST(SteadyStatePolicy, AnAccessOffTheRecordingAbandonsThePlanAtOnce) {
   EXPECT_EQ(steady.abandoned(), 1);
   steady.OnAccess(ctx, 6);  // delta decides from here on
   EXPECT_EQ(steady.abandoned(), 1);
+}
+
+// Random layer graph 2 at half its peak: no candidate replays the recorded
+// iteration faster than `delta` ran it, so `delta` stays; from the second
+// iteration it reloads in the order the first read, as delta-replay does.
+TEST(SteadyStatePolicy,
+     WithoutAFasterPlanItPrefetchesInTheLastIterationsOrder) {
+  Net net;
+  net.program = *Compile(RandomLayerGraph(2));
+  net.options.budget_bytes = net.program.peak_bytes / 2;
+  SteadyStatePolicy steady;
+  const SimResult r = net.Run(steady, 2);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_EQ(steady.following(), "delta");
+  const SimResult replay = net.Run(**MakePolicy("delta-replay"), 2);
+  const SimResult delta = net.Run(**MakePolicy("delta"), 2);
+  EXPECT_EQ(r.makespan_ns, replay.makespan_ns);
+  EXPECT_LT(r.makespan_ns, delta.makespan_ns);
 }
 
 }  // namespace
