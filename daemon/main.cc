@@ -50,11 +50,14 @@ ABSL_FLAG(bool, print_config, false,
 // jemalloc, where it is the daemon's malloc, reads this when it starts: a
 // background thread gives freed pages back after a second (decayed ones at
 // once), so the RSS follows what the daemon holds instead of its busiest
-// minute (docs/RELIABILITY.md). MALLOC_CONF in the environment still wins.
-// Unused under glibc.
+// minute (docs/RELIABILITY.md). One such thread, not jemalloc's default of
+// up to one per CPU: the daemon runs on every node, however many cores it
+// has, and purging is a few calls a second. MALLOC_CONF in the environment
+// still wins. Unused under glibc.
 extern "C" {
 const char* malloc_conf =
-    "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0";
+    "background_thread:true,max_background_threads:1,dirty_decay_ms:1000,"
+    "muzzy_decay_ms:0";
 }
 
 namespace {

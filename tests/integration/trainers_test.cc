@@ -5,10 +5,13 @@
 // trainer exits non-zero if any tensor's bytes come back wrong.
 #include <signal.h>
 
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -212,6 +215,42 @@ TEST(Trainers, SessionsThatComeAndGoLeaveTheDaemonsHeapAsItWas) {
   // tensor record per release decision would be hundreds of KiB here, and
   // a session's state left behind a few KiB each.
   EXPECT_LT(after - before, 8 << 10);
+}
+
+// The threads of the daemon with `name` as their name (/proc's comm).
+int ThreadsNamed(pid_t pid, const std::string& name) {
+  int n = 0;
+  const std::string tasks = absl::StrCat("/proc/", pid, "/task");
+  for (const auto& task : std::filesystem::directory_iterator(tasks)) {
+    std::ifstream comm(task.path() / "comm");
+    std::string line;
+    if (std::getline(comm, line) && line == name) ++n;
+  }
+  return n;
+}
+
+// Built with jemalloc, the daemon says so in its start line with how soon
+// freed pages go back, and one thread of jemalloc's returns them, whatever
+// the node's cores (its default is up to one per CPU).
+TEST(Trainers, TheDaemonNamesItsMallocAndRunsOneThreadToReturnPages) {
+#if !DELTAD_HAVE_JEMALLOC
+  GTEST_SKIP() << "deltad was built without jemalloc";
+#endif
+  auto d = DaemonProcess::Start(SmallNode());
+  ASSERT_TRUE(d.ok()) << d.status();
+  DaemonProcess& daemon = **d;
+  EXPECT_THAT(daemon.Output(),
+              ::testing::ContainsRegex(
+                  "heap: jemalloc [0-9.]+ \\(freed pages returned after "
+                  "1000 ms\\)"));
+  // Sessions on several of gRPC's threads use several arenas.
+  for (int i = 0; i < 4; ++i) {
+    Job job =
+        StartTrainer(daemon.dir(), daemon.socket_path(), "arenas", i % 2,
+                     {"--model=resnet50", "--batch=2", "--budget=0.5"}, 1);
+    ExpectCleanExit(job, absl::Seconds(60));
+  }
+  EXPECT_EQ(ThreadsNamed(daemon.pid(), "jemalloc_bg_thd"), 1);
 }
 
 }  // namespace
