@@ -508,11 +508,8 @@ int RunTable(const std::string& command) {
       return 2;
     }
     const int iterations = std::max(1, absl::GetFlag(FLAGS_steady_iterations));
-    auto compared = RandomGraphSection(
-        graphs, policies, ratios, iterations, *model_device, TableAllocator(),
-        [](const Program& program, const DeviceProfile& device,
-           const std::string& policy, int64_t budget,
-           int n) { return RunOne(program, device, policy, budget, n); });
+    auto compared = RandomGraphSection(graphs, policies, ratios, iterations,
+                                       *model_device, TableAllocator(), RunOne);
     if (!compared.ok()) {
       std::fprintf(stderr, "policy_bench: %s\n",
                    compared.status().ToString().c_str());

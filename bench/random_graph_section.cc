@@ -26,15 +26,26 @@ struct Cell {
   std::map<std::string, double> slowdown;
 };
 
+// A ratio of slowdowns as the tables print it.
+std::string Ratio(double r) {
+  return r == kNoFit ? "no fit" : absl::StrFormat("%.3f", r);
+}
+
 // How one policy fared against the best of the others, over some cells.
 struct Standing {
   int cells = 0;  // where some other policy fits
   int at_or_below = 0;
   std::vector<double> gaps;       // its slowdown over the best other's
   std::map<std::string, int> by;  // who was ahead, and how often
-  double worst = 0;
-  int worst_seed = 0;
-  std::string worst_where;
+  // The cell where it was furthest behind (gap 0: nowhere).
+  struct Worst {
+    double gap = 0;
+    int seed = 0;
+    double ratio = 0;
+    double own = 0;
+    std::string best_name;
+    double best = 0;
+  } worst;
 
   void Add(const Cell& cell, const std::string& policy) {
     double best = kNoFit;
@@ -55,12 +66,8 @@ struct Standing {
       return;
     }
     ++by[best_name];
-    if (gap > worst) {
-      worst = gap;
-      worst_seed = cell.seed;
-      worst_where =
-          absl::StrFormat("random-%d at %.1f: %s %.3f vs %s %.3f", cell.seed,
-                          cell.ratio, policy, own, best_name, best);
+    if (gap > worst.gap) {
+      worst = {gap, cell.seed, cell.ratio, own, best_name, best};
     }
   }
 
@@ -68,8 +75,21 @@ struct Standing {
     if (gaps.empty()) return "-";
     std::vector<double> g = gaps;
     std::sort(g.begin(), g.end());
-    const double m = g[g.size() / 2];
-    return m == kNoFit ? "no fit" : absl::StrFormat("%.3f", m);
+    return Ratio(g[g.size() / 2]);
+  }
+
+  // The worst gap and its graph, for a budget's row.
+  std::string WorstGap() const {
+    return worst.gap > 0
+               ? absl::StrCat(Ratio(worst.gap), " (random-", worst.seed, ")")
+               : "-";
+  }
+
+  // Where and against whom, for the targets.
+  std::string WorstWhere(const std::string& policy) const {
+    return absl::StrFormat("random-%d at %.1f: %s %s vs %s %.3f", worst.seed,
+                           worst.ratio, policy, Ratio(worst.own),
+                           worst.best_name, worst.best);
   }
 
   std::string Ahead() const {
@@ -98,14 +118,8 @@ std::string StandingTable(const std::vector<Cell>& cells,
       s.Add(c, policy);
       all->Add(c, policy);
     }
-    std::string worst = "-";
-    if (s.worst > 0) {
-      worst = absl::StrCat(s.worst == kNoFit ? std::string("no fit")
-                                             : absl::StrFormat("%.3f", s.worst),
-                           " (random-", s.worst_seed, ")");
-    }
     md << absl::StrFormat("| %.1f | %d | %d | %s | %s | %s |\n", ratio, s.cells,
-                          s.at_or_below, s.Median(), worst, s.Ahead());
+                          s.at_or_below, s.Median(), s.WorstGap(), s.Ahead());
   }
   md << "\n";
   return md.str();
@@ -175,7 +189,7 @@ absl::StatusOr<std::string> RandomGraphSection(
             << "` at or below every other policy on every random graph and "
                "budget (ties within 0.5%) | "
             << all.at_or_below << " of " << all.cells << " cells"
-            << (all.worst_where.empty() ? "" : "; worst: " + all.worst_where)
+            << (all.worst.gap > 0 ? "; worst: " + all.WorstWhere(policy) : "")
             << " | **" << (all.at_or_below == all.cells ? "met" : "MISSED")
             << "** |\n";
   }
