@@ -70,7 +70,10 @@ grep -q "test_torch_correctness: passed" "$tmp/out/summary.txt" ||
 budget=$(sed -E 's/.*--time_budget_s ([0-9]+).*/\1/' "$ARGS_FILE")
 [[ $budget -ge 320 && $budget -le 330 ]] ||
   fail "torch_bench's own budget is '$budget', expected 320-330 s"
-tar -tzf "$tmp/out/logs.tar.gz" | grep -q "logs/torch_bench.txt" ||
+# (Listed whole first: `grep -q` stops reading at the match, and tar,
+# killed by SIGPIPE, would fail the pipeline under pipefail.)
+listing=$(tar -tzf "$tmp/out/logs.tar.gz")
+[[ $listing == *logs/torch_bench.txt* ]] ||
   fail "torch_bench's log is not in logs.tar.gz"
 
 # (2): a test that hangs is killed at what is left of a 25-s budget; the
@@ -89,7 +92,8 @@ summary=$(cat "$tmp/out/summary.txt")
   fail "the hanging test is not reported killed: $summary"
 [[ $summary == *"torch_bench: skipped, "*" s left of the budget"* ]] ||
   fail "torch_bench is not reported skipped for want of time: $summary"
-tar -tzf "$tmp/out/logs.tar.gz" | grep -q "logs/gpu_test.log" ||
+listing=$(tar -tzf "$tmp/out/logs.tar.gz")
+[[ $listing == *logs/gpu_test.log* ]] ||
   fail "the killed test's log is not in logs.tar.gz"
 tar -xzf "$tmp/out/logs.tar.gz" -C "$tmp" logs/gpu_test.log
 grep -q "Stub.Hangs" "$tmp/logs/gpu_test.log" ||
