@@ -427,6 +427,7 @@ int RunTable(const std::string& command) {
      << absl::GetFlag(FLAGS_model_device) << " at batch "
      << absl::GetFlag(FLAGS_model_batch) << " (GPT at a quarter of it) with "
      << absl::GetFlag(FLAGS_optimizer)
+     << " (gradients set to None between iterations, PyTorch 2's default)"
      << (absl::GetFlag(FLAGS_trace_files).empty()
              ? ""
              : absl::StrCat(", recorded traces (`--trace_files`) on ",

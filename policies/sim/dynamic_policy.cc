@@ -51,6 +51,14 @@ void DynamicPolicy::BeginIteration(SimContext& ctx) {
   copying_.clear();
 }
 
+void DynamicPolicy::SeedAccessOrder(const Program& program,
+                                    const std::vector<int32_t>& accesses) {
+  for (int32_t s : accesses) {
+    plan_.Record(static_cast<uint64_t>(s) + 1, program.storages[s].bytes);
+  }
+  plan_.EndIteration();
+}
+
 void DynamicPolicy::OnCreate(SimContext& ctx, int32_t s) {
   const Program& program = ctx.program();
   const Storage& st = program.storages[s];

@@ -71,6 +71,12 @@ class DynamicPolicy final : public SimPolicy {
   bool MakeRoom(SimContext& ctx, int64_t bytes) override;
   Restore ChooseRestore(SimContext& ctx, int32_t s) override;
 
+  // With replay_window_fraction > 0: the access order of an iteration seen
+  // elsewhere (storages, in order) becomes the plan its first iteration
+  // prefetches by, as if it had run that iteration itself.
+  void SeedAccessOrder(const Program& program,
+                       const std::vector<int32_t>& accesses);
+
   // While another policy decides and this one only follows (a steady-state
   // plan's fallback), its table rebuilds the evicted components when it
   // needs them instead of keeping them at every change

@@ -23,7 +23,8 @@ int32_t LayerNet::Data(const std::string& name, const Shape& shape,
 
 int LayerNet::Param(const std::string& name, int64_t elems) {
   const int32_t weight = Data(name, {elems}, elem_);
-  const int32_t grad = Data(name + ".grad", {elems}, elem_);
+  const int32_t grad =
+      grads_set_to_none_ ? -1 : Data(name + ".grad", {elems}, elem_);
   params_.push_back({weight, grad, info_[weight].bytes});
   return static_cast<int>(params_.size()) - 1;
 }
@@ -48,6 +49,9 @@ void LayerNet::OptimizerStep() {
   int64_t weights = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamIds& p = params_[i];
+    // torch.optim skips a parameter whose gradient is None (and makes no
+    // state for it): one that no backward op reached.
+    if (p.grad < 0) continue;
     for (const char* suffix : suffixes) {
       state[i].push_back(
           Data(info_[p.weight].name + suffix, shape(p.weight), elem_));
@@ -61,7 +65,9 @@ void LayerNet::OptimizerStep() {
   int32_t roots = -1;
   if (optimizer_ == Optimizer::kAdam && weights > 0) {
     b_.Op("optimizer_step_sqrt", Phase::kBackward, MemNs(2.0 * weights));
-    for (size_t i = 0; i < params_.size(); ++i) b_.Input(state[i][1]);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!state[i].empty()) b_.Input(state[i][1]);
+    }
     roots = NewOutput("exp_avg_sq_sqrt", {weights / elem_}, elem_, false);
   }
   // One op per weight. The multi-tensor step runs each pass over every
@@ -72,6 +78,7 @@ void LayerNet::OptimizerStep() {
   // and walk, though no weight depends on another's.
   for (size_t i = 0; i < params_.size(); ++i) {
     ParamIds& p = params_[i];
+    if (p.grad < 0) continue;
     // Reads the gradient; reads and writes the weight and each state; and
     // Adam reads the weight's square roots.
     const double bytes =
@@ -106,7 +113,11 @@ void LayerNet::Backward(const Bwd& bwd) {
     double bytes = g >= 0 ? info_[g].bytes : 0;
     for (int32_t s : bwd.saved) bytes += info_[s].bytes;
     for (int w : bwd.weights) bytes += params_[w].bytes;
-    for (int p : bwd.params) bytes += 2.0 * params_[p].bytes;
+    // Accumulating reads and writes the buffer; the first contribution,
+    // when gradients are set to None, writes it only.
+    for (int p : bwd.params) {
+      bytes += (params_[p].grad >= 0 ? 2.0 : 1.0) * params_[p].bytes;
+    }
     for (int32_t x : needs) bytes += info_[x].bytes;
     time = MemNs(bytes);
   }
@@ -114,7 +125,10 @@ void LayerNet::Backward(const Bwd& bwd) {
   if (g >= 0) b_.Input(g);
   for (int32_t s : bwd.saved) b_.Input(s);
   for (int w : bwd.weights) b_.Input(params_[w].weight);
-  for (int p : bwd.params) b_.Input(params_[p].grad);
+  for (int p : bwd.params) {
+    // Accumulates into the buffer; the first contribution makes it.
+    if (params_[p].grad >= 0) b_.Input(params_[p].grad);
+  }
   std::vector<int32_t> made;
   for (int32_t x : needs) {
     made.push_back(NewOutput(info_[x].name + ".grad", info_[x].shape,
@@ -122,7 +136,9 @@ void LayerNet::Backward(const Bwd& bwd) {
   }
   for (int p : bwd.params) {
     ParamIds& ids = params_[p];
-    ids.grad = NewVersion(ids.grad, info_[ids.grad].name, false);
+    ids.grad = ids.grad >= 0 ? NewVersion(ids.grad, info_[ids.grad].name, false)
+                             : NewOutput(info_[ids.weight].name + ".grad",
+                                         shape(ids.weight), elem_, false);
   }
   for (size_t i = 0; i < needs.size(); ++i) AddGrad(needs[i], made[i], true);
 }

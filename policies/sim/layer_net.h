@@ -41,10 +41,12 @@ inline constexpr int64_t kStatBytes = 4;
 class LayerNet {
  public:
   LayerNet(std::string trace_name, std::string what, DType dtype,
-           Optimizer optimizer, const DeviceProfile& device)
+           Optimizer optimizer, const DeviceProfile& device,
+           bool grads_set_to_none = true)
       : b_(std::move(trace_name)),
         what_(std::move(what)),
         optimizer_(optimizer),
+        grads_set_to_none_(grads_set_to_none),
         elem_(DTypeBytes(dtype)),
         flops_(dtype == DType::kFp32 ? device.fp32_flops_per_s
                                      : device.fp16_flops_per_s),
@@ -57,7 +59,8 @@ class LayerNet {
 
   int32_t Data(const std::string& name, const Shape& shape, int64_t elem_bytes);
 
-  // A weight and its gradient buffer; returns an index into params_.
+  // A weight and its gradient buffer (made in backward when gradients are
+  // set to None between iterations); returns an index into params_.
   int Param(const std::string& name, int64_t elems);
 
   // The product of `factors`, or 0 and an error naming `what` when it
@@ -160,7 +163,7 @@ class LayerNet {
   };
   struct ParamIds {
     int32_t weight;  // current version
-    int32_t grad;    // current version
+    int32_t grad;    // current version; -1 until backward makes it
     int64_t bytes;
   };
   struct Grad {
@@ -247,6 +250,7 @@ class LayerNet {
   TraceBuilder b_;
   std::string what_;  // model and input, for messages
   Optimizer optimizer_;
+  bool grads_set_to_none_;
   int64_t elem_;
   double flops_;
   double bandwidth_;

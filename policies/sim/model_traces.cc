@@ -340,7 +340,8 @@ absl::StatusOr<Trace> BuildModelTrace(absl::string_view model,
   const std::string what =
       gpt ? std::string(model)
           : absl::StrCat(model, " input ", options.height, "x", options.width);
-  LayerNet net(trace_name, what, options.dtype, options.optimizer, device);
+  LayerNet net(trace_name, what, options.dtype, options.optimizer, device,
+               options.grads_set_to_none);
   const int64_t b = options.batch;
   const int64_t h = options.height;
   const int64_t w = options.width;

@@ -32,6 +32,13 @@ struct ModelOptions {
   int gpt_heads = 12;
   int gpt_vocab = 50257;
   Optimizer optimizer = Optimizer::kSgd;
+  // Gradient buffers as PyTorch 2 keeps them: optimizer.zero_grad() sets
+  // them to None by default since PyTorch 2.0 (torch.optim.Optimizer
+  // .zero_grad(set_to_none=True)), so each is made by the first backward op
+  // that reaches its parameter and dropped after the optimizer step reads
+  // it. false: zeroed and kept, the buffers live through every iteration
+  // (PyTorch 1.x's default, set_to_none=False).
+  bool grads_set_to_none = true;
 };
 
 // "resnet50", "resnet101", "resnet152", "densenet121", "vgg16", "unet",
@@ -46,7 +53,8 @@ std::vector<std::string> ModelNames();
 // and residual adds follow torchvision. Naming, which tests and tools may
 // rely on:
 //   - constants: "input" / "tokens", "labels", parameters "<module>.weight"
-//     and "<module>.bias", their gradient buffers "<parameter>.grad", batch
+//     and "<module>.bias", their gradient buffers "<parameter>.grad" (a
+//     constant only with grads_set_to_none false), batch
 //     norm buffers "<module>.running_mean" / "<module>.running_var",
 //     optimizer state "<parameter>.momentum_buffer" or "<parameter>.exp_avg"
 //     and "<parameter>.exp_avg_sq";

@@ -1,6 +1,7 @@
 #include "policies/sim/program.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -109,20 +110,26 @@ absl::StatusOr<Program> Compile(const Trace& trace) {
       p.storages[s].freed_at = static_cast<int32_t>(&step - p.steps.data());
     }
   }
-  // Parents come before children, so one pass in creation order decides.
-  auto outlives = [&](int32_t parent, int32_t child) {
-    const int32_t pf = p.storages[parent].freed_at;
-    const int32_t cf = p.storages[child].freed_at;
-    return pf < 0 || (cf >= 0 && pf >= cf);
-  };
+  // A storage can be rebuilt at any time of its life when every parent can
+  // be had until its end: resident, restorable, or rebuilt in turn. So each
+  // storage is available until a step: the end of its life, or later while
+  // its parents are (rebuilt for a child when dead); constants and storages
+  // never freed, always. Parents come before children: one pass decides.
+  // (Taking a recomputable parent as available forever marked gradients
+  // made in backward recomputable through activations long freed, and a
+  // policy that evicted one failed: "cannot rebuild".)
+  constexpr int32_t kForever = std::numeric_limits<int32_t>::max();
+  std::vector<int32_t> until(p.storages.size(), kForever);
   for (int32_t s = 0; s < static_cast<int32_t>(p.storages.size()); ++s) {
     Storage& st = p.storages[s];
-    st.recomputable = st.producer >= 0;
+    const int32_t lives_until = st.freed_at < 0 ? kForever : st.freed_at;
+    int32_t parents_until = kForever;
     for (int32_t parent : st.parents) {
-      if (!p.storages[parent].recomputable && !outlives(parent, s)) {
-        st.recomputable = false;
-      }
+      parents_until = std::min(parents_until, until[parent]);
     }
+    st.recomputable = st.producer >= 0 && parents_until >= lives_until;
+    until[s] =
+        st.producer >= 0 ? std::max(lives_until, parents_until) : lives_until;
   }
   return p;
 }

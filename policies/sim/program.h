@@ -19,7 +19,8 @@ struct Storage {
   bool constant = false;  // exists before the iteration
   int32_t producer = -1;  // step that created it; -1 for constants
   // Whether it can always be rebuilt while it lives: it has a producer, and
-  // every parent either can be rebuilt too or outlives it.
+  // every parent can be had (resident, restored, or rebuilt in turn) until
+  // it is dropped.
   bool recomputable = false;
   int32_t freed_at = -1;         // step after which it is dropped; -1: never
   std::vector<int32_t> parents;  // storages its producer read

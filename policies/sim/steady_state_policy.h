@@ -16,10 +16,11 @@ namespace deltad::sim {
 // known. `delta-steady` runs the dynamic `delta` policy for the first
 // iteration while it records the storages accessed, in order. From the
 // second on it plans: it replays the recorded iteration in the simulator
-// under each candidate (`delta` itself, DELTA as published, DTR, and the
-// static planners offload-greedy, window, lms and chen-greedy) with the run's
-// budget, host memory and allocator model, and follows the one that
-// finishes first.
+// under each candidate (`delta` prefetching in the recorded order, DELTA as
+// published, DTR, and the static planners offload-greedy, window, lms and
+// chen-greedy) with the run's budget, host memory and allocator model, and
+// follows the one that finishes first, or `delta` where none beats the
+// first iteration's time.
 // Planning happens once, at the start of the second iteration, and reports
 // its wall time (planning_ns); in a real process it would run beside
 // training, off its critical path.
@@ -28,9 +29,7 @@ namespace deltad::sim {
 // first one that differs (another shape, data-dependent control flow)
 // abandons the plan at once and `delta` decides from there on, as it does
 // whenever the plan cannot make room. `delta` sees every event throughout,
-// so its table is always current; from the second iteration on it
-// prefetches in the order the last iteration read (delta-replay's option),
-// so where it is kept, or takes over, it still gains from the recording.
+// so its table is always current.
 class SteadyStatePolicy final : public SimPolicy {
  public:
   SteadyStatePolicy();

@@ -37,10 +37,14 @@ TEST(ModelTraces, EveryParameterHasAGradientBufferOfItsSize) {
   }
 }
 
+// With gradient buffers kept between iterations (PyTorch 1.x's zero_grad).
 TEST(ModelTraces, WeightsAndGradientsAreUpdatedInPlace) {
   for (const std::string& model : ModelNames()) {
     SCOPED_TRACE(model);
-    const Trace t = Build(model, 2);
+    ModelOptions o;
+    o.batch = 2;
+    o.grads_set_to_none = false;
+    const Trace t = Build(model, o);
     // The optimizer step: the ops after the last op of the backward pass.
     int32_t first_step = static_cast<int32_t>(t.ops.size());
     while (first_step > 0 && t.ops[first_step - 1].name == "optimizer_step") {
@@ -78,6 +82,75 @@ TEST(ModelTraces, WeightsAndGradientsAreUpdatedInPlace) {
       }
     }
     EXPECT_EQ(t.ops.back().phase, Phase::kBackward);
+  }
+}
+
+// PyTorch 2's default: optimizer.zero_grad() sets the buffers to None, so
+// the first backward op that reaches a parameter makes its gradient (the
+// tied GPT embedding's second contribution adds to it in place), the step
+// reads it, and it is gone by the end of the iteration; the peak is never
+// higher than with buffers kept, and lower where the weights weigh.
+TEST(ModelTraces, GradientsSetToNoneAreMadeInBackwardAndDroppedAfterTheStep) {
+  for (const std::string& model : ModelNames()) {
+    SCOPED_TRACE(model);
+    ModelOptions o;
+    o.batch = 2;
+    o.optimizer = Optimizer::kAdam;
+    const Trace t = Build(model, o);
+    int32_t first_step = static_cast<int32_t>(t.ops.size());
+    while (first_step > 0 && t.ops[first_step - 1].name == "optimizer_step") {
+      --first_step;
+    }
+    std::set<std::string> parameters;
+    for (const TraceValue& v : t.values) {
+      if (IsParameter(v)) parameters.insert(v.name);
+    }
+    std::map<std::string, int32_t> made;  // gradient name -> its first value
+    for (int32_t v = 0; v < static_cast<int32_t>(t.values.size()); ++v) {
+      const TraceValue& value = t.values[v];
+      if (!absl::EndsWith(value.name, ".grad") ||
+          !parameters.contains(
+              value.name.substr(0, value.name.size() - sizeof(".grad") + 1))) {
+        continue;
+      }
+      if (value.kind == Kind::kConstant) {
+        ADD_FAILURE() << value.name << " is a constant";
+        continue;
+      }
+      if (value.kind == Kind::kVersion) {
+        EXPECT_EQ(value.name, "wte.weight.grad") << "accumulated in place";
+        continue;
+      }
+      made.emplace(value.name, v);
+      ASSERT_GE(value.op, 0) << value.name;
+      EXPECT_EQ(t.ops[value.op].phase, Phase::kBackward) << value.name;
+      EXPECT_LT(value.op, first_step) << value.name;
+    }
+    for (const std::string& name : parameters) {
+      EXPECT_TRUE(made.contains(name + ".grad")) << name;
+    }
+    EXPECT_EQ(made.size(), parameters.size());
+    // Gone by the end: the last ops' releases drop every gradient.
+    std::set<int32_t> released;
+    for (const TraceOp& op : t.ops) {
+      released.insert(op.releases.begin(), op.releases.end());
+    }
+    for (const auto& [name, v] : made) {
+      bool dropped = released.contains(v);
+      for (int32_t w = v + 1;
+           !dropped && w < static_cast<int32_t>(t.values.size()); ++w) {
+        if (t.values[w].kind == Kind::kVersion && t.values[w].base == v) {
+          dropped = released.contains(w);
+        }
+      }
+      EXPECT_TRUE(dropped) << name << " outlives the iteration";
+    }
+    o.grads_set_to_none = false;
+    const Trace kept = Build(model, o);
+    EXPECT_LE(WalkLiveMemory(t).all, WalkLiveMemory(kept).all);
+    if (model == "resnet50") {
+      EXPECT_LT(WalkLiveMemory(t).all, WalkLiveMemory(kept).all);
+    }
   }
 }
 

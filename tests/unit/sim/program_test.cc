@@ -295,6 +295,33 @@ TEST(Program, AnOutputOfAFreedConstantIsNotRecomputable) {
   EXPECT_TRUE(p.Recomputable(2));
 }
 
+// `z` reads `y`, which can be rebuilt only while `k` is there: both are
+// dropped at step 2, while `z` lives to the end. Rebuilding `z` later would
+// need `y`, dead and beyond rebuilding by then: `z` is not recomputable. (A
+// gradient made in backward from activations long freed was taken as
+// recomputable, and a policy that evicted it at the optimizer step failed
+// to rebuild it.)
+TEST(Program, AParentRebuiltOnlyWhileItsOwnParentsLiveDoesNotMakeItsChildSo) {
+  TraceBuilder b("t");
+  const int32_t k = b.Constant("k", 100);  // storage 0
+  b.Op("f", Phase::kForward, 1).Input(k);
+  const int32_t y = b.Output("y", 200);  // storage 1
+  b.Op("g", Phase::kForward, 1).Input(y);
+  const int32_t z = b.Output("z", 10);  // storage 2, lives to the end
+  b.Op("h", Phase::kForward, 1).Input(k).Input(y);
+  b.Release(k);
+  b.Release(y);
+  b.Op("i", Phase::kForward, 1).Input(z);
+  const Program p = Compiled(std::move(b).Build());
+  ASSERT_EQ(p.storages.size(), 3u);
+  EXPECT_EQ(p.storages[0].freed_at, 2);
+  EXPECT_EQ(p.storages[1].freed_at, 2);
+  EXPECT_EQ(p.storages[2].freed_at, -1);
+  // `y` can be rebuilt while it lives: `k` lives as long.
+  EXPECT_TRUE(p.Recomputable(1));
+  EXPECT_FALSE(p.Recomputable(2));
+}
+
 TEST(Program, AParentFreedInTheSameStepAsItsChildOutlivesIt) {
   TraceBuilder b("t");
   const int32_t k = b.Constant("k", 100);  // storage 0

@@ -112,12 +112,12 @@ TEST(SteadyStatePolicy, APlanThatRunsInTheIdealTimeEndsTheSearch) {
   EXPECT_EQ(unplanned.following(), "delta");
 }
 
-// DenseNet-121 with Adam at half its peak: the plan chosen (DELTA as
+// ResNet-50 with Adam at half its peak: the plan chosen (DELTA as
 // published) releases parameters and optimizer state too, which the first
 // iteration left in place; following it, an iteration takes what it takes
 // in the plan's own run, as its replay predicted.
 TEST(SteadyStatePolicy, TheFollowedPlanSeesWhatTheFirstIterationLeftInPlace) {
-  const Net net = AdamAtHalf("densenet121");
+  const Net net = AdamAtHalf("resnet50");
   SteadyStatePolicy steady;
   const SimResult r = net.Run(steady, 3);
   ASSERT_TRUE(r.fits) << r.failure;
@@ -184,19 +184,36 @@ TEST(SteadyStatePolicy, AnAccessOffTheRecordingAbandonsThePlanAtOnce) {
 // Random layer graph 2 at half its peak: no candidate replays the recorded
 // iteration faster than `delta` ran it, so `delta` stays; from the second
 // iteration it reloads in the order the first read, as delta-replay does.
-TEST(SteadyStatePolicy,
-     WithoutAFasterPlanItPrefetchesInTheLastIterationsOrder) {
+// Random graph 2 at half its peak: prefetching in the order the first
+// iteration read is what replays fastest; the plan followed is `delta` doing
+// that, and the second iteration beats plain `delta`'s.
+TEST(SteadyStatePolicy, ItPrefetchesInTheRecordedOrderWhereThatReplaysFaster) {
   Net net;
   net.program = *Compile(RandomLayerGraph(2));
   net.options.budget_bytes = net.program.peak_bytes / 2;
   SteadyStatePolicy steady;
   const SimResult r = net.Run(steady, 2);
   ASSERT_TRUE(r.fits) << r.failure;
-  EXPECT_EQ(steady.following(), "delta");
-  const SimResult replay = net.Run(**MakePolicy("delta-replay"), 2);
+  EXPECT_EQ(steady.following(), "delta-replay");
   const SimResult delta = net.Run(**MakePolicy("delta"), 2);
-  EXPECT_EQ(r.makespan_ns, replay.makespan_ns);
   EXPECT_LT(r.makespan_ns, delta.makespan_ns);
+}
+
+// DenseNet-121 with Adam at 0.4 of its peak: prefetching in the recorded
+// order would be slower than `delta` here, and nothing else beats it either.
+// As the fallback it had made the two iterations 9% slower than `delta`'s
+// (2.119 against 1.946 times the ideal); checked by its replay, it is not
+// taken.
+TEST(SteadyStatePolicy, WhereNoPlanReplaysFasterItKeepsDelta) {
+  Net net = AdamAtHalf("densenet121");
+  net.options.budget_bytes = net.program.peak_bytes * 4 / 10;
+  SteadyStatePolicy steady;
+  const SimResult r = net.Run(steady, 2);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_EQ(steady.following(), "delta");
+  const SimResult delta = net.Run(**MakePolicy("delta"), 2);
+  ASSERT_TRUE(delta.fits) << delta.failure;
+  EXPECT_LE(r.total_makespan_ns, delta.total_makespan_ns * 1005 / 1000);
 }
 
 }  // namespace
