@@ -130,6 +130,8 @@ void Register() {
         name.c_str(), [h, sampled, skip_by_bound](benchmark::State& s) {
           BM_ReleaseDecision(s, h, sampled, skip_by_bound);
         });
+    // The daemon searches every candidate below exact_search_below (2048).
+    if (!sampled && h == Heuristic::kDeltaCost) b->Arg(2'048);
     b->Arg(10'000)->Arg(100'000)->Arg(1'000'000)->Unit(benchmark::kMicrosecond);
   };
   for (bool sampled : {false, true}) {

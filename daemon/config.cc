@@ -127,6 +127,7 @@ v1::DaemonConfig WithDefaults(const v1::DaemonConfig& in) {
   }
   if (!c.has_heuristic()) c.set_heuristic("delta_cost");
   if (!c.has_sampled_search()) c.set_sampled_search(true);
+  if (!c.has_exact_search_below()) c.set_exact_search_below(2048);
   if (!c.has_high_watermark()) {
     c.set_high_watermark(policy::Watermarks::kDefaultHigh);
   }
@@ -224,6 +225,11 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
   }
   if (auto h = policy::ParseHeuristic(c.heuristic()); !h.ok()) {
     return Invalid("heuristic", h.status().message());
+  }
+  if (c.exact_search_below() < 0) {
+    return Invalid(
+        "exact_search_below",
+        absl::StrCat("must not be negative, got ", c.exact_search_below()));
   }
   if (auto w =
           policy::Watermarks::Create(c.high_watermark(), c.low_watermark());

@@ -108,6 +108,7 @@ absl::StatusOr<NodeOptions> NodeOptionsFrom(const v1::DaemonConfig& config) {
   o.policy.filter.heuristic = *heuristic;
   o.policy.filter.sampled = config.sampled_search();
   o.policy.filter.skip_small = config.sampled_search();
+  o.policy.filter.exact_below = config.exact_search_below();
   o.policy.high_watermark = config.high_watermark();
   o.policy.low_watermark = config.low_watermark();
   o.policy.max_tensors_per_session = config.limits().max_tensors_per_session();

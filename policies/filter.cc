@@ -30,8 +30,13 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
       table.CandidateEntries(scope);
   const size_t n = entries.size();
   const GpuId gpu = table.ScopeGpu(scope);
+  // Below exact_below a sampled filter searches as a plain one: every
+  // candidate, the small ones too.
+  const bool exact_regime =
+      options_.sampled && static_cast<int64_t>(n) < options_.exact_below;
+  const bool sampling = options_.sampled && !exact_regime;
   int64_t min_bytes = 0;
-  if (options_.skip_small && n > 0) {
+  if (options_.skip_small && !exact_regime && n > 0) {
     // 1% of the mean, computed from the running byte total: O(1).
     min_bytes = table.CandidateBytes(scope) / static_cast<int64_t>(n) / 100;
   }
@@ -69,7 +74,7 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
     }
   };
 
-  if (options_.sampled && n > 0) {
+  if (sampling && n > 0) {
     // A sample serves one pick per kTensorsPerPick of its tensors: the
     // j-th best of k is about as good as the best of k/j, so a small
     // sample (a small table) draws anew for every pick, as without a batch.

@@ -15,6 +15,11 @@ struct FilterOptions {
   Heuristic heuristic = Heuristic::kDelta;
   // Score ceil(sqrt(N)) random candidates instead of all N (DTR's sampling).
   bool sampled = false;
+  // With `sampled`: while there are fewer candidates than this, score
+  // every one, small ones included (skip_small is for samples). Sampling
+  // buys speed, which a small search does not need, and costs choices
+  // (docs/BENCHMARKS.md: `delta` in the simulator with and without it).
+  int64_t exact_below = 0;
   // Ignore tensors under 1% of the mean candidate size (DTR, MegEngine).
   bool skip_small = false;
   uint64_t seed = 1;  // sampling is deterministic for a seed and call order

@@ -299,14 +299,18 @@ std::optional<DynamicPolicyOptions> DynamicPolicyPreset(
   DynamicPolicyOptions o;
   o.name = name;
   if (name == "delta" || name == "delta-replay" || name == "delta-ahead" ||
-      name == "delta-nocopy") {
+      name == "delta-nocopy" || name == "delta-sampled") {
     // The project's configuration: the cost-aware Filter, releases when
     // memory is short, copies ahead while the link is idle, prefetch in
     // backward. docs/BENCHMARKS.md shows why it differs from the paper.
     // Ablations (not in the default table): delta-nocopy copies nothing
-    // ahead; delta-ahead offloads ahead from the high watermark instead.
+    // ahead; delta-ahead offloads ahead from the high watermark instead;
+    // delta-sampled searches a sample, small tensors aside, as the daemon
+    // does past exact_search_below candidates.
     o.filter.heuristic = policy::Heuristic::kDeltaCost;
-    o.copy_ahead = name == "delta" || name == "delta-replay";
+    o.filter.sampled = o.filter.skip_small = name == "delta-sampled";
+    o.copy_ahead =
+        name == "delta" || name == "delta-replay" || name == "delta-sampled";
     if (name == "delta-replay") o.replay_window_fraction = 0.25;
     if (name == "delta-ahead") o.early_release = EarlyRelease::kOffloadAhead;
     return o;

@@ -117,8 +117,8 @@ class DynamicPolicy final : public SimPolicy {
 };
 
 // The named configurations: delta, delta-paper, delta-replay, dtr,
-// dtr-sampled, swap-lru; and the ablations delta-nocopy and delta-ahead
-// (see their comment).
+// dtr-sampled, swap-lru; and the ablations delta-nocopy, delta-ahead and
+// delta-sampled (see their comment).
 std::optional<DynamicPolicyOptions> DynamicPolicyPreset(
     const std::string& name);
 

@@ -275,6 +275,35 @@ TEST(FilterTest, SampledSearchScoresASampleNotEveryTensor) {
   for (TensorId id : picks) EXPECT_LE(id, 200u);
 }
 
+// Below exact_below a sampled filter (skipping small tensors) searches as
+// the plain one: every candidate, the small one too. At or above it, it
+// samples again.
+TEST(FilterTest, SampledSearchOfFewerCandidatesThanExactBelowScoresEveryOne) {
+  TensorTable table;
+  // Exact search, small ones aside, always picks tensor 1.
+  for (TensorId id = 1; id <= 400; ++id) {
+    AddAt(table, Spec(id, 1000), static_cast<int64_t>(id));
+  }
+  constexpr TensorId kSmall = 999;  // the stalest, under 1% of the mean
+  AddAt(table, Spec(kSmall, 1), 0);
+  FilterOptions o = Options(Heuristic::kLru, /*sampled=*/true,
+                            /*skip_small=*/true, /*seed=*/7);
+  o.exact_below = 402;
+  Filter exact(o);
+  for (int i = 0; i < 30; ++i) {
+    EXPECT_EQ(SelectId(exact, table, kGpu0, 1000), kSmall);
+  }
+  o.exact_below = 401;
+  Filter sampling(o);
+  int others = 0;
+  for (int i = 0; i < 30; ++i) {
+    const TensorId id = SelectId(sampling, table, kGpu0, 1000);
+    EXPECT_NE(id, kSmall);
+    others += id != 1;
+  }
+  EXPECT_GT(others, 0);
+}
+
 TEST(FilterTest, SampledSearchPicksOnlyEligibleUnlockedTensors) {
   TensorTable table;
   FillStaleness(table, 400);
