@@ -75,7 +75,8 @@ struct ClientOptions {
   // Fail closed: Connect fails when no session could be opened (within
   // admission_wait_ms), instead of training on in-process decisions.
   bool require_session = false;
-  // The in-process policy: the daemon's defaults (delta_cost, sampled).
+  // The in-process policy: the daemon's defaults (delta_cost, sampled past
+  // kDefaultExactBelow candidates).
   policy::FilterOptions local_filter = DefaultLocalFilter();
 
   static policy::FilterOptions DefaultLocalFilter() {
@@ -83,6 +84,7 @@ struct ClientOptions {
     f.heuristic = policy::Heuristic::kDeltaCost;
     f.sampled = true;
     f.skip_small = true;
+    f.exact_below = policy::kDefaultExactBelow;
     return f;
   }
 };

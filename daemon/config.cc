@@ -12,6 +12,7 @@
 #include "daemon/request_limits.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
+#include "policies/filter.h"
 #include "policies/heuristic.h"
 #include "policies/watermarks.h"
 
@@ -127,7 +128,9 @@ v1::DaemonConfig WithDefaults(const v1::DaemonConfig& in) {
   }
   if (!c.has_heuristic()) c.set_heuristic("delta_cost");
   if (!c.has_sampled_search()) c.set_sampled_search(true);
-  if (!c.has_exact_search_below()) c.set_exact_search_below(2048);
+  if (!c.has_exact_search_below()) {
+    c.set_exact_search_below(policy::kDefaultExactBelow);
+  }
   if (!c.has_high_watermark()) {
     c.set_high_watermark(policy::Watermarks::kDefaultHigh);
   }

@@ -11,6 +11,11 @@
 
 namespace deltad::policy {
 
+// The daemon's and the client's default for FilterOptions::exact_below: an
+// exact delta_cost decision over 2048 tensors costs about what a sampled one
+// over a million does (docs/BENCHMARKS.md, policy_micro).
+inline constexpr int64_t kDefaultExactBelow = 2048;
+
 struct FilterOptions {
   Heuristic heuristic = Heuristic::kDelta;
   // Score ceil(sqrt(N)) random candidates instead of all N (DTR's sampling).

@@ -138,6 +138,20 @@ class ClientDaemonTest : public ::testing::Test {
   std::unique_ptr<Client> client_;
 };
 
+// Without a daemon the process decides in-process: with the same filter
+// the daemon runs by default, so a job decides alike with and without it.
+TEST(ClientDefaults, TheInProcessPolicyFiltersAsTheDaemonDoesByDefault) {
+  auto daemon = daemon::NodeOptionsFrom(daemon::WithDefaults({}));
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const policy::FilterOptions local = ClientOptions::DefaultLocalFilter();
+  const policy::FilterOptions& remote = daemon->policy.filter;
+  EXPECT_EQ(local.heuristic, remote.heuristic);
+  EXPECT_EQ(local.sampled, remote.sampled);
+  EXPECT_EQ(local.skip_small, remote.skip_small);
+  EXPECT_EQ(local.exact_below, remote.exact_below);
+  EXPECT_GT(local.exact_below, 0);
+}
+
 TEST_F(ClientDaemonTest, OpensASessionWithTheRequestedBudget) {
   Connect(8 * kMiB);
   const ClientStats s = client_->Stats();
