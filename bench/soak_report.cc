@@ -248,6 +248,11 @@ void WriteTable(std::ostringstream& md, const SoakSettings& settings,
       absl::StrCat(outcome.in_process, " (", outcome.reconnected,
                    " reconnected)"),
       "0", Verdict(outcome.in_process == 0 && outcome.reconnected == 0));
+  row("runs that allocated past their budget in chunks they held "
+      "(everything else in use by running ops) / allocations",
+      absl::StrCat(outcome.past_budget_runs, " / ",
+                   outcome.past_budget_allocations),
+      "-", "-");
   int status_missed = 0;
   for (const Sample& s : samples) status_missed += s.sessions < 0 ? 1 : 0;
   row("NodeStatus samples that got no answer within 5 s",

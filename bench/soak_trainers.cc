@@ -58,6 +58,16 @@ void Account(const Job& job, int status, Outcome& outcome) {
   }
   if (out.find("in-process policy") != std::string::npos) ++outcome.in_process;
   if (out.find("(reconnected)") != std::string::npos) ++outcome.reconnected;
+  if (const size_t at = out.find(" allocations past the budget in chunks");
+      at != std::string::npos) {
+    const size_t open = out.rfind('(', at);
+    int64_t n = 0;
+    if (open != std::string::npos &&
+        std::sscanf(out.c_str() + open + 1, "%" SCNd64, &n) == 1) {
+      ++outcome.past_budget_runs;
+      outcome.past_budget_allocations += n;
+    }
+  }
   const size_t summary = out.find("SUMMARY ");
   const size_t sums = out.find("checksums ", summary);
   int64_t verified = -1, bad = -1;

@@ -51,6 +51,10 @@ struct Outcome {
   // running job below its floor) within their wait: they fail closed.
   int64_t refused = 0;
   int64_t reconnected = 0;  // lost the daemon on the way
+  // Runs that allocated past their budget in chunks they held, everything
+  // else in use by running ops, and the allocations.
+  int64_t past_budget_runs = 0;
+  int64_t past_budget_allocations = 0;
   std::vector<std::string> failures;
   // Failed runs by the cause their trainer printed.
   std::map<std::string, int64_t> causes;

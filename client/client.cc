@@ -307,7 +307,7 @@ absl::Status Client::Free(uint64_t id) {
     device_bytes_ -= r->info.bytes;
     r->device = nullptr;
   }
-  if (r->host.data != nullptr) {
+  if (!r->host.empty()) {
     arena_.Free(r->host);
     r->host = {};
   }
@@ -397,7 +397,7 @@ void Client::Close() {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [id, r] : records_) {
       if (r->device != nullptr) device_->Free(r->device, r->info.bytes);
-      if (r->host.data != nullptr) arena_.Free(r->host);
+      if (!r->host.empty()) arena_.Free(r->host);
     }
     records_.clear();
     // AllocateRaw's blocks stay mapped, and FreeRaw may still come for

@@ -110,12 +110,17 @@ struct ClientStats {
   int64_t raw_bytes = 0;        // of device_bytes, held by AllocateRaw
   int64_t stall_ns = 0;         // compute waiting for reloads and offloads
   int64_t local_decisions = 0;  // releases chosen in-process
-  int64_t local_refused = 0;    // of them, not carried out
-  int64_t reconnects = 0;       // sessions opened after the first
+  int64_t local_refused = 0;    // of them, not carried out:
+  int64_t local_refused_no_host = 0;  // an offload the host quota lacked
+  int64_t local_refused_in_use = 0;   // pinned by an op, or being restored
+  int64_t reconnects = 0;             // sessions opened after the first
   // Without a daemon: the most chunk bytes mapped past the budget's whole
   // chunks, for what rounding took (see MapPastBudgetInProcess). The
-  // budget in bytes is never passed.
+  // budget in bytes is passed only as past_budget_allocations says.
   int64_t past_budget_bytes = 0;
+  // Allocations served past the budget from chunks already mapped, when
+  // everything held was in use by running ops (a budget cut mid-op).
+  int64_t past_budget_allocations = 0;
   // Device chunk bytes this process maps now (a chunk-backed device).
   int64_t chunk_bytes = 0;
   // Sessions that ended without this process closing them (the stream
@@ -279,6 +284,8 @@ class Client {
   // No daemon, chunks full of rounding, nothing releasable frees one: maps
   // local chunks past the budget for `bytes`. False when the device is full.
   bool MapPastBudgetInProcess(int64_t bytes);
+  // Past the budget, in chunks already mapped only; see the definition.
+  absl::StatusOr<void*> AllocateInHeldChunks(int64_t bytes);
 
   // --- byte work; mu_ not held on entry
   absl::Status Offload(uint64_t id, Origin origin);
@@ -333,7 +340,8 @@ class Client {
                          int64_t budget, int64_t bytes, int64_t deadline_ns);
   // False when an order could not be carried out.
   bool CarryOut(const std::vector<v1::ReleaseOrder>& orders, Origin origin);
-  void RefuseLocked(uint64_t id, Origin origin);
+  enum class Refusal { kInUse, kNoHost, kOther };
+  void RefuseLocked(uint64_t id, Origin origin, Refusal why = Refusal::kOther);
 
   void DropLocked(uint64_t id);  // forgets a record, then its freed parents
   void ExecutorLoop();

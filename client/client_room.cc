@@ -195,7 +195,9 @@ absl::StatusOr<void*> Client::AllocateDeviceInRounds(int64_t bytes) {
       start_ns + int64_t{options_.owed_chunks_wait_ms} * 1000000;
   // For the message when it gives up: what was refused meanwhile.
   int64_t refused_at_start = 0;
-  int64_t local_refused_at_start = 0;
+  struct {
+    int64_t local = 0, in_use = 0, no_host = 0;
+  } refused;                      // in-process refusals at the start
   int64_t released_at_start = 0;  // offloads and evictions
   // The tries so far, for an error; mu_ held.
   auto tries = [&](int round) {
@@ -203,9 +205,11 @@ absl::StatusOr<void*> Client::AllocateDeviceInRounds(int64_t bytes) {
         round, " tries in ", (NowNs() - start_ns) / 1000000, " ms, ",
         stats_.offloads + stats_.evictions - released_at_start,
         " tensors released, ", stats_.orders_refused - refused_at_start,
-        " of deltad's orders and ",
-        stats_.local_refused - local_refused_at_start,
-        " in-process releases refused as pinned or without host room, ",
+        " of deltad's orders and ", stats_.local_refused - refused.local,
+        " in-process releases refused (",
+        stats_.local_refused_in_use - refused.in_use,
+        " in use by an op or being restored, ",
+        stats_.local_refused_no_host - refused.no_host, " without host room), ",
         stats_.connected ? "connected" : "not connected");
   };
   for (int round = 0;; ++round) {
@@ -214,23 +218,32 @@ absl::StatusOr<void*> Client::AllocateDeviceInRounds(int64_t bytes) {
       std::lock_guard<std::mutex> lock(mu_);
       if (round == 0) {
         refused_at_start = stats_.orders_refused;
-        local_refused_at_start = stats_.local_refused;
+        refused = {stats_.local_refused, stats_.local_refused_in_use,
+                   stats_.local_refused_no_host};
         released_at_start = stats_.offloads + stats_.evictions;
       }
       if (granted || device_bytes_ + bytes <= budget_bytes_) {
         device_bytes_ += bytes;
         NotePeakLocked();
         reserved = true;
-      } else if (round >= kRounds) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "no room for ", bytes, " bytes: ", device_bytes_, " of ",
-            budget_bytes_, " budget bytes held after releasing what could be (",
-            tries(round), ")"));
       }
+    }
+    if (!reserved && round >= kRounds) {
+      if (auto p = AllocateInHeldChunks(bytes); p.ok()) return p;
+      std::lock_guard<std::mutex> lock(mu_);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "no room for ", bytes, " bytes: ", device_bytes_, " of ",
+          budget_bytes_, " budget bytes held after releasing what could be",
+          device_->chunk_backend().empty() ? "" : ", the chunks held full",
+          " (", tries(round), ")"));
     }
     if (!reserved) {
       auto made = MakeRoom(bytes);
-      if (!made.ok()) return made.status();
+      if (!made.ok()) {
+        if (!absl::IsResourceExhausted(made.status())) return made.status();
+        if (auto p = AllocateInHeldChunks(bytes); p.ok()) return p;
+        return made.status();
+      }
       granted = *made;
       if (!granted) {
         // An order was refused: its tensor is pinned by an op still
@@ -337,6 +350,32 @@ absl::StatusOr<void*> Client::AllocateDeviceInRounds(int64_t bytes) {
     return absl::ResourceExhaustedError(
         absl::StrCat(device.status().message(), "; ", s.message()));
   }
+}
+
+absl::StatusOr<void*> Client::AllocateInHeldChunks(int64_t bytes) {
+  // Nothing held could be released: everything is in use by the ops
+  // running now. Typically a budget cut (for a newcomer) came while a
+  // recompute chain pins its parents, and only this allocation can unwind
+  // it. Room in chunks this process already maps takes nothing from anyone
+  // (the daemon waits for those very chunks), so the op goes on in them;
+  // the excess goes back once it ends (ExecutorLoop). A device without
+  // chunks has only the budget's bytes.
+  if (device_->chunk_backend().empty()) {
+    return absl::ResourceExhaustedError("no chunks held");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    device_bytes_ += bytes;
+  }
+  absl::StatusOr<void*> device = device_->Allocate(bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!device.ok()) {
+    device_bytes_ -= bytes;
+    return device.status();
+  }
+  NotePeakLocked();
+  ++stats_.past_budget_allocations;
+  return device;
 }
 
 bool Client::MapPastBudgetInProcess(int64_t bytes) {

@@ -242,8 +242,7 @@ bool Client::EvacuateSlabsOf(uint64_t session) {
                    std::string(moved.status().message()).c_str());
       continue;
     }
-    std::memcpy(moved->data, rec->host.data,
-                static_cast<size_t>(rec->info.bytes));
+    HostArena::Copy(rec->host, *moved);
     arena_.Free(rec->host);
     rec->host = *moved;
   }

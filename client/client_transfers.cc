@@ -19,12 +19,14 @@ bool Client::OrderedElsewhereLocked(uint64_t id, Origin origin) {
   return true;
 }
 
-void Client::RefuseLocked(uint64_t id, Origin origin) {
+void Client::RefuseLocked(uint64_t id, Origin origin, Refusal why) {
   if (origin == Origin::kDaemonOrder) {
     ++stats_.orders_refused;
     AddEventLocked(Kind::RELEASE_FAILED, id);
   } else {
     ++stats_.local_refused;
+    if (why == Refusal::kNoHost) ++stats_.local_refused_no_host;
+    if (why == Refusal::kInUse) ++stats_.local_refused_in_use;
     (void)local_.table().CancelRelease(id);
   }
 }
@@ -46,13 +48,13 @@ absl::Status Client::Offload(uint64_t id, Origin origin) {
       return absl::OkStatus();  // done already: the order came twice
     }
     if (r->where != Where::kResident || r->pins > 0 || r->info.offload_pinned) {
-      RefuseLocked(id, origin);
+      RefuseLocked(id, origin, Refusal::kInUse);
       return absl::FailedPreconditionError(absl::StrCat(
           "tensor ", id, " cannot be offloaded now (in use or pinned)"));
     }
     auto host = arena_.Allocate(r->info.bytes);
     if (!host.ok()) {
-      RefuseLocked(id, origin);
+      RefuseLocked(id, origin, Refusal::kNoHost);
       return host.status();
     }
     r->host = *host;
@@ -64,7 +66,9 @@ absl::Status Client::Offload(uint64_t id, Origin origin) {
   }
   // The copy runs unlocked: the compute thread goes on, and one that needs
   // this tensor waits on changed_.
-  device_->CopyToHost(r->host.data, r->device, r->info.bytes);
+  HostArena::ForEachPiece(r->host, [&](char* host, int64_t at, int64_t n) {
+    device_->CopyToHost(host, static_cast<char*>(r->device) + at, n);
+  });
   std::lock_guard<std::mutex> lock(mu_);
   device_->Free(r->device, r->info.bytes);
   device_bytes_ -= r->info.bytes;
@@ -94,7 +98,9 @@ absl::Status Client::Evict(uint64_t id, Origin origin) {
   }
   if (r->where != Where::kResident || r->pins > 0 || r->info.evict_pinned ||
       r->info.uncomputable || !r->recompute) {
-    RefuseLocked(id, origin);
+    RefuseLocked(id, origin,
+                 r->where != Where::kResident || r->pins > 0 ? Refusal::kInUse
+                                                             : Refusal::kOther);
     return absl::FailedPreconditionError(
         absl::StrCat("tensor ", id,
                      " cannot be evicted now (in use, pinned, or no "
@@ -164,7 +170,9 @@ absl::Status Client::Reload(uint64_t id, Need need) {
     return prefetch ? absl::OkStatus() : device.status();
   }
   lock.unlock();
-  device_->CopyToDevice(*device, r->host.data, bytes);
+  HostArena::ForEachPiece(r->host, [&](char* host, int64_t at, int64_t n) {
+    device_->CopyToDevice(static_cast<char*>(*device) + at, host, n);
+  });
   lock.lock();
   arena_.Free(r->host);
   r->host = {};

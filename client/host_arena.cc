@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -84,7 +86,10 @@ absl::StatusOr<HostArena::Block> HostArena::AllocateIn(int index,
     if (left > 0) r.free[offset + bytes] = left;
     used_ += bytes;
     r.used += bytes;
-    return Block{r.base + offset, bytes, index};
+    Block block;
+    block.pieces.push_back({r.base + offset, bytes, index});
+    block.bytes = bytes;
+    return block;
   }
   return absl::ResourceExhaustedError("no room in this region");
 }
@@ -96,6 +101,12 @@ absl::StatusOr<HostArena::Block> HostArena::Allocate(int64_t bytes) {
   }
   const int64_t need = Rounded(bytes);
   std::lock_guard<std::mutex> lock(mu_);
+  absl::StatusOr<Block> block = AllocateLocked(need);
+  if (block.ok()) block->bytes = bytes;
+  return block;
+}
+
+absl::StatusOr<HostArena::Block> HostArena::AllocateLocked(int64_t need) {
   for (int i = 0; i < static_cast<int>(regions_.size()); ++i) {
     auto block = AllocateIn(i, need);
     if (block.ok()) return block;
@@ -120,20 +131,87 @@ absl::StatusOr<HostArena::Block> HostArena::Allocate(int64_t bytes) {
       return AllocateIn(static_cast<int>(regions_.size()) - 1, need);
     }
   }
+  auto gathered = Gather(need);
+  if (gathered.ok()) return gathered;
   int64_t capacity = 0;
   for (const Region& r : regions_) capacity += r.bytes;
   return absl::ResourceExhaustedError(
-      absl::StrCat("host memory for offloads is full: ", bytes,
-                   " bytes asked, ", capacity - used_, " of ", capacity,
-                   " free, none of it in one piece that large"));
+      absl::StrCat("host memory for offloads is full: ", need, " bytes asked, ",
+                   capacity - used_, " of ", capacity, " free, ",
+                   gathered.status().message()));
+}
+
+absl::StatusOr<HostArena::Block> HostArena::Gather(int64_t bytes) {
+  struct Range {
+    int region;
+    int64_t offset, length;
+  };
+  std::vector<Range> ranges;
+  for (int i = 0; i < static_cast<int>(regions_.size()); ++i) {
+    const Region& r = regions_[i];
+    if (r.retired) continue;
+    for (const auto& [offset, length] : r.free) {
+      ranges.push_back({i, offset, length});
+    }
+  }
+  // Largest first: the fewest pieces, so the fewest copies.
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return a.length > b.length; });
+  std::vector<Range> taken;
+  int64_t left = bytes;
+  for (const Range& range : ranges) {
+    if (left == 0 || range.length < std::min(kMinPieceBytes, left)) break;
+    const int64_t part = std::min(range.length, left);
+    taken.push_back({range.region, range.offset, part});
+    left -= part;
+  }
+  if (left > 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("not even in pieces of ", kMinPieceBytes, " bytes"));
+  }
+  Block block;
+  block.bytes = bytes;
+  for (const Range& t : taken) {
+    Region& r = regions_[t.region];
+    auto it = r.free.find(t.offset);
+    const int64_t rest = it->second - t.length;
+    r.free.erase(it);
+    if (rest > 0) r.free[t.offset + t.length] = rest;
+    used_ += t.length;
+    r.used += t.length;
+    block.pieces.push_back({r.base + t.offset, t.length, t.region});
+  }
+  return block;
+}
+
+void HostArena::Copy(const Block& from, const Block& to) {
+  // The two blocks' pieces need not line up: each copy runs to the nearer
+  // piece end of the two.
+  size_t i = 0, j = 0;
+  int64_t in_i = 0, in_j = 0;  // bytes done within pieces i and j
+  int64_t left = std::min(from.bytes, to.bytes);
+  while (left > 0 && i < from.pieces.size() && j < to.pieces.size()) {
+    const Piece& a = from.pieces[i];
+    const Piece& b = to.pieces[j];
+    const int64_t n = std::min({a.bytes - in_i, b.bytes - in_j, left});
+    std::memcpy(b.data + in_j, a.data + in_i, static_cast<size_t>(n));
+    left -= n;
+    in_i += n;
+    in_j += n;
+    if (in_i == a.bytes) ++i, in_i = 0;
+    if (in_j == b.bytes) ++j, in_j = 0;
+  }
 }
 
 void HostArena::Free(const Block& block) {
-  if (block.data == nullptr) return;
   std::lock_guard<std::mutex> lock(mu_);
-  Region& r = regions_[block.region];
-  int64_t offset = block.data - r.base;
-  int64_t length = block.bytes;
+  for (const Piece& piece : block.pieces) FreePiece(piece);
+}
+
+void HostArena::FreePiece(const Piece& piece) {
+  Region& r = regions_[piece.region];
+  int64_t offset = piece.data - r.base;
+  int64_t length = piece.bytes;
   used_ -= length;
   r.used -= length;
   auto next = r.free.lower_bound(offset);
@@ -161,7 +239,10 @@ void HostArena::Retire(uint64_t owner) {
 
 bool HostArena::IsRetired(const Block& block) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return block.data != nullptr && regions_[block.region].retired;
+  for (const Piece& piece : block.pieces) {
+    if (regions_[piece.region].retired) return true;
+  }
+  return false;
 }
 
 void HostArena::UnmapRetired() {

@@ -446,6 +446,11 @@ int main(int argc, char** argv) {
     decided += absl::StrCat("(", Human(st.past_budget_bytes),
                             " of chunks past the budget for rounding) ");
   }
+  if (st.past_budget_allocations > 0) {
+    // Everything held was in use by running ops (a budget cut mid-op).
+    decided += absl::StrCat("(", st.past_budget_allocations,
+                            " allocations past the budget in chunks held) ");
+  }
   if (st.local_decisions > 0) {
     decided += absl::StrCat("(", st.local_decisions, " of ",
                             st.local_decisions + ordered,

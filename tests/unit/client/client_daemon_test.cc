@@ -337,6 +337,59 @@ TEST_F(ClientDaemonTest, AChunkDeviceWithoutADaemonMakesItsOwnChunks) {
   EXPECT_LE(client_->Stats().peak_device_bytes, 4 * kMiB);
 }
 
+// Everything held pinned by running ops (as a recompute chain pins its
+// parents) and a budget already met: the allocation that lets them finish
+// takes room in a chunk already mapped, rather than failing the step.
+TEST_F(ClientDaemonTest, WhenEverythingHeldIsInUseRoomInMappedChunksIsUsed) {
+  server_.reset();
+  Connect(5 * kMiB, ChunkDevice());
+  ASSERT_FALSE(client_->connected());
+  // 60 KiB blocks, 96 to three 2 MiB chunks: the budget's 85 leave room
+  // for 11 more in the third, all pinned by their ops.
+  constexpr int64_t kBlock = 60 << 10;
+  ASSERT_NO_FATAL_FAILURE(TrackFilled(1, 85, kBlock, /*pinned=*/true));
+  ASSERT_EQ(client_->Stats().chunk_bytes, 6 * kMiB);
+  ASSERT_EQ(client_->Stats().past_budget_allocations, 0);
+  // Those 11: past the budget, in the chunk held.
+  ASSERT_NO_FATAL_FAILURE(TrackFilled(86, 96, kBlock, /*pinned=*/true));
+  ClientStats s = client_->Stats();
+  EXPECT_EQ(s.past_budget_allocations, 11);
+  EXPECT_EQ(s.chunk_bytes, 6 * kMiB) << "no chunk was added for them";
+  // The chunks are full now: nothing more past the budget.
+  TensorInfo more;
+  more.id = 97;
+  more.bytes = kBlock;
+  more.uncomputable = true;
+  EXPECT_EQ(client_->Track(more, nullptr).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  // Once the ops end, the budget holds again.
+  for (uint64_t id = 1; id <= 96; ++id) client_->Unpin(id);
+  ASSERT_NO_FATAL_FAILURE(TrackFilled(97, 97, kBlock));
+  ExpectBytes(1, 97, kBlock);
+  s = client_->Stats();
+  EXPECT_EQ(s.past_budget_allocations, 11);
+  EXPECT_LE(s.device_bytes, 5 * kMiB);
+}
+
+// 3 MiB offloads in 4 MiB host slabs leave 1 MiB free in each: together
+// they hold more offloads, in pieces (the policy counts them as room).
+TEST_F(ClientDaemonTest, FreeRoomLeftInEachHostSlabStillHoldsOffloads) {
+  // A GPU with a 6 MiB budget: the daemon has nothing to lend.
+  server_.reset();
+  StartDaemon(8 * kMiB);
+  Connect(6 * kMiB);
+  ASSERT_TRUE(client_->connected());
+  // 11 tensors of 3 MiB, 2 resident: 27 MiB offloaded in the eight 4 MiB
+  // slabs of the 32 MiB quota, 24 MiB of them in one piece each.
+  constexpr int64_t kTensor = 3 * kMiB;
+  ASSERT_NO_FATAL_FAILURE(TrackFilled(1, 11, kTensor));
+  EXPECT_GE(client_->Stats().host_bytes, 27 * kMiB);
+  ExpectBytes(1, 11, kTensor);
+  const ClientStats s = client_->Stats();
+  EXPECT_EQ(s.local_refused_no_host, 0);
+  EXPECT_EQ(s.rejected_batches, 0);
+}
+
 TEST_F(ClientDaemonTest, AChunkDeviceKeepsItsTensorsWhenTheDaemonRestarts) {
   Connect(8 * kMiB, ChunkDevice());
   TrackFilled(1, 20);
