@@ -169,11 +169,16 @@ void Client::NotePeakLocked() {
 }
 
 void Client::IterationDone() {
-  std::lock_guard<std::mutex> lock(mu_);
-  // Streamed with the next batch (flush_interval_ms at most); while no
-  // session is open it is dropped with the batch.
-  pending_.set_iteration_peak_bytes(std::max<int64_t>(iteration_peak_, 1));
-  iteration_peak_ = device_bytes_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // While no session is open it is dropped with the batch.
+    pending_.set_iteration_peak_bytes(std::max<int64_t>(iteration_peak_, 1));
+    iteration_peak_ = device_bytes_;
+  }
+  // Sent now (streamed: no answer waited for), so that the iteration ends
+  // at the daemon between this batch's accesses and the next one's, and
+  // when it ended (the daemon times iterations; see PrefetchOrder).
+  FlushIfDue(/*force=*/true);
 }
 
 // --- public API --------------------------------------------------------------

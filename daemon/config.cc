@@ -131,6 +131,7 @@ v1::DaemonConfig WithDefaults(const v1::DaemonConfig& in) {
   if (!c.has_exact_search_below()) {
     c.set_exact_search_below(policy::kDefaultExactBelow);
   }
+  if (!c.has_prefetch_replay_window()) c.set_prefetch_replay_window(0.25);
   if (!c.has_high_watermark()) {
     c.set_high_watermark(policy::Watermarks::kDefaultHigh);
   }
@@ -145,6 +146,9 @@ v1::DaemonConfig WithDefaults(const v1::DaemonConfig& in) {
     limits->set_max_tensors_per_session(int64_t{4} << 20);
   }
   if (!limits->has_max_sessions_per_gpu()) limits->set_max_sessions_per_gpu(64);
+  if (!limits->has_max_recorded_accesses()) {
+    limits->set_max_recorded_accesses(65536);
+  }
   if (!limits->has_max_host_quota_bytes()) {
     limits->set_max_host_quota_bytes(64 * kGiB);
   }
@@ -233,6 +237,16 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
     return Invalid(
         "exact_search_below",
         absl::StrCat("must not be negative, got ", c.exact_search_below()));
+  }
+  if (!(c.prefetch_replay_window() >= 0) || c.prefetch_replay_window() > 1) {
+    return Invalid(
+        "prefetch_replay_window",
+        absl::StrCat("must be in [0, 1], got ", c.prefetch_replay_window()));
+  }
+  if (c.limits().max_recorded_accesses() < 0) {
+    return Invalid("limits.max_recorded_accesses",
+                   absl::StrCat("must not be negative, got ",
+                                c.limits().max_recorded_accesses()));
   }
   if (auto w =
           policy::Watermarks::Create(c.high_watermark(), c.low_watermark());

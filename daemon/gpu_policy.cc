@@ -31,6 +31,17 @@ absl::StatusOr<std::unique_ptr<GpuPolicy>> GpuPolicy::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "GPU ", gpu, ": budget must be positive, got ", gpu_budget_bytes));
   }
+  if (!(options.prefetch_replay_window >= 0) ||
+      options.prefetch_replay_window > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefetch_replay_window must be in [0, 1], got ",
+                     options.prefetch_replay_window));
+  }
+  if (options.max_recorded_accesses < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_recorded_accesses must not be negative, got ",
+                     options.max_recorded_accesses));
+  }
   if (options.max_prefetch_in_flight < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_prefetch_in_flight must be at least 1, got ",
@@ -80,7 +91,20 @@ absl::Status GpuPolicy::AddSession(SessionId session, int64_t budget_bytes,
   s.budget_bytes = budget_bytes;
   s.host_quota_bytes = host_quota_bytes;
   s.prefetcher = std::make_unique<policy::Prefetcher>(std::move(*prefetcher));
+  s.order = std::make_unique<PrefetchOrder>(options_.max_recorded_accesses,
+                                            options_.prefetch_replay_window);
   return absl::OkStatus();
+}
+
+absl::StatusOr<const PrefetchOrder*> GpuPolicy::EndIteration(SessionId session,
+                                                             int64_t now_ns) {
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " is not on GPU ", gpu_));
+  }
+  PrefetchOrder& order = *it->second.order;
+  return order.EndIteration(now_ns) ? &order : nullptr;
 }
 
 absl::Status GpuPolicy::RemoveSession(SessionId session) {

@@ -11,6 +11,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/prefetch_order.h"
 #include "daemon/session_id.h"
 #include "deltad/v1/memory_manager.pb.h"
 #include "policies/cost_model.h"
@@ -29,6 +30,11 @@ struct GpuPolicyOptions {
   double low_watermark = policy::Watermarks::kDefaultLow;
   policy::LinkBandwidth link{25e9, 25e9};  // measured by the backend
   int max_prefetch_in_flight = 2;
+  // The replay's look-ahead, as a fraction of the session's budget (see
+  // PrefetchOrder); 0: prefetches always follow DELTA's queue.
+  double prefetch_replay_window = 0.25;
+  // Accesses one iteration's record may hold, per session.
+  int64_t max_recorded_accesses = 65536;
   int64_t max_tensors_per_session = int64_t{4} << 20;
   int32_t max_batch_events = 65536;
 };
@@ -127,6 +133,14 @@ class GpuPolicy {
   // unknown session.
   std::map<SessionId, v1::Orders> Plan(SessionId session, int64_t now_ns);
 
+  // The session ended a training iteration (EventBatch.
+  // iteration_peak_bytes): its accesses since the last one are the order
+  // its prefetches may replay. Returns the session's PrefetchOrder once
+  // its trial ends with this iteration (for a log line), else nullptr.
+  // NOT_FOUND when unknown.
+  absl::StatusOr<const PrefetchOrder*> EndIteration(SessionId session,
+                                                    int64_t now_ns);
+
   // Whether orders can reach the session (its stream is open). Other
   // sessions' tensors are taken only from reachable sessions, since an
   // order nobody receives frees nothing. Sessions start unreachable.
@@ -177,6 +191,7 @@ class GpuPolicy {
     // a session that never asks synchronously does not grow it for ever.
     size_t stream_releases_cap = 4096;
     std::unique_ptr<policy::Prefetcher> prefetcher;
+    std::unique_ptr<PrefetchOrder> order;  // the queue's, or a replay's
     // No prefetch is ordered before this time. A refused prefetch (the
     // process had no room for it, by its own count or its chunks') holds
     // the session's prefetches for kRefusalBackoffNs, doubled for each

@@ -446,6 +446,10 @@ absl::Status GpuPolicy::ApplyPlan(Session& s, const BatchPlan& plan,
     switch (step.op) {
       case Op::kTouch:
         applied = table_.Touch(step.id, now_ns);
+        if (applied.ok()) {
+          const Tensor* t = table_.Find(step.id);
+          s.order->OnAccess(t->stable_key, t->bytes);
+        }
         break;
       case Op::kFree:
         applied = FreeAndForget(s, step.id);

@@ -354,8 +354,26 @@ std::map<SessionId, v1::Orders> GpuPolicy::Plan(SessionId session,
       Fraction(watermarks_.high(), gpu_budget_bytes_) -
           AccountableBytes(session) - table_.GpuStats(gpu_).releasing_bytes);
   if (room > 0 && now_ns >= s.prefetch_held_until_ns) {
-    const std::vector<TensorId> ids = s.prefetcher->Plan(
-        table_, room, static_cast<int>(s.reloading.size()), nullptr, session);
+    const int in_flight = static_cast<int>(s.reloading.size());
+    std::vector<TensorId> ids;
+    if (const policy::AccessPlan* plan = s.order->plan(); plan != nullptr) {
+      // The last iteration's order, looking ahead as far as the budget's
+      // window; the queue waits, kept short.
+      policy::PrefetchOptions replay;
+      replay.max_in_flight = options_.max_prefetch_in_flight;
+      replay.window_bytes =
+          std::max<int64_t>(1, s.order->WindowBytes(s.budget_bytes));
+      absl::StatusOr<policy::Prefetcher> replayer =
+          policy::Prefetcher::Create(replay);
+      if (replayer.ok()) {
+        ids = replayer->Plan(table_, room, in_flight, plan, session);
+      }
+      if (s.prefetcher->queued() > 2 * s.locals.size() + 64) {
+        s.prefetcher->DropStale(table_);
+      }
+    } else {
+      ids = s.prefetcher->Plan(table_, room, in_flight, nullptr, session);
+    }
     for (TensorId id : ids) {
       if (!table_.SetState(id, TensorState::kReloading).ok()) continue;
       s.reloading.push_back(id);

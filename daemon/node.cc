@@ -4,9 +4,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/monotonic_clock.h"
 
 namespace deltad::daemon {
@@ -387,6 +390,32 @@ absl::StatusOr<OrdersBySession> Node::Apply(absl::string_view token,
   return OrdersBySession(orders.begin(), orders.end());
 }
 
+namespace {
+
+// Once per session, at the end of its third iteration, where the replay
+// is on.
+void LogPrefetchOrder(const SessionInfo& session, const PrefetchOrder& o) {
+  if (!o.enabled()) return;
+  const std::string why =
+      o.replay_ns() < 0
+          ? "no iteration of it was recorded to replay (tensors without "
+            "stable keys, or past limits.max_recorded_accesses)"
+          : absl::StrFormat(
+                "iteration 2 in the last iteration's order took "
+                "%.1f ms, iteration 3 in the queue's %.1f ms",
+                static_cast<double>(o.replay_ns()) / 1e6,
+                static_cast<double>(o.queue_ns()) / 1e6);
+  std::fprintf(stderr,
+               "deltad: session %llu (GPU %d): prefetches follow %s (%s)\n",
+               static_cast<unsigned long long>(session.id), session.gpu,
+               o.choice() == PrefetchOrder::Choice::kReplay
+                   ? "its last iteration's order"
+                   : "DELTA's queue",
+               why.c_str());
+}
+
+}  // namespace
+
 absl::Status Node::ApplyBatch(const SessionInfo& session, Gpu& gpu,
                               const v1::EventBatch& batch, int64_t now) {
   if (batch.iteration_peak_bytes() < 0) {
@@ -402,6 +431,10 @@ absl::Status Node::ApplyBatch(const SessionInfo& session, Gpu& gpu,
   }
   events_->BatchApplied(session.gpu, session.id, applied);
   if (batch.iteration_peak_bytes() > 0) {
+    absl::StatusOr<const PrefetchOrder*> order =
+        gpu.policy->EndIteration(session.id, now);
+    if (!order.ok()) return order.status();
+    if (*order != nullptr) LogPrefetchOrder(session, **order);
     return gpu.arbiter.SetIterationPeak(session.id,
                                         batch.iteration_peak_bytes());
   }

@@ -109,6 +109,8 @@ absl::StatusOr<NodeOptions> NodeOptionsFrom(const v1::DaemonConfig& config) {
   o.policy.filter.sampled = config.sampled_search();
   o.policy.filter.skip_small = config.sampled_search();
   o.policy.filter.exact_below = config.exact_search_below();
+  o.policy.prefetch_replay_window = config.prefetch_replay_window();
+  o.policy.max_recorded_accesses = config.limits().max_recorded_accesses();
   o.policy.high_watermark = config.high_watermark();
   o.policy.low_watermark = config.low_watermark();
   o.policy.max_tensors_per_session = config.limits().max_tensors_per_session();

@@ -30,6 +30,8 @@ TEST(Config, AnEmptyFileGivesTheDocumentedDefaults) {
   EXPECT_EQ(c.heuristic(), "delta_cost");
   EXPECT_TRUE(c.sampled_search());
   EXPECT_EQ(c.exact_search_below(), 2048);
+  EXPECT_DOUBLE_EQ(c.prefetch_replay_window(), 0.25);
+  EXPECT_EQ(c.limits().max_recorded_accesses(), 65536);
   EXPECT_DOUBLE_EQ(c.high_watermark(), 0.75);
   EXPECT_EQ(c.limits().max_host_quota_bytes(), int64_t{64} << 30);
   EXPECT_EQ(c.limits().max_label_bytes(), RequestLimits{}.max_label_bytes);
@@ -82,6 +84,9 @@ TEST(Config, EachBadValueIsRefusedNamingTheField) {
       {"host_pool_bytes: 4096 host_slab_bytes: 8192", "host_pool_bytes"},
       {"heuristic: \"fifo\"", "heuristic"},
       {"exact_search_below: -1", "exact_search_below"},
+      {"prefetch_replay_window: -0.1", "prefetch_replay_window"},
+      {"prefetch_replay_window: 1.5", "prefetch_replay_window"},
+      {"limits { max_recorded_accesses: -1 }", "limits.max_recorded_accesses"},
       {"high_watermark: 0.5 low_watermark: 0.6", "watermark"},
       {"limits { max_batch_events: 0 }", "limits"},
       {"limits { max_host_quota_bytes: 0 }", "limits"},

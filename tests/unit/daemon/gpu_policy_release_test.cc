@@ -410,5 +410,54 @@ TEST_F(GpuPolicyTest, AnOverShareSessionLosesNoMoreThanItsExcess) {
   EXPECT_FALSE(orders->contains(1));
 }
 
+// Four 100-byte tensors with stable keys, read 1, 2, 3, 4 in each
+// iteration; iterations 2 (replayed) and 3 (the queue's order) take
+// `replay_ms` and `queue_ms`; then 1, 2, 3 are offloaded, as forward
+// leaves them, and the next backward starts.
+class PrefetchOrderTest : public GpuPolicyTest {
+ protected:
+  void Trial(int64_t replay_ms, int64_t queue_ms) {
+    Make(1000);
+    AddSession(kA, 1000);
+    v1::EventBatch made;
+    for (uint64_t id = 1; id <= 4; ++id) {
+      AddCreated(made, id, 100);
+      made.mutable_created(static_cast<int>(id) - 1)->set_stable_key(id);
+    }
+    ASSERT_TRUE(Apply(kA, made).ok());
+    int64_t clock = 0;
+    for (int64_t ms : {int64_t{10}, replay_ms, queue_ms}) {
+      ASSERT_TRUE(Apply(kA, Events({{kAccessed, 1},
+                                    {kAccessed, 2},
+                                    {kAccessed, 3},
+                                    {kAccessed, 4}}))
+                      .ok());
+      clock += ms * 1000000;
+      ASSERT_TRUE(policy_->EndIteration(kA, clock).ok());
+    }
+    ASSERT_TRUE(
+        Apply(kA, Events({{kOffloaded, 1}, {kOffloaded, 2}, {kOffloaded, 3}}))
+            .ok());
+  }
+};
+
+TEST_F(PrefetchOrderTest, AfterAFasterReplayPrefetchesFollowTheLastIteration) {
+  Trial(/*replay_ms=*/100, /*queue_ms=*/120);
+  // The last iteration read 1 first: 1 and 2 (the window is a quarter of
+  // the budget, two tensors), where the queue would take 3 then 2.
+  EXPECT_THAT(Plan(kA)[kA].prefetch_tensor_ids(), ElementsAre(1, 2));
+}
+
+TEST_F(PrefetchOrderTest, AfterAFasterQueuePrefetchesFollowTheQueue) {
+  Trial(/*replay_ms=*/120, /*queue_ms=*/100);
+  EXPECT_THAT(Plan(kA)[kA].prefetch_tensor_ids(), ElementsAre(3, 2));
+}
+
+TEST_F(GpuPolicyTest, EndIterationOfAnUnknownSessionIsNotFound) {
+  Make(1000);
+  EXPECT_EQ(policy_->EndIteration(kA, 1).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace deltad::daemon
