@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench/report.h"
+#include "policies/access_plan.h"
 #include "policies/cost_model.h"
 #include "policies/director.h"
 #include "policies/filter.h"
@@ -121,6 +122,22 @@ void BM_Touch(benchmark::State& state) {
   }
 }
 
+// What one iteration's record costs the daemon (daemon/prefetch_order.h):
+// N accesses of N/4 tensors recorded, then the record made the plan, as a
+// session's batches and the batch that ends its iteration do (time per
+// iteration, with the GPU's lock held for each part).
+void BM_IterationRecord(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  AccessPlan plan;
+  for (auto _ : state) {
+    for (int64_t i = 0; i < n; ++i) {
+      plan.Record(static_cast<uint64_t>(i % (n / 4)) + 1, 4096);
+    }
+    plan.EndIteration();
+    benchmark::DoNotOptimize(plan.plan_size());
+  }
+}
+
 void Register() {
   auto add = [](Heuristic h, bool sampled, bool skip_by_bound) {
     const std::string name = absl::StrCat("ReleaseDecision/", HeuristicName(h),
@@ -144,6 +161,10 @@ void Register() {
   add(Heuristic::kDeltaCost, /*sampled=*/true, /*skip_by_bound=*/false);
   benchmark::RegisterBenchmark("TableTouch", BM_Touch)
       ->Arg(1'000'000)
+      ->Unit(benchmark::kMicrosecond);
+  // limits.max_recorded_accesses, the default.
+  benchmark::RegisterBenchmark("IterationRecord", BM_IterationRecord)
+      ->Arg(65'536)
       ->Unit(benchmark::kMicrosecond);
 }
 
@@ -190,7 +211,10 @@ std::string Markdown(const std::vector<Collector::Row>& rows,
         "the candidate list (a copy of the scored fields beside the slot), "
         "so only candidates whose bound can win are loaded. `TableTouch`: "
         "one access of a random resident tensor, which keeps its entries "
-        "current (time per access).\n\n"
+        "current (time per access). `IterationRecord`: one iteration of N "
+        "accesses recorded for a session's prefetches to replay, and the "
+        "record made the plan (time per iteration; "
+        "daemon/prefetch_order.h).\n\n"
      << "| benchmark | tensors | time per decision (us) | target | result |\n"
      << "|---|---:|---:|---|---|\n";
   for (const auto& r : rows) {
