@@ -51,23 +51,33 @@ def budget_bytes(trainer, model_args, budget):
     return int(float(m.group(1)) * UNITS[m.group(2)])
 
 
-def run(deltad, trainer, model_args, budget, gpu_bytes, window, iterations):
-    """Iteration times (s) of one trainer run, and the daemon's choice."""
+def run_trainer(deltad, trainer, model_args, budget, gpu_bytes, iterations,
+                extra_config="", trainer_args=(), tag=TAG):
+    """One deltad-trainer run on a sim daemon of its own: the trainer's
+    output and the daemon's log."""
     # Host slabs as small as the soak's: a trainer at scale 1/64 asks for
     # less host memory than one default slab, and a quota is whole slabs.
-    with SimDaemon(deltad, gpu_bytes=gpu_bytes, prefix="deltad-replay-",
-                   host_slab="2MiB",
-                   extra_config=f"prefetch_replay_window: {window}\n") as sock:
+    with SimDaemon(deltad, gpu_bytes=gpu_bytes, prefix="deltad-bench-",
+                   host_slab="2MiB", extra_config=extra_config) as sock:
         out = subprocess.run(
             [trainer, f"--socket={sock}", SCALE, "--chunk_kib=64",
-             f"--budget={budget}", f"--iterations={iterations}"] + model_args,
+             f"--budget={budget}", f"--iterations={iterations}"] + model_args
+            + list(trainer_args),
             capture_output=True, text=True, timeout=1800)
         with open(os.path.join(os.path.dirname(sock), "stderr.txt"),
                   errors="replace") as f:
             log = f.read()
     if out.returncode != 0:
-        benchlib.fail(TAG, f"trainer failed: {out.stdout}{out.stderr}", 1)
-    times = [float(t) for _, t in ITERATION.findall(out.stdout)]
+        benchlib.fail(tag, f"trainer failed: {out.stdout}{out.stderr}", 1)
+    return out.stdout, log
+
+
+def run(deltad, trainer, model_args, budget, gpu_bytes, window, iterations):
+    """Iteration times (s) of one trainer run, and the daemon's choice."""
+    out, log = run_trainer(deltad, trainer, model_args, budget, gpu_bytes,
+                           iterations,
+                           extra_config=f"prefetch_replay_window: {window}\n")
+    times = [float(t) for _, t in ITERATION.findall(out)]
     choice = CHOICE.search(log)
     return times, choice.group(1) if choice else "-"
 

@@ -223,6 +223,10 @@ absl::StatusOr<void*> Client::Track(const TensorInfo& info,
     r->recompute = std::move(recompute);
     r->device = *device;
     r->pins = 1;
+    if (options_.copy_ahead && info.copy_ahead && !info.offload_pinned) {
+      r->ahead = Record::Ahead::kQueued;
+      QueueCopyAheadLocked(info.id);
+    }
     for (uint64_t p : info.parents) ++records_.at(p)->live_children;
     records_[info.id] = std::move(r);
     AddCreated(pending_, info);
@@ -291,6 +295,10 @@ void Client::Unpin(uint64_t id) {
     return;
   }
   (void)local_.table().Unlock(id);
+  if (r.pins == 0 && r.ahead == Record::Ahead::kQueued && !ahead_ready_) {
+    ahead_ready_ = true;  // its op is done with it: the executor may copy
+    work_.notify_all();
+  }
 }
 
 absl::Status Client::Free(uint64_t id) {
@@ -305,8 +313,10 @@ absl::Status Client::Free(uint64_t id) {
         absl::StrCat("tensor ", id, " was already freed"));
   }
   changed_.wait(lock, [&] {
-    return r->where != Where::kOffloading && r->where != Where::kReloading;
+    return r->where != Where::kOffloading && r->where != Where::kReloading &&
+           r->ahead != Record::Ahead::kCopying;
   });
+  DropCopyLocked(r);
   if (r->device != nullptr) {
     device_->Free(r->device, r->info.bytes);
     device_bytes_ -= r->info.bytes;
@@ -368,7 +378,7 @@ ClientStats Client::Stats() const {
   s.device_bytes = device_bytes_;
   s.raw_bytes = raw_bytes_;
   s.budget_bytes = budget_bytes_;
-  s.host_bytes = arena_.used_bytes();
+  s.host_bytes = arena_.used_bytes() - ahead_bytes_;
   s.chunk_bytes = device_->chunk_bytes_held();
   const SessionKeeper::Stats kept = keeper_.stats();
   s.sessions_lost = kept.sessions_lost;
@@ -403,8 +413,12 @@ void Client::Close() {
     for (auto& [id, r] : records_) {
       if (r->device != nullptr) device_->Free(r->device, r->info.bytes);
       if (!r->host.empty()) arena_.Free(r->host);
+      if (!r->ahead_host.empty()) arena_.Free(r->ahead_host);
     }
     records_.clear();
+    ahead_queue_.clear();
+    ahead_landed_.clear();
+    ahead_bytes_ = 0;
     // AllocateRaw's blocks stay mapped, and FreeRaw may still come for
     // them.
     device_bytes_ = raw_bytes_;

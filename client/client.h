@@ -36,6 +36,10 @@ struct TensorInfo {
   bool offload_pinned = false;    // may not be offloaded
   bool uncomputable = false;      // inputs, parameters: no recompute path
   uint64_t stable_key = 0;        // same across iterations; 0 if unknown
+  // Read again only in a later pass (a forward activation kept for the
+  // backward): the client may copy it to host memory while the link idles,
+  // so that releasing it later waits for no copy (ClientOptions::copy_ahead).
+  bool copy_ahead = false;
 };
 
 // Rebuilds tensor `id` into `out` (device memory of its size): pins its
@@ -75,6 +79,14 @@ struct ClientOptions {
   // Fail closed: Connect fails when no session could be opened (within
   // admission_wait_ms), instead of training on in-process decisions.
   bool require_session = false;
+  // Tensors marked TensorInfo::copy_ahead are copied to host memory, oldest
+  // first, while the executor has nothing else to do and no offload is in
+  // flight (DELTA's release ahead of need, without a plan): offloading one
+  // of them then frees its device memory at once, and the policy prices it
+  // at its reload alone. The copies take only host room already mapped
+  // (the session's slabs, or heap regions already allocated), and give it
+  // up, oldest first, to any offload that needs it.
+  bool copy_ahead = true;
   // The in-process policy: the daemon's defaults (delta_cost, sampled past
   // kDefaultExactBelow candidates).
   policy::FilterOptions local_filter = DefaultLocalFilter();
@@ -114,6 +126,10 @@ struct ClientStats {
   int64_t local_refused_no_host = 0;  // an offload the host quota lacked
   int64_t local_refused_in_use = 0;   // pinned by an op, or being restored
   int64_t reconnects = 0;             // sessions opened after the first
+  int64_t copies_ahead = 0;           // tensors copied to the host ahead
+  int64_t copied_ahead_bytes = 0;
+  int64_t offloads_from_copies = 0;  // of offloads, those that took no copy
+  int64_t copies_ahead_dropped = 0;  // given up for an offload's room
   // Without a daemon: the most chunk bytes mapped past the budget's whole
   // chunks, for what rounding took (see MapPastBudgetInProcess). The
   // budget in bytes is passed only as past_budget_allocations says.
@@ -236,6 +252,10 @@ class Client {
     // While kReloading: what it is being restored from (kOffloaded for a
     // reload; kEvicted or kFreed for a recompute).
     Where restoring_from = Where::kOffloaded;
+    // A copy of a resident tensor's bytes made ahead of need (copy_ahead).
+    enum class Ahead { kNone, kQueued, kCopying, kLanded };
+    Ahead ahead = Ahead::kNone;
+    HostArena::Block ahead_host;  // kCopying, kLanded
   };
   struct Job {
     // kPrefetch: the daemon's order; kPrefetchHint: the framework's.
@@ -289,6 +309,8 @@ class Client {
 
   // --- byte work; mu_ not held on entry
   absl::Status Offload(uint64_t id, Origin origin);
+  // The offload's end: the device bytes go, the host block holds them.
+  void FinishOffloadLocked(Record* r);
   absl::Status Evict(uint64_t id, Origin origin);
   // True (and the plan's choice of `id` refused) when an in-process plan
   // would release a tensor the daemon ordered released meanwhile. mu_.
@@ -342,6 +364,28 @@ class Client {
   bool CarryOut(const std::vector<v1::ReleaseOrder>& orders, Origin origin);
   enum class Refusal { kInUse, kNoHost, kOther };
   void RefuseLocked(uint64_t id, Origin origin, Refusal why = Refusal::kOther);
+
+  // --- copies ahead of need (client_copy_ahead.cc)
+  void QueueCopyAheadLocked(uint64_t id);
+  // Copies queued tensors to the host while the executor is idle; returns
+  // when it is not, or nothing can be copied. mu_ not held.
+  void CopyAheadWhileIdle();
+  // Waits until no copy ahead reads tensor `id`'s device bytes; its record
+  // then, or null when it is gone meanwhile.
+  Record* WaitForCopyAheadLocked(std::unique_lock<std::mutex>& lock,
+                                 uint64_t id);
+  // Forgets `r`'s copy (the tensor leaves the device, or its room is
+  // wanted): its host block goes back to the arena. Not for one in flight.
+  void DropCopyLocked(Record* r);
+  // Drops the oldest landed copy of a tensor still resident, telling the
+  // daemon; false when there is none.
+  bool DropOldestCopyLocked();
+  // Host memory for an offload: copies ahead give up their room, oldest
+  // first, when the arena has too little.
+  absl::StatusOr<HostArena::Block> AllocateHostLocked(int64_t bytes);
+  // What an offload can count on: the arena's free room and the copies it
+  // would drop.
+  int64_t HostAvailableLocked() const;
 
   void DropLocked(uint64_t id);  // forgets a record, then its freed parents
   void ExecutorLoop();
@@ -410,6 +454,12 @@ class Client {
   int64_t next_chunk_check_ns_ = 0;  // mu_
 
   std::deque<Job> jobs_;  // guarded by mu_
+  // mu_: tensors to copy ahead, in the order made, and those whose copy
+  // has landed, in the order landed (both may hold stale ids, skipped).
+  std::deque<uint64_t> ahead_queue_;
+  std::deque<uint64_t> ahead_landed_;
+  int64_t ahead_bytes_ = 0;   // mu_: the copies' host blocks
+  bool ahead_ready_ = false;  // mu_: a queued tensor's op unpinned it
   // mu_: tensors of the daemon's release orders not carried out yet
   // (queued in jobs_, or in hand: the executor's, or an allocation's from
   // a Release answer). No in-process plan may choose them: the daemon

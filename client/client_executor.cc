@@ -11,7 +11,7 @@ void Client::ExecutorLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
     work_.wait_for(lock, std::chrono::milliseconds(options_.flush_interval_ms),
-                   [&] { return stopping_ || !jobs_.empty(); });
+                   [&] { return stopping_ || !jobs_.empty() || ahead_ready_; });
     if (stopping_) break;
     while (!jobs_.empty() && !stopping_) {
       const Job job = jobs_.front();
@@ -89,6 +89,8 @@ void Client::ExecutorLoop() {
       }
     }
     FlushIfDue(/*force=*/true);
+    // Last: an order that came meanwhile goes first.
+    CopyAheadWhileIdle();
     lock.lock();
   }
 }

@@ -126,8 +126,9 @@ absl::Status Client::ReleaseInProcess(int64_t need, int64_t start_ns,
     for (uint64_t id : ordered_) {
       if (local_.table().Lock(id).ok()) shielded.push_back(id);
     }
-    auto plan = up_to ? local_.PlanUpTo(need, NowNs(), arena_.available_bytes())
-                      : local_.Plan(need, NowNs(), arena_.available_bytes());
+    const int64_t host = HostAvailableLocked();
+    auto plan = up_to ? local_.PlanUpTo(need, NowNs(), host)
+                      : local_.Plan(need, NowNs(), host);
     for (uint64_t id : shielded) (void)local_.table().Unlock(id);
     if (!plan.ok()) return plan.status();
     for (const policy::ReleaseOrder& o : *plan) {

@@ -198,6 +198,9 @@ void Client::ReplayTensorsLocked() {
         // A freed tensor rebuilt for a child's recompute is freed to the
         // daemon.
         if (r->rebuilt_freed) AddEventLocked(Kind::FREED, id);
+        if (r->ahead == Record::Ahead::kLanded && !r->rebuilt_freed) {
+          AddEventLocked(Kind::HOST_COPIED, id);
+        }
         break;
       case Where::kOffloading:  // ends with OFFLOADED, legal from resident
       case Where::kReloading:   // restoring_from is never kReloading
@@ -227,9 +230,17 @@ bool Client::EvacuateSlabsOf(uint64_t session) {
       auto it = records_.find(id);
       rec = it == records_.end() ? nullptr : it->second.get();
       return rec == nullptr || (rec->where != Where::kOffloading &&
-                                rec->where != Where::kReloading);
+                                rec->where != Where::kReloading &&
+                                rec->ahead != Record::Ahead::kCopying);
     });
-    if (rec == nullptr || !arena_.IsRetired(rec->host)) continue;
+    if (rec == nullptr) continue;
+    // A copy made ahead is only a saving: it goes with the slab.
+    if (rec->ahead == Record::Ahead::kLanded &&
+        arena_.IsRetired(rec->ahead_host)) {
+      DropCopyLocked(rec);
+      (void)local_.table().SetHostCopy(id, false);
+    }
+    if (!arena_.IsRetired(rec->host)) continue;
     auto moved = arena_.Allocate(rec->info.bytes);
     if (!moved.ok()) {
       // No heap left for it: the session must stay open, or its bytes go.

@@ -34,10 +34,9 @@ void Client::RefuseLocked(uint64_t id, Origin origin, Refusal why) {
 absl::Status Client::Offload(uint64_t id, Origin origin) {
   Record* r;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = records_.find(id);
-    if (it == records_.end()) return absl::OkStatus();  // gone meanwhile
-    r = it->second.get();
+    std::unique_lock<std::mutex> lock(mu_);
+    r = WaitForCopyAheadLocked(lock, id);
+    if (r == nullptr) return absl::OkStatus();  // gone meanwhile
     if (OrderedElsewhereLocked(id, origin)) {
       return absl::FailedPreconditionError(
           absl::StrCat("tensor ", id, " is in a release the daemon ordered"));
@@ -52,7 +51,21 @@ absl::Status Client::Offload(uint64_t id, Origin origin) {
       return absl::FailedPreconditionError(absl::StrCat(
           "tensor ", id, " cannot be offloaded now (in use or pinned)"));
     }
-    auto host = arena_.Allocate(r->info.bytes);
+    if (r->ahead == Record::Ahead::kLanded) {
+      // Copied ahead: the device memory goes now, with no copy to wait for.
+      r->host = r->ahead_host;
+      r->ahead_host = {};
+      r->ahead = Record::Ahead::kNone;
+      ahead_bytes_ -= r->info.bytes;
+      if (origin != Origin::kLocalPlan) {
+        (void)local_.table().SetState(id, policy::TensorState::kOffloading);
+      }
+      ++stats_.offloads_from_copies;
+      FinishOffloadLocked(r);
+      return absl::OkStatus();
+    }
+    DropCopyLocked(r);  // queued, never copied: it leaves the device now
+    auto host = AllocateHostLocked(r->info.bytes);
     if (!host.ok()) {
       RefuseLocked(id, origin, Refusal::kNoHost);
       return host.status();
@@ -70,9 +83,15 @@ absl::Status Client::Offload(uint64_t id, Origin origin) {
     device_->CopyToHost(host, static_cast<char*>(r->device) + at, n);
   });
   std::lock_guard<std::mutex> lock(mu_);
+  offloading_bytes_ -= r->info.bytes;
+  FinishOffloadLocked(r);
+  return absl::OkStatus();
+}
+
+void Client::FinishOffloadLocked(Record* r) {
+  const uint64_t id = r->info.id;
   device_->Free(r->device, r->info.bytes);
   device_bytes_ -= r->info.bytes;
-  offloading_bytes_ -= r->info.bytes;
   r->device = nullptr;
   r->where = Where::kOffloaded;
   (void)local_.table().SetState(id, policy::TensorState::kOffloaded);
@@ -80,14 +99,12 @@ absl::Status Client::Offload(uint64_t id, Origin origin) {
   ++stats_.offloads;
   stats_.offloaded_bytes += r->info.bytes;
   changed_.notify_all();
-  return absl::OkStatus();
 }
 
 absl::Status Client::Evict(uint64_t id, Origin origin) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = records_.find(id);
-  if (it == records_.end()) return absl::OkStatus();
-  Record* r = it->second.get();
+  std::unique_lock<std::mutex> lock(mu_);
+  Record* r = WaitForCopyAheadLocked(lock, id);
+  if (r == nullptr) return absl::OkStatus();
   if (OrderedElsewhereLocked(id, origin)) {
     return absl::FailedPreconditionError(
         absl::StrCat("tensor ", id, " is in a release the daemon ordered"));
@@ -106,6 +123,7 @@ absl::Status Client::Evict(uint64_t id, Origin origin) {
                      " cannot be evicted now (in use, pinned, or no "
                      "recompute function)"));
   }
+  DropCopyLocked(r);
   device_->Free(r->device, r->info.bytes);
   device_bytes_ -= r->info.bytes;
   r->device = nullptr;

@@ -94,22 +94,29 @@ absl::StatusOr<HostArena::Block> HostArena::AllocateIn(int index,
   return absl::ResourceExhaustedError("no room in this region");
 }
 
-absl::StatusOr<HostArena::Block> HostArena::Allocate(int64_t bytes) {
+absl::StatusOr<HostArena::Block> HostArena::Allocate(int64_t bytes, bool grow) {
   if (bytes <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("cannot allocate ", bytes, " host bytes"));
   }
   const int64_t need = Rounded(bytes);
   std::lock_guard<std::mutex> lock(mu_);
-  absl::StatusOr<Block> block = AllocateLocked(need);
+  absl::StatusOr<Block> block = AllocateLocked(need, grow);
   if (block.ok()) block->bytes = bytes;
   return block;
 }
 
-absl::StatusOr<HostArena::Block> HostArena::AllocateLocked(int64_t need) {
+absl::StatusOr<HostArena::Block> HostArena::AllocateLocked(int64_t need,
+                                                           bool grow) {
   for (int i = 0; i < static_cast<int>(regions_.size()); ++i) {
     auto block = AllocateIn(i, need);
     if (block.ok()) return block;
+  }
+  if (!grow) {
+    auto gathered = Gather(need);
+    if (gathered.ok()) return gathered;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "no room for ", need, " host bytes in the regions mapped"));
   }
   // 64 MiB pieces, or what is left of a smaller allowance: an allowance
   // below one piece still holds offloads.

@@ -85,8 +85,9 @@ class HostArena {
   // RESOURCE_EXHAUSTED when the regions (and the heap allowance) do not
   // have `bytes` free in all, counting only pieces of at least
   // kMinPieceBytes (or what is left to place, if less): tiny pieces would
-  // cost a copy each.
-  absl::StatusOr<Block> Allocate(int64_t bytes);
+  // cost a copy each. Without `grow`, only in regions already there (no new
+  // heap region, whatever the allowance).
+  absl::StatusOr<Block> Allocate(int64_t bytes, bool grow = true);
   static constexpr int64_t kMinPieceBytes = int64_t{64} << 10;
   void Free(const Block& block);
 
@@ -108,7 +109,8 @@ class HostArena {
     int64_t used = 0;
     std::map<int64_t, int64_t> free;  // offset -> length, coalesced
   };
-  absl::StatusOr<Block> AllocateLocked(int64_t need);  // `need` rounded
+  absl::StatusOr<Block> AllocateLocked(int64_t need,
+                                       bool grow);  // `need` rounded
   absl::StatusOr<Block> AllocateIn(int index, int64_t bytes);
   // Block's pieces from the free ranges of all regions, largest first;
   // nothing taken when they do not add up to `bytes`.

@@ -34,11 +34,12 @@ std::string KindName(int kind) {
 // copy. Each event becomes the table calls it stands for, chosen from the
 // state the tensor will be in by then.
 struct GpuPolicy::BatchPlan {
-  enum class Op { kTouch, kFree, kSetState, kCancel, kRecompute };
+  enum class Op { kTouch, kFree, kSetState, kCancel, kRecompute, kHostCopy };
   struct Step {
     Op op;
     TensorId id;
     TensorState to = TensorState::kResident;  // kSetState only
+    bool copied = false;                      // kHostCopy only
   };
 
   std::vector<policy::TensorSpec> specs;  // with GPU-wide ids
@@ -411,6 +412,19 @@ absl::Status GpuPolicy::PlanEvents(SessionId session, const Session& s,
         }
         // Otherwise stale: no order of this tensor is outstanding any more.
         break;
+      case v1::TensorEvent::HOST_COPIED:
+      case v1::TensorEvent::HOST_COPY_DROPPED:
+        // Only a resident tensor's copy prices its release. Otherwise an
+        // order of the daemon's crossed it: the process offloads from the
+        // copy (or has dropped it), and leaving the resident state clears
+        // the mark anyway.
+        if (from == TensorState::kResident) {
+          BatchPlan::Step step{Op::kHostCopy, id};
+          step.copied = e.kind() == v1::TensorEvent::HOST_COPIED;
+          plan.steps.push_back(step);
+          t.flags.host_copy = step.copied;
+        }
+        break;
       default:
         return error(absl::StatusCode::kInvalidArgument, "unknown event kind");
     }
@@ -484,6 +498,9 @@ absl::Status GpuPolicy::ApplyPlan(Session& s, const BatchPlan& plan,
       case Op::kCancel:
         applied = table_.CancelRelease(step.id);
         if (applied.ok()) refused_at_[step.id] = now_ns;
+        break;
+      case Op::kHostCopy:
+        applied = table_.SetHostCopy(step.id, step.copied);
         break;
       case Op::kRecompute:
         applied = table_.MarkRecomputed(step.id, now_ns);

@@ -20,9 +20,11 @@ bool CanEvict(const Tensor& t) {
   return !t.flags.evict_pinned && !t.flags.uncomputable;
 }
 
+// A copy made ahead lies in room the caller counts as free (copies give way
+// to offloads), so offloading its tensor takes that room like any other
+// offload: the copy spares the link, not the host.
 bool CanOffload(const Tensor& t, int64_t host_bytes_available) {
-  return !t.flags.offload_pinned &&
-         (t.flags.host_copy || t.bytes <= host_bytes_available);
+  return !t.flags.offload_pinned && t.bytes <= host_bytes_available;
 }
 
 }  // namespace

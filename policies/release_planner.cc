@@ -77,6 +77,7 @@ absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Plan(
     std::vector<ReleaseOrder> orders;
     int64_t freed = 0;
     int64_t host_left = host_bytes_available;
+    int64_t queued = 0;  // on the link: offloads of tensors not copied ahead
     absl::Status failure;
     while (freed < bytes) {
       auto pick = filter_.Select(table_, scope, now_ns, [&](const Tensor& t) {
@@ -87,8 +88,7 @@ absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Plan(
       // CanRelease(t, 0) holds exactly when t may be evicted.
       const int64_t host_for_t =
           reserve_host && director_.CanRelease(t, 0) ? 0 : host_left;
-      auto action = director_.Decide(table_, *pick, host_for_t,
-                                     host_bytes_available - host_left);
+      auto action = director_.Decide(table_, *pick, host_for_t, queued);
       if (!action.ok()) {  // CanRelease said yes: only a bug gets here
         failure = action.status();
         break;
@@ -102,8 +102,9 @@ absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Plan(
         failure = applied;
         break;
       }
-      if (*action == ReleaseAction::kOffload && !copied) {
+      if (*action == ReleaseAction::kOffload) {
         host_left -= order.bytes;
+        if (!copied) queued += order.bytes;
       }
       freed += order.bytes;
       orders.push_back(order);

@@ -5,13 +5,9 @@ benchmark's, nothing here bounds them)."""
 
 import os
 import re
-import subprocess
-import sys
-import tempfile
 import unittest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
-                      "bench", "ping_flood.py")
+import bench_doc
 
 
 class PingFloodBenchTest(unittest.TestCase):
@@ -20,21 +16,11 @@ class PingFloodBenchTest(unittest.TestCase):
         binary = os.environ.get("DELTAD_BINARY")
         if not binary:
             raise unittest.SkipTest("DELTAD_BINARY is not set")
-        with tempfile.TemporaryDirectory() as d:
-            doc = os.path.join(d, "doc.md")
-            with open(doc, "w") as f:
-                f.write("before\n")
-            run = subprocess.run(
-                [sys.executable, SCRIPT, "--binary", binary,
-                 "--concurrency", "1,2", "--rounds", "1", "--bytes",
-                 str(256 << 10), "--seconds", "2", "--strikes", "0,2",
-                 "--settle", "0.5",
-                 "--update_doc", doc],
-                capture_output=True, text=True, timeout=170)
-            self.assertEqual(run.returncode, 0, run.stderr)
-            with open(doc) as f:
-                text = f.read()
-        self.assertTrue(text.startswith("before\n"))
+        text = bench_doc.run_into_doc(
+            self, "ping_flood.py",
+            ["--binary", binary, "--concurrency", "1,2", "--rounds", "1",
+             "--bytes", str(256 << 10), "--seconds", "2", "--strikes", "0,2",
+             "--settle", "0.5"])
         rows = re.findall(r"^\| (\d+) \| (\d+) \| 1 \| \d+ \| [\d.]+ \| \+",
                           text, re.MULTILINE)
         self.assertEqual(rows, [("0", "1"), ("0", "2"), ("2", "1"),

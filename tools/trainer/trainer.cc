@@ -64,6 +64,9 @@ ABSL_FLAG(double, min_budget, 0,
           "iteration is reported either way)");
 ABSL_FLAG(int, admission_wait_ms, 0,
           "how long to ask a daemon that refuses the session again");
+ABSL_FLAG(bool, copy_ahead, true,
+          "copy the forward pass's tensors to the host while the link idles "
+          "(ClientOptions::copy_ahead)");
 ABSL_FLAG(bool, require_session, false,
           "fail closed: exit when no session with deltad could be opened "
           "instead of training on the in-process policy");
@@ -192,7 +195,8 @@ class Replay {
     return status;
   }
 
-  absl::Status Track(int32_t storage, int64_t compute_ns) {
+  absl::Status Track(int32_t storage, int64_t compute_ns,
+                     bool copy_ahead = false) {
     const deltad::sim::Storage& s = program_.storages[storage];
     TensorInfo info;
     info.id = Id(storage);
@@ -212,6 +216,7 @@ class Replay {
     info.compute_cost_ns = compute_ns;
     info.uncomputable = !recomputable;
     info.stable_key = static_cast<uint64_t>(storage) + 1;
+    info.copy_ahead = copy_ahead;
     deltad::client::RecomputeFn fn;
     if (recomputable) {
       fn = [this, storage](uint64_t, void* out) {
@@ -272,7 +277,10 @@ class Replay {
                        pinned.end());
           if (absl::Status s = free(ip.old); !s.ok()) return s;
         }
-        status = Track(c, step.time_ns);
+        // What the forward pass makes, the backward reads (the simulator's
+        // copy-ahead candidates).
+        status =
+            Track(c, step.time_ns, step.phase == deltad::sim::Phase::kForward);
         if (!status.ok()) return status;
         live[c] = true;
         pinned.push_back(Id(c));
@@ -359,6 +367,7 @@ int main(int argc, char** argv) {
       static_cast<int64_t>(budget * absl::GetFlag(FLAGS_min_budget));
   options.admission_wait_ms = absl::GetFlag(FLAGS_admission_wait_ms);
   options.require_session = absl::GetFlag(FLAGS_require_session);
+  options.copy_ahead = absl::GetFlag(FLAGS_copy_ahead);
   options.fallback_budget_bytes = budget;
   options.fallback_host_bytes = peak;
   // The device is the real one scaled: full memory, link slowed by `scale`
@@ -450,6 +459,16 @@ int main(int argc, char** argv) {
     // Everything held was in use by running ops (a budget cut mid-op).
     decided += absl::StrCat("(", st.past_budget_allocations,
                             " allocations past the budget in chunks held) ");
+  }
+  // What the training thread waited for: releases it asked for, and
+  // tensors it needed that were not resident.
+  decided += absl::StrFormat(
+      "(waited %.3f s for %" PRId64 " releases, %.3f s for tensors) ",
+      st.sync_release_ns / 1e9, st.sync_releases, st.stall_ns / 1e9);
+  if (st.copies_ahead > 0) {
+    decided += absl::StrCat("(", st.offloads_from_copies, " of ", st.offloads,
+                            " offloads from ", st.copies_ahead,
+                            " copies made ahead) ");
   }
   if (st.local_decisions > 0) {
     decided += absl::StrCat("(", st.local_decisions, " of ",

@@ -286,6 +286,48 @@ TEST_F(GpuPolicyTest, AnAccessRacingAnEvictOrderKeepsTheRestOfTheBatch) {
   EXPECT_EQ(U(kA).device_bytes, 900);
 }
 
+TEST_F(GpuPolicyTest, ACopyMadeAheadMakesItsTensorTheCheaperRelease) {
+  GpuPolicyOptions o = Options();
+  o.filter.heuristic = policy::Heuristic::kDeltaCost;  // the config default
+  Make(1000, o);
+  AddSession(kA, 1000);
+  Fill(kA, 1, 10, 100, Cost::kCostly, {.uncomputable = true});  // full
+  auto stalest_goes = [&](uint64_t want, uint64_t refill) {
+    auto orders = MakeRoom(kA, 100);
+    ASSERT_TRUE(orders.ok()) << orders.status();
+    ASSERT_THAT((*orders)[kA], ElementsAre(::testing::_));
+    EXPECT_EQ((*orders)[kA][0].tensor_id(), want);
+    EXPECT_EQ((*orders)[kA][0].action(), v1::ReleaseOrder::OFFLOAD);
+    ASSERT_TRUE(Apply(kA, Events({{kOffloaded, want}})).ok());
+    Fill(kA, refill, 1, 100, Cost::kCostly, {.uncomputable = true});
+  };
+  stalest_goes(1, 11);
+  // A copy reported for a tensor no longer resident is stale and changes
+  // nothing. 7's makes its offload cost the reload alone: it goes before
+  // the staler 2.
+  ASSERT_TRUE(Apply(kA, Events({{kHostCopied, 1}, {kHostCopied, 7}})).ok());
+  stalest_goes(7, 12);
+  // A copy made and dropped again leaves the price as it was.
+  ASSERT_TRUE(
+      Apply(kA, Events({{kHostCopied, 8}, {kHostCopyDropped, 8}})).ok());
+  stalest_goes(2, 13);
+  EXPECT_EQ(U(kA).host_bytes, 300);
+}
+
+TEST_F(GpuPolicyTest, OffloadsOfTensorsCopiedAheadTakeHostRoomLikeAnyOther) {
+  Make(1000);
+  // Room for two: the process's copies lie in the room counted free.
+  AddSession(kA, 1000, /*host=*/200);
+  Fill(kA, 1, 10, 100, Cost::kCostly, {.uncomputable = true});
+  ASSERT_TRUE(Apply(kA, Events({{kHostCopied, 5}, {kHostCopied, 6}})).ok());
+  auto orders = MakeRoom(kA, 300);  // three would be over the quota
+  EXPECT_FALSE(orders.ok());
+  orders = MakeRoom(kA, 200);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_EQ((*orders)[kA].size(), 2u);
+  EXPECT_EQ(U(kA).host_bytes, 200);
+}
+
 TEST_F(GpuPolicyTest, PinnedTensorsRefuseWhatTheirFlagsForbid) {
   Make(10000);
   AddSession(kA, 10000);

@@ -27,6 +27,8 @@ inline constexpr Kind kReloaded = v1::TensorEvent::RELOADED;
 inline constexpr Kind kEvicted = v1::TensorEvent::EVICTED;
 inline constexpr Kind kRecomputed = v1::TensorEvent::RECOMPUTED;
 inline constexpr Kind kReleaseFailed = v1::TensorEvent::RELEASE_FAILED;
+inline constexpr Kind kHostCopied = v1::TensorEvent::HOST_COPIED;
+inline constexpr Kind kHostCopyDropped = v1::TensorEvent::HOST_COPY_DROPPED;
 
 inline constexpr SessionId kA = 1;
 inline constexpr SessionId kB = 2;

@@ -137,16 +137,17 @@ TEST_F(DirectorTest, HostPoolShortOfTheTensorFallsBackToEvict) {
   EXPECT_EQ(*Decide(1, 0), ReleaseAction::kEvict);
 }
 
-TEST_F(DirectorTest, ATensorCopiedAheadIsPricedAtItsReloadAndNeedsNoHostRoom) {
+TEST_F(DirectorTest, ATensorCopiedAheadIsPricedAtItsReloadAlone) {
   // c_r = 1500 ns against a swap of 2000 (F = 0.75): evicted. Once its
-  // bytes are on the host, a swap costs the reload alone (1000: F = 1.5),
-  // and the host pool need not hold it again.
+  // bytes are on the host, a swap costs the reload alone (1000: F = 1.5).
   Add(Spec(1, kBytes, 1500));
   EXPECT_EQ(*Decide(1), ReleaseAction::kEvict);
   ASSERT_TRUE(table_.SetHostCopy(1, true).ok());
   EXPECT_DOUBLE_EQ(F(1), 1.5);
   EXPECT_EQ(*Decide(1), ReleaseAction::kOffload);
-  EXPECT_EQ(*Decide(1, /*host=*/0), ReleaseAction::kOffload);
+  // Its copy's room is part of what the host has free (copies give way to
+  // offloads): with none free, the copy is not there to take.
+  EXPECT_EQ(*Decide(1, /*host=*/0), ReleaseAction::kEvict);
 }
 
 TEST_F(DirectorTest, BothPinnedCannotBeReleased) {

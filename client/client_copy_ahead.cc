@@ -1,0 +1,145 @@
+// The Client's copies ahead of need: forward activations copied to host
+// memory while the executor idles, so that the release that comes for one
+// of them later frees its device memory at once, waiting for no copy (the
+// simulator's `delta` does the same; `delta-nocopy` measures it without).
+// Apart from client_transfers.cc (the releases themselves).
+
+#include <algorithm>
+
+#include "client/client.h"
+
+namespace deltad::client {
+
+using Kind = v1::TensorEvent;
+
+namespace {
+// How far the executor looks past tensors still pinned by their ops for one
+// it can copy: the oldest are the ones the backward pass reads last.
+constexpr int kMaxScanned = 64;
+constexpr size_t kMaxQueued = 65536;
+}  // namespace
+
+void Client::QueueCopyAheadLocked(uint64_t id) {
+  // An executor never idle (orders back to back) copies nothing: the queue
+  // keeps the newest, so that it stays bounded.
+  while (ahead_queue_.size() >= kMaxQueued) {
+    auto it = records_.find(ahead_queue_.front());
+    if (it != records_.end() && it->second->ahead == Record::Ahead::kQueued) {
+      it->second->ahead = Record::Ahead::kNone;
+    }
+    ahead_queue_.pop_front();
+  }
+  ahead_queue_.push_back(id);
+}
+
+void Client::CopyAheadWhileIdle() {
+  if (!options_.copy_ahead) return;
+  std::unique_lock<std::mutex> lock(mu_);
+  ahead_ready_ = false;
+  // Idle: no order waits for the executor, and no offload of the training
+  // thread's uses the link (a copy ahead would slow the one it waits for).
+  while (!stopping_ && jobs_.empty() && offloading_bytes_ == 0 &&
+         making_room_ == 0) {
+    Record* r = nullptr;
+    uint64_t id = 0;
+    int scanned = 0;
+    for (auto it = ahead_queue_.begin();
+         it != ahead_queue_.end() && scanned < kMaxScanned;) {
+      auto rec = records_.find(*it);
+      if (rec == records_.end() ||
+          rec->second->ahead != Record::Ahead::kQueued ||
+          rec->second->where != Where::kResident) {
+        it = ahead_queue_.erase(it);  // gone, released, or copied already
+        continue;
+      }
+      ++scanned;
+      // Still being written by its op, or the daemon ordered it released.
+      if (rec->second->pins > 0 || ordered_.contains(*it)) {
+        ++it;
+        continue;
+      }
+      r = rec->second.get();
+      id = *it;
+      ahead_queue_.erase(it);
+      break;
+    }
+    if (r == nullptr) return;
+    // Only room already mapped: a copy ahead never makes the process take
+    // more host memory than its offloads would.
+    auto host = arena_.Allocate(r->info.bytes, /*grow=*/false);
+    if (!host.ok()) {
+      r->ahead = Record::Ahead::kNone;
+      return;
+    }
+    const int64_t bytes = r->info.bytes;
+    r->ahead = Record::Ahead::kCopying;
+    r->ahead_host = *host;
+    ahead_bytes_ += bytes;
+    // Unlocked, as an offload's copy: whatever would free the device bytes
+    // (Free, Evict, Offload) waits for it (WaitForCopyAheadLocked).
+    lock.unlock();
+    HostArena::ForEachPiece(
+        r->ahead_host, [&](char* to, int64_t at, int64_t n) {
+          device_->CopyToHost(to, static_cast<char*>(r->device) + at, n);
+        });
+    lock.lock();
+    r->ahead = Record::Ahead::kLanded;
+    ahead_landed_.push_back(id);
+    // The in-process plan may hold it as releasing meanwhile: its offload
+    // then takes the copy without the mark.
+    (void)local_.table().SetHostCopy(id, true);
+    AddEventLocked(Kind::HOST_COPIED, id);
+    ++stats_.copies_ahead;
+    stats_.copied_ahead_bytes += bytes;
+    changed_.notify_all();
+  }
+}
+
+Client::Record* Client::WaitForCopyAheadLocked(
+    std::unique_lock<std::mutex>& lock, uint64_t id) {
+  Record* r = nullptr;
+  changed_.wait(lock, [&] {
+    auto it = records_.find(id);
+    r = it == records_.end() ? nullptr : it->second.get();
+    return r == nullptr || r->ahead != Record::Ahead::kCopying;
+  });
+  return r;
+}
+
+void Client::DropCopyLocked(Record* r) {
+  if (r->ahead == Record::Ahead::kLanded) {
+    arena_.Free(r->ahead_host);
+    r->ahead_host = {};
+    ahead_bytes_ -= r->info.bytes;
+  }
+  // kCopying is the executor's to finish; callers wait for it first.
+  if (r->ahead != Record::Ahead::kCopying) r->ahead = Record::Ahead::kNone;
+}
+
+bool Client::DropOldestCopyLocked() {
+  while (!ahead_landed_.empty()) {
+    const uint64_t id = ahead_landed_.front();
+    ahead_landed_.pop_front();
+    auto it = records_.find(id);
+    if (it == records_.end() || it->second->ahead != Record::Ahead::kLanded)
+      continue;
+    DropCopyLocked(it->second.get());
+    (void)local_.table().SetHostCopy(id, false);
+    AddEventLocked(Kind::HOST_COPY_DROPPED, id);
+    ++stats_.copies_ahead_dropped;
+    return true;
+  }
+  return false;
+}
+
+absl::StatusOr<HostArena::Block> Client::AllocateHostLocked(int64_t bytes) {
+  auto host = arena_.Allocate(bytes);
+  while (!host.ok() && DropOldestCopyLocked()) host = arena_.Allocate(bytes);
+  return host;
+}
+
+int64_t Client::HostAvailableLocked() const {
+  return arena_.available_bytes() + ahead_bytes_;
+}
+
+}  // namespace deltad::client
