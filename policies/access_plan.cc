@@ -7,20 +7,31 @@ namespace deltad::policy {
 
 void AccessPlan::Record(uint64_t key, int64_t bytes) {
   recording_.push_back({key, bytes});
-  auto it = positions_.find(key);
-  if (it == positions_.end()) return;  // not in the plan: the cursor stays
-  const std::vector<size_t>& pos = it->second;
-  auto next = std::lower_bound(pos.begin(), pos.end(), cursor_);
-  if (next != pos.end()) cursor_ = *next + 1;
+  auto it = first_.find(key);
+  if (it == first_.end()) return;  // not in the plan: the cursor stays
+  // The key's first occurrence at or after the cursor, walked from where the
+  // last search for it stopped: the cursor only moves on, so each key's
+  // list is walked once an iteration.
+  uint32_t& at = it->second;
+  while (at != kNone && at < cursor_) at = next_[at];
+  if (at != kNone) cursor_ = static_cast<size_t>(at) + 1;
 }
 
 void AccessPlan::EndIteration() {
-  plan_ = std::move(recording_);
+  plan_.swap(recording_);
   recording_.clear();
-  recording_.reserve(plan_.size());
-  positions_.clear();
-  for (size_t i = 0; i < plan_.size(); ++i) {
-    positions_[plan_[i].key].push_back(i);
+  // Each key's occurrences as a list threaded through one array: a few
+  // allocations an iteration, where a list per key made one per distinct
+  // key, every iteration of every session.
+  first_.clear();
+  next_.assign(plan_.size(), kNone);
+  for (size_t i = plan_.size(); i-- > 0;) {
+    auto [it, added] =
+        first_.try_emplace(plan_[i].key, static_cast<uint32_t>(i));
+    if (!added) {
+      next_[i] = it->second;
+      it->second = static_cast<uint32_t>(i);
+    }
   }
   cursor_ = 0;
 }

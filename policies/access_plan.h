@@ -35,7 +35,11 @@ class AccessPlan {
 
  private:
   std::vector<Entry> plan_;
-  absl::flat_hash_map<uint64_t, std::vector<size_t>> positions_;  // in plan_
+  static constexpr uint32_t kNone = UINT32_MAX;
+  // Per key, its next occurrence in plan_ not yet passed by the cursor;
+  // next_[i], the occurrence of plan_[i]'s key after i (kNone: none).
+  absl::flat_hash_map<uint64_t, uint32_t> first_;
+  std::vector<uint32_t> next_;
   std::vector<Entry> recording_;
   size_t cursor_ = 0;  // index in plan_ of the next expected access
 };
