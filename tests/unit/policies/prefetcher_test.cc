@@ -422,10 +422,17 @@ TEST(AccessPlanRepeatTest, InOrderRepeatVisitsEveryOccurrence) {
     cursors.push_back(plan.cursor());
   }
   EXPECT_THAT(cursors, ElementsAre(1, 2, 3, 4));
-  // The iteration just recorded becomes the next plan.
+  // The iteration just recorded becomes the next plan, followed from its
+  // start again: where the last searches stopped is forgotten.
   plan.EndIteration();
   EXPECT_EQ(plan.plan_size(), 4u);
   EXPECT_EQ(plan.cursor(), 0u);
+  cursors.clear();
+  for (uint64_t key : {1, 2, 1, 2}) {
+    plan.Record(key, 10);
+    cursors.push_back(plan.cursor());
+  }
+  EXPECT_THAT(cursors, ElementsAre(1, 2, 3, 4));
 }
 
 // Regression: Plan returned before dropping stale entries whenever no reload
