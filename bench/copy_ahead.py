@@ -89,7 +89,7 @@ def main():
     lines = [
         "## copy_ahead: copies to the host ahead of need",
         "",
-        f"Command: `{benchlib.command_line("python3 bench/copy_ahead.py")}`  ",
+        f"Command: `{benchlib.command_line('python3 bench/copy_ahead.py')}`  ",
         f"Machine: {benchlib.cpu_description()}  ",
         f"Date: {benchlib.today()}",
         "",

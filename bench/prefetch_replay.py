@@ -121,7 +121,7 @@ def main():
     lines = [
         "## prefetch_replay: the daemon's prefetch order, per session",
         "",
-        f"Command: `{benchlib.command_line("python3 bench/prefetch_replay.py")}`  ",
+        f"Command: `{benchlib.command_line('python3 bench/prefetch_replay.py')}`  ",
         f"Machine: {benchlib.cpu_description()}  ",
         f"Date: {benchlib.today()}",
         "",

@@ -17,6 +17,9 @@ namespace {
 // it can copy: the oldest are the ones the backward pass reads last.
 constexpr int kMaxScanned = 64;
 constexpr size_t kMaxQueued = 65536;
+// Copies start once the process holds this much of its budget: where the
+// daemon starts releasing ahead (its high watermark, policy::Watermarks).
+constexpr double kCopyAheadFrom = 0.75;
 }  // namespace
 
 void Client::QueueCopyAheadLocked(uint64_t id) {
@@ -38,8 +41,18 @@ void Client::CopyAheadWhileIdle() {
   ahead_ready_ = false;
   // Idle: no order waits for the executor, and no offload of the training
   // thread's uses the link (a copy ahead would slow the one it waits for).
+  // And only in a process that has had to release (training repeats
+  // itself: it will again) or comes near its budget: one far below it that
+  // never released will likely release nothing, and its copies would only
+  // cost link time and host memory. Not "near the budget" alone: releases
+  // bring a process down to the daemon's low watermark, and copies are
+  // wanted most there.
   while (!stopping_ && jobs_.empty() && offloading_bytes_ == 0 &&
-         making_room_ == 0) {
+         making_room_ == 0 &&
+         (stats_.offloads + stats_.evictions > 0 ||
+          device_bytes_ >=
+              static_cast<int64_t>(kCopyAheadFrom *
+                                   static_cast<double>(budget_bytes_)))) {
     Record* r = nullptr;
     uint64_t id = 0;
     int scanned = 0;

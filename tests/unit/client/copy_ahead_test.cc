@@ -166,15 +166,35 @@ TEST(CopyAhead, FreeingATensorBeingCopiedWaitsForTheCopyAndReturnsItsRoom) {
   // 20 MB/s: the copy of 2 MiB takes about 100 ms.
   auto client = LocalClient(8 * kMiB, 256 * kMiB, 20e6);
   MapAHostRegion(*client);
-  FreeResidentDownTo(*client, 0);
+  FreeResidentDownTo(*client, 5 * kMiB);  // near the budget: copies go
   TrackFilled(*client, 20, 2 * kMiB, /*ahead=*/true);
   ASSERT_TRUE(
       WaitFor([&] { return ClientTestPeer::CopyingAhead(*client, 20); }));
   ASSERT_TRUE(client->Free(20).ok());
   const ClientStats s = client->Stats();
   EXPECT_EQ(s.copies_ahead, 1);  // it landed, then went with its tensor
-  EXPECT_EQ(s.device_bytes, 0);
+  EXPECT_EQ(s.device_bytes, 5 * kMiB);
   EXPECT_EQ(s.host_bytes, kMiB);  // the one offloaded tensor
+}
+
+TEST(CopyAhead, CopiesWaitForAReleaseOrThreeQuartersOfTheBudget) {
+  auto client = LocalClient(8 * kMiB, 256 * kMiB);
+  for (uint64_t id = 10; id <= 13; ++id) {
+    TrackFilled(*client, id, kMiB, /*ahead=*/true);
+  }
+  // 4 MiB of 8, nothing released: no copy (and no host room yet either).
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(client->Stats().copies_ahead, 0);
+  // Past 8 MiB: a release, which maps host room. Once the process is far
+  // below its budget again, the tensors still queued are copied.
+  for (uint64_t id = 20; id <= 24; ++id) {
+    TrackFilled(*client, id, kMiB, /*ahead=*/false);
+  }
+  ASSERT_GE(client->Stats().offloads, 1);
+  for (uint64_t id = 20; id <= 24; ++id) ASSERT_TRUE(client->Free(id).ok());
+  ASSERT_LE(client->Stats().device_bytes, 4 * kMiB);
+  ASSERT_TRUE(WaitFor([&] { return client->Stats().copies_ahead >= 1; }))
+      << client->Stats().copies_ahead;
 }
 
 TEST(CopyAhead, NothingIsCopiedWhenTheOptionIsOff) {
