@@ -80,9 +80,9 @@ struct ClientOptions {
   // admission_wait_ms), instead of training on in-process decisions.
   bool require_session = false;
   // Tensors marked TensorInfo::copy_ahead are copied to host memory, oldest
-  // first, while the executor has nothing else to do, no offload is in
-  // flight and the process holds at least 3/4 of its budget (DELTA's
-  // release ahead of need, without a plan): offloading one
+  // first, while the executor has nothing else to do and no offload is in
+  // flight, once the process has released a tensor or holds 3/4 of its
+  // budget (DELTA's release ahead of need, without a plan): offloading one
   // of them then frees its device memory at once, and the policy prices it
   // at its reload alone. The copies take only host room already mapped
   // (the session's slabs, or heap regions already allocated), and give it
