@@ -37,8 +37,9 @@ struct TensorFlags {
   bool offload_pinned = false;  // may not be offloaded (evict is allowed)
   bool uncomputable = false;    // no recompute path: inputs, parameters
   // Its bytes are on the host already, copied ahead while it stayed on the
-  // device: an offload costs no copy and no host room. Only a resident
-  // tensor has it; leaving the device clears it.
+  // device: an offload costs no copy. Its room there counts as free (copies
+  // give way to offloads), so the offload takes that room as any other.
+  // Only a resident tensor has it; leaving the device clears it.
   bool host_copy = false;
 };
 
