@@ -55,6 +55,7 @@ void Client::CopyAheadWhileIdle() {
                                    static_cast<double>(budget_bytes_)))) {
     Record* r = nullptr;
     uint64_t id = 0;
+    auto found = ahead_queue_.end();
     int scanned = 0;
     for (auto it = ahead_queue_.begin();
          it != ahead_queue_.end() && scanned < kMaxScanned;) {
@@ -73,17 +74,17 @@ void Client::CopyAheadWhileIdle() {
       }
       r = rec->second.get();
       id = *it;
-      ahead_queue_.erase(it);
+      found = it;
       break;
     }
     if (r == nullptr) return;
     // Only room already mapped: a copy ahead never makes the process take
-    // more host memory than its offloads would.
+    // more host memory than its offloads would. None now (no offload has
+    // mapped any yet, or offloads fill it): the tensor stays first in line
+    // for when there is.
     auto host = arena_.Allocate(r->info.bytes, /*grow=*/false);
-    if (!host.ok()) {
-      r->ahead = Record::Ahead::kNone;
-      return;
-    }
+    if (!host.ok()) return;
+    ahead_queue_.erase(found);
     const int64_t bytes = r->info.bytes;
     r->ahead = Record::Ahead::kCopying;
     r->ahead_host = *host;
