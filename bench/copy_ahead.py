@@ -15,14 +15,13 @@ offloads took a copy made ahead.
   python3 bench/copy_ahead.py [--repeats=3] [--update_doc=docs/BENCHMARKS.md]
 """
 
-import argparse
-import os
 import re
 import statistics
 import sys
 
 import benchlib
-from prefetch_replay import MODELS, ITERATION, budget_bytes, run_trainer
+from prefetch_replay import (MODELS, ITERATION, budget_bytes, run_trainer,
+                             trainer_bench_parser)
 
 TAG = "copy_ahead"
 WAITS = re.compile(r"waited ([0-9.]+) s for (\d+) releases, ([0-9.]+) s for "
@@ -48,17 +47,7 @@ def run(deltad, trainer, model_args, budget, gpu_bytes, ahead, iterations):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--deltad", default=os.path.join(
-        benchlib.REPO, "build/daemon/deltad"))
-    p.add_argument("--trainer", default=os.path.join(
-        benchlib.REPO, "build/tools/trainer/deltad-trainer"))
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--budget", type=float, default=0.6)
-    p.add_argument("--iterations", type=int, default=6)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--update_doc", default="")
-    a = p.parse_args()
+    a = trainer_bench_parser(__doc__, iterations=6).parse_args()
     if a.iterations < 2:
         benchlib.fail(TAG, "--iterations must be at least 2")
     rows = []

@@ -82,18 +82,24 @@ def run(deltad, trainer, model_args, budget, gpu_bytes, window, iterations):
     return times, choice.group(1) if choice else "-"
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def trainer_bench_parser(doc, iterations):
+    """The options of a bench of deltad-trainer runs (this one's and
+    copy_ahead.py's), `iterations` the default."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--deltad", default=os.path.join(
         benchlib.REPO, "build/daemon/deltad"))
     p.add_argument("--trainer", default=os.path.join(
         benchlib.REPO, "build/tools/trainer/deltad-trainer"))
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--budget", type=float, default=0.6)
-    p.add_argument("--iterations", type=int, default=8)
+    p.add_argument("--iterations", type=int, default=iterations)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--update_doc", default="")
-    a = p.parse_args()
+    return p
+
+
+def main():
+    a = trainer_bench_parser(__doc__, iterations=8).parse_args()
     if a.iterations < 4:
         benchlib.fail(TAG, "--iterations must be at least 4 (3 are the trial)")
     rows = []
