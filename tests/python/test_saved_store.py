@@ -4,6 +4,7 @@ groups that make way, copies still running when a block ends."""
 
 import gc
 import unittest
+import weakref
 
 import torch
 
@@ -225,6 +226,71 @@ class MisusedCoreTest(unittest.TestCase):
         storage = saved._storage(t)
         with self.assertRaisesRegex(AttributeError, "_new_iteration"):
             core.pack(t, storage.data_ptr(), storage)
+
+
+class DroppedGraphTest(unittest.TestCase):
+    """A graph dropped without backward (a step that raised, a forward
+    whose result nobody differentiates) frees what it saved at once, as
+    without deltad: what the store keeps of a saved tensor must not hold
+    the tensor's own autograd node, which holds the store's SavedTensor
+    (a cycle through C++ that Python's collector cannot break). On a GPU
+    such a leak made every later step of the process run out of memory."""
+
+    def forward_keeping_refs(self, model, x):
+        """The model's output, and weak references to every activation."""
+        refs = []
+        hooks = [m.register_forward_hook(
+            lambda m, i, out: refs.append(weakref.ref(out)))
+            for m in model]
+        try:
+            return model(x), refs
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def test_a_dropped_forward_frees_its_saved_tensors_without_gc(self):
+        for policy, min_bytes in (("offload", 1), ("recompute", 1),
+                                  ("auto", 1 << 40)):  # all left as they are
+            model = torch.nn.Sequential(
+                torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                torch.nn.Linear(256, 8))
+            with deltad.torch.managed(model, socket=None, policy=policy,
+                                      min_bytes=min_bytes,
+                                      budget_bytes=1 << 30) as manager:
+                out, refs = self.forward_keeping_refs(
+                    model, torch.randn(32, 64))
+                self.assertGreater(manager.store.counters.resident_bytes
+                                   if min_bytes == 1 else 1, 0)
+                del out
+                # Plain reference counting: no collector run.
+                self.assertEqual([r() is None for r in refs],
+                                 [True] * len(refs), policy)
+                self.assertEqual(manager.store.counters.resident_bytes, 0)
+                self.assertEqual(manager.store.groups, {})
+
+    def test_a_step_that_raises_frees_what_it_saved(self):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256),
+                                    torch.nn.ReLU(), torch.nn.Linear(256, 8))
+        stores = []
+        for budget in (1 << 30, 1 << 12):  # nothing released; offloads
+            with self.assertRaisesRegex(RuntimeError, "a failed step"):
+                with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                          budget_bytes=budget) as manager:
+                    stores.append(weakref.ref(manager.store))
+                    out, refs = self.forward_keeping_refs(
+                        model, torch.randn(32, 64))
+                    raise RuntimeError("a failed step")
+            del out, manager
+            gc.collect()
+            self.assertEqual([r() is None for r in refs], [True] * 3)
+        # The store laid aside for the model's next block is idle.
+        for ref in stores:
+            store = ref()
+            if store is not None:
+                self.assertEqual(store.counters.resident_bytes, 0)
+                self.assertEqual(store.counters.host_bytes, 0)
+                self.assertEqual(store.groups, {})
 
 
 if __name__ == "__main__":

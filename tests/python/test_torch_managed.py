@@ -279,7 +279,8 @@ class ErrorsTest(unittest.TestCase):
         with self.assertRaises(torch.cuda.OutOfMemoryError) as e:
             with deltad.torch.managed(model, socket=None, min_bytes=1,
                                       budget_bytes=8 << 20):
-                model(torch.randn(128, 256))  # saves some activations
+                # Kept: a graph dropped now would free what it saved.
+                self.output = model(torch.randn(128, 256))
                 # What PyTorch's allocator raises when it has no room.
                 raise torch.cuda.OutOfMemoryError(
                     "CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -25,7 +25,7 @@ PyObject *RESIDENT, *OFFLOADED, *EVICTED;
 PyObject *s_version, *s_is_cuda, *s_get_device, *s_layout, *s_numel,
     *s_element_size, *s_requires_grad, *s_is_leaf, *s_base, *s_data_ptr,
     *s_nbytes, *s_calls, *s_acquire, *s_release, *s_new_iteration,
-    *s_pack_over_budget, *s_unpack_slow, *s_check_version, *s_drop;
+    *s_pack_over_budget, *s_unpack_slow, *s_check_version, *s_drop, *s_detach;
 
 /* ---- Core's object protocol. */
 
@@ -209,7 +209,7 @@ PyMODINIT_FUNC PyInit__savedcore(void) {
       intern(&s_pack_over_budget, "_pack_over_budget") < 0 ||
       intern(&s_unpack_slow, "_unpack_slow") < 0 ||
       intern(&s_check_version, "_check_version") < 0 ||
-      intern(&s_drop, "_drop") < 0)
+      intern(&s_drop, "_drop") < 0 || intern(&s_detach, "detach") < 0)
     goto error;
   if (add_type(m, &CountersType, &counters_spec, "Counters") < 0 ||
       add_type(m, &GroupType, &group_spec, "Group") < 0 ||

@@ -20,7 +20,7 @@ extern PyObject *RESIDENT, *OFFLOADED, *EVICTED;
 extern PyObject *s_version, *s_is_cuda, *s_get_device, *s_layout, *s_numel,
     *s_element_size, *s_requires_grad, *s_is_leaf, *s_base, *s_data_ptr,
     *s_nbytes, *s_calls, *s_acquire, *s_release, *s_new_iteration,
-    *s_pack_over_budget, *s_unpack_slow, *s_check_version, *s_drop;
+    *s_pack_over_budget, *s_unpack_slow, *s_check_version, *s_drop, *s_detach;
 
 static inline int is_none(PyObject* o) { return o == NULL || o == Py_None; }
 
@@ -56,8 +56,8 @@ typedef struct {
 /* Group: one storage's bytes and the saved tensors that view them. Its
  * fields are saved.py's (see _Group's description there). */
 typedef struct {
-  PyObject_HEAD PyObject *store, *key, *state, *tensors, *metas, *host, *flat,
-      *event, *call, *retained, *evicted_sources, *versions;
+  PyObject_HEAD PyObject *store, *key, *state, *tensors, *origins, *metas,
+      *host, *flat, *event, *call, *retained, *evicted_sources, *versions;
   Py_ssize_t nbytes, position, live, dependents;
   char used, rebuilt;
 } Group;

@@ -79,6 +79,103 @@ static int check_version(Core* c, Saved* s, PyObject* tensor) {
   return 0;
 }
 
+/* 1 if autograd made `tensor` (it requires grad and is no leaf: it has a
+ * grad_fn), 0 if not, -1 on error. */
+static int autograd_made(PyObject* tensor) {
+  int r = get_truth(tensor, s_requires_grad);
+  if (r <= 0) return r;
+  r = get_truth(tensor, s_is_leaf);
+  return r < 0 ? -1 : !r;
+}
+
+/* What a group keeps of a saved tensor (*kept) and how _releasable tells
+ * whether its caller still holds it (*origin), both new references.
+ * Autograd's node for a tensor it made may save that very tensor (ReLU
+ * saves its result): keeping the tensor itself, whose grad_fn is that
+ * node, which holds the SavedTensor, which holds the group, would close a
+ * cycle through the C++ graph that Python's collector cannot see, and a
+ * graph dropped without backward (a step that failed, an evaluation with
+ * grad enabled) would hold its memory for good. So such a tensor is kept
+ * as a detached alias (the same storage and version counter, no grad_fn;
+ * autograd gives the unpacked tensor its grad_fn either way), *origin
+ * being (weakref to the tensor, weakref to its base or None). Any other
+ * is kept as it is, *origin None. 0, or -1 with an error. */
+static int keep_member(PyObject* tensor, PyObject** kept, PyObject** origin) {
+  *kept = *origin = NULL;
+  int made = autograd_made(tensor);
+  if (made < 0) return -1;
+  if (!made) {
+    Py_INCREF(tensor);
+    *kept = tensor;
+    Py_INCREF(Py_None);
+    *origin = Py_None;
+    return 0;
+  }
+  PyObject* base = PyObject_GetAttr(tensor, s_base);
+  if (base == NULL) return -1;
+  PyObject* self_ref = PyWeakref_NewRef(tensor, NULL);
+  PyObject* base_ref = NULL;
+  if (self_ref != NULL) {
+    if (base == Py_None) {
+      Py_INCREF(Py_None);
+      base_ref = Py_None;
+    } else {
+      base_ref = PyWeakref_NewRef(base, NULL);
+    }
+  }
+  Py_DECREF(base);
+  if (base_ref != NULL) {
+    *origin = PyTuple_Pack(2, self_ref, base_ref);
+    if (*origin != NULL)
+      *kept = PyObject_CallMethodObjArgs(tensor, s_detach, NULL);
+  }
+  Py_XDECREF(self_ref);
+  Py_XDECREF(base_ref);
+  if (*kept == NULL) {
+    Py_CLEAR(*origin);
+    return -1;
+  }
+  return 0;
+}
+
+/* Appends a member to a group: what keep_member keeps of `tensor`, at
+ * index *index of both tensors and origins. 0, or -1 with an error (the
+ * group as it was). */
+static int add_member(Group* g, PyObject* tensor, Py_ssize_t* index) {
+  if (check_list(g->tensors, "group's tensors") < 0 ||
+      check_list(g->origins, "group's origins") < 0)
+    return -1;
+  if (PyList_Size(g->origins) != PyList_Size(g->tensors)) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "deltad: a group's origins do not match its tensors");
+    return -1;
+  }
+  PyObject *kept, *origin;
+  if (keep_member(tensor, &kept, &origin) < 0) return -1;
+  *index = PyList_Size(g->tensors);
+  int rc = PyList_Append(g->tensors, kept);
+  if (rc == 0 && PyList_Append(g->origins, origin) < 0) {
+    (void)PyList_SetSlice(g->tensors, *index, *index + 1, NULL);
+    rc = -1;
+  }
+  Py_DECREF(kept);
+  Py_DECREF(origin);
+  return rc;
+}
+
+/* Forgets member `index` of a group (autograd let go of it, or it could
+ * not be saved after all). */
+static int forget_member(Group* g, Py_ssize_t index) {
+  Py_INCREF(Py_None);
+  if (PyList_SetItem(g->tensors, index, Py_None) < 0) return -1;
+  if (g->origins != NULL && PyList_Check(g->origins) &&
+      index < PyList_Size(g->origins)) {
+    Py_INCREF(Py_None);
+    if (PyList_SetItem(g->origins, index, Py_None) < 0) return -1;
+  }
+  return 0;
+}
+
 /* ---- Core: pack, unpack, a member's death. */
 
 static PyObject* store_pack(Core* c, PyObject* tensor, PyObject* key,
@@ -96,17 +193,18 @@ static PyObject* store_pack(Core* c, PyObject* tensor, PyObject* key,
     /* Another view of a storage saved already. */
     g = (Group*)found;
     Py_INCREF(g);
-    if (check_list(g->tensors, "group's tensors") < 0) goto done;
     if (get_ll(tensor, s_version, &version) < 0) goto done;
-    Py_ssize_t index = PyList_Size(g->tensors);
-    if (PyList_Append(g->tensors, tensor) < 0) goto done;
+    Py_ssize_t index;
+    if (add_member(g, tensor, &index) < 0) goto done;
     g->live++;
     result = saved_create(g, index, version);
     if (result == NULL) {
       /* Not saved after all: the group is as it was. */
       g->live--;
-      Py_INCREF(Py_None);
-      (void)PyList_SetItem(g->tensors, index, Py_None);
+      PyObject *type, *value, *traceback;
+      PyErr_Fetch(&type, &value, &traceback);
+      if (forget_member(g, index) < 0) PyErr_Clear();
+      PyErr_Restore(type, value, traceback);
     }
     goto done;
   }
@@ -146,7 +244,8 @@ static PyObject* store_pack(Core* c, PyObject* tensor, PyObject* key,
   Py_DECREF(calls);
   if (g == NULL) goto done;
   if (get_ll(tensor, s_version, &version) < 0) goto done;
-  if (PyList_Append(g->tensors, tensor) < 0) goto done;
+  Py_ssize_t first;
+  if (add_member(g, tensor, &first) < 0) goto done;
   g->live = 1;
   if (check_dict(c->groups) < 0 ||
       PyDict_SetItem(c->groups, key, (PyObject*)g) < 0)
@@ -275,10 +374,7 @@ int member_died(Core* c, Group* g, Py_ssize_t index) {
     goto done;
   }
   tensor = member(g, index);
-  if (tensor != Py_None) {
-    Py_INCREF(Py_None);
-    if (PyList_SetItem(g->tensors, index, Py_None) < 0) goto done;
-  }
+  if (tensor != Py_None && forget_member(g, index) < 0) goto done;
   g->live--;
   if (g->live > 0) {
     rc = 0;
@@ -312,6 +408,7 @@ int member_died(Core* c, Group* g, Py_ssize_t index) {
     PyObject* empty = PyList_New(0);
     if (empty == NULL) goto done;
     set_slot(&g->tensors, empty);
+    set_slot(&g->origins, NULL);
     rc = 0;
     goto done;
   }
@@ -417,6 +514,10 @@ static PyObject* core_hook_pack(PyObject* self, PyObject* tensor) {
   Py_DECREF(key);
   return saved;
 as_it_is:
+  /* Detached for the reason keep_member gives. */
+  r = autograd_made(tensor);
+  if (r < 0) return NULL;
+  if (r) return PyObject_CallMethodObjArgs(tensor, s_detach, NULL);
   Py_INCREF(tensor);
   return tensor;
 }

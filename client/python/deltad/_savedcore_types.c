@@ -58,8 +58,9 @@ Group* group_create(PyObject* store, PyObject* key, Py_ssize_t nbytes,
   Group* g = (Group*)PyType_GenericAlloc(GroupType, 0);
   if (g == NULL) return NULL;
   g->tensors = PyList_New(0);
+  g->origins = PyList_New(0);
   g->evicted_sources = PyTuple_New(0);
-  if (g->tensors == NULL || g->evicted_sources == NULL) {
+  if (g->tensors == NULL || g->origins == NULL || g->evicted_sources == NULL) {
     Py_DECREF(g);
     return NULL;
   }
@@ -97,6 +98,7 @@ static int group_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(g->key);
   Py_VISIT(g->state);
   Py_VISIT(g->tensors);
+  Py_VISIT(g->origins);
   Py_VISIT(g->metas);
   Py_VISIT(g->host);
   Py_VISIT(g->flat);
@@ -114,6 +116,7 @@ static int group_clear(PyObject* self) {
   Py_CLEAR(g->key);
   Py_CLEAR(g->state);
   Py_CLEAR(g->tensors);
+  Py_CLEAR(g->origins);
   Py_CLEAR(g->metas);
   Py_CLEAR(g->host);
   Py_CLEAR(g->flat);
@@ -131,25 +134,14 @@ static void group_dealloc(PyObject* self) {
   free_self(self);
 }
 
-static PyMemberDef group_members[] = {OBJ(Group, store),
-                                      OBJ(Group, key),
-                                      OBJ(Group, state),
-                                      OBJ(Group, tensors),
-                                      OBJ(Group, metas),
-                                      OBJ(Group, host),
-                                      OBJ(Group, flat),
-                                      OBJ(Group, event),
-                                      OBJ(Group, call),
-                                      OBJ(Group, retained),
-                                      OBJ(Group, evicted_sources),
-                                      OBJ(Group, versions),
-                                      SSIZE(Group, nbytes),
-                                      SSIZE(Group, position),
-                                      SSIZE(Group, live),
-                                      SSIZE(Group, dependents),
-                                      BOOL(Group, used),
-                                      BOOL(Group, rebuilt),
-                                      {NULL, 0, 0, 0, NULL}};
+static PyMemberDef group_members[] = {
+    OBJ(Group, store),    OBJ(Group, key),          OBJ(Group, state),
+    OBJ(Group, tensors),  OBJ(Group, origins),      OBJ(Group, metas),
+    OBJ(Group, host),     OBJ(Group, flat),         OBJ(Group, event),
+    OBJ(Group, call),     OBJ(Group, retained),     OBJ(Group, evicted_sources),
+    OBJ(Group, versions), SSIZE(Group, nbytes),     SSIZE(Group, position),
+    SSIZE(Group, live),   SSIZE(Group, dependents), BOOL(Group, used),
+    BOOL(Group, rebuilt), {NULL, 0, 0, 0, NULL}};
 
 static PyType_Slot group_slots[] = {
     {Py_tp_doc, "One storage's bytes and the saved tensors that view them."},

@@ -38,10 +38,14 @@ from deltad._extension import load_savedcore
 # The hot path in C (deltad/_savedcore.c): the hooks, pack, unpack and a
 # member's death; the rest of the store is below. Its types:
 # SavedTensor: what autograd keeps instead of a saved tensor, its group and
-# its place there (the tensor itself stays in the group while resident).
+# its place there (the tensor, or a detached alias of it, stays in the
+# group while resident).
 # _Group: one storage's bytes and the saved tensors that view them, with
 #   store, key, nbytes, position (pack order within the iteration), state,
-#   tensors (members; None once dead or released), live, metas ((size,
+#   tensors (members; None once dead or released), origins (per member:
+#   None when the member is the saved tensor itself, else weak references
+#   to the saved tensor and its base, the member being a detached alias;
+#   see keep_member in _savedcore_store.c), live, metas ((size,
 #   stride, offset, dtype) while released), host (the host copy while
 #   offloaded), flat (the restored storage, until members are rebuilt),
 #   event (CUDA: the copy that fills `flat` or `host`), call (the module
@@ -250,6 +254,7 @@ class SavedStore(_core.Core):
                 self._drop(source)
         group.evicted_sources = ()
         group.tensors = []
+        group.origins = []
         group.retained = group.host = group.flat = group.call = None
         group.state = None  # gone
 
@@ -318,9 +323,19 @@ class SavedStore(_core.Core):
         for t in group.tensors:
             if t is not None:
                 held[id(t)] = held.get(id(t), 0) + 1
-        for t in group.tensors:
+        tensors, origins = group.tensors, group.origins
+        for i in range(len(tensors)):  # (a zip's tuple would hold t too)
+            t = tensors[i]
             if t is None:
                 continue
+            origin = origins[i]
+            if origin is not None:
+                # A detached alias (_savedcore's keep_member): the tensor
+                # autograd saved, or its base, may still be the caller's.
+                tensor, base = origin
+                if tensor() is not None or (base is not None and
+                                            base() is not None):
+                    return False
             # The loop variable and getrefcount's argument are the others.
             if sys.getrefcount(t) > held[id(t)] + 2:
                 return False
@@ -381,6 +396,7 @@ class SavedStore(_core.Core):
             group.state = EVICTED
             c.evictions += 1
         group.tensors = [None] * len(group.tensors)
+        group.origins = [None] * len(group.tensors)
         c.resident_bytes -= group.nbytes
         if self.groups.get(group.key) is group:
             del self.groups[group.key]
@@ -470,6 +486,8 @@ class SavedStore(_core.Core):
             view = flat if dtype == flat.dtype else flat.view(dtype)
             group.tensors[i] = view.as_strided(shape, stride, offset)
             shift[i] = group.tensors[i]._version - released[i]
+        # The members are views of the store's own storage now: nobody else's.
+        group.origins = [None] * len(group.tensors)
         group.versions = shift
         if group.live == 0:
             group.retained = flat  # for the dependents' recomputes only
