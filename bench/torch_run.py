@@ -15,6 +15,7 @@ goes wherever torch_bench.py goes (scripts/gpu-pack).
 import contextlib
 import functools
 import gc
+import re
 import time
 
 import benchlib
@@ -59,9 +60,25 @@ def is_oom(exc, deltad_error):
     return False
 
 
+# The figures of PyTorch's out-of-memory message (a GPU's total and free
+# memory first, which say little under a memory fraction).
+_OOM_FIGURES = re.compile(
+    r"Tried to allocate (?P<asked>[\d.]+ \w+)|this process has "
+    r"(?P<process>[\d.]+ \w+) memory in use|(?P<allocated>[\d.]+ \w+) "
+    r"is allocated by PyTorch|(?P<cached>[\d.]+ \w+) is reserved by "
+    r"PyTorch but unallocated")
+
+
 def short(exc, limit=160):
     # One line, and no '|' to break a Markdown table.
     text = " ".join(f"{type(exc).__name__}: {exc}".split()).replace("|", "/")
+    if len(text) > limit and "Tried to allocate" in text:
+        found = {k: v for m in _OOM_FIGURES.finditer(text)
+                 for k, v in m.groupdict().items() if v}
+        text = (f"{type(exc).__name__}: asked {found.get('asked', '?')}; "
+                f"the process holds {found.get('process', '?')}, PyTorch "
+                f"{found.get('allocated', '?')} allocated and "
+                f"{found.get('cached', '?')} cached")
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -179,6 +196,8 @@ class Bench:
         for p in model.parameters():
             p.grad = None
         free_memory(self.cuda)
+        before = torch.cuda.memory_allocated(self.device) if self.cuda \
+            else 0
         self.set_limit(mode)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -219,6 +238,16 @@ class Bench:
             # exception's frames are gone once we leave the handler).
             inputs = targets = optimizer = None
             free_memory(self.cuda)
+        if self.cuda:
+            # The modes share the process: memory a run leaves behind
+            # would make every later run fail (it once did).
+            left = torch.cuda.memory_allocated(self.device) - before
+            if left > 1 << 20:
+                self.errors.append(
+                    f"{work.name} {mode} at {batch}: left {size(left)} "
+                    f"allocated after its run"
+                    + ("" if result.ok else f" (it failed: {result.error})"))
+                note(self.errors[-1])
         result.wall = time.perf_counter() - start
         return result
 

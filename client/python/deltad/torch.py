@@ -126,13 +126,15 @@ class ManagerStats(ClientStats):
     host_full: int  # releases refused: host memory full, no recompute
 
 
-def _measure_bandwidth(device):
-    """Host-to-device bytes/s (CUDA: one 64 MiB pinned copy; CPU: one
-    memcpy of 16 MiB), measured once per device and process."""
+def _measure_bandwidth(device, budget_bytes):
+    """Host-to-device bytes/s (CUDA: one pinned copy of 64 MiB, or of an
+    eighth of the budget if less, at least 1 MiB: under deltad's allocator
+    a small budget has no room for 64 MiB; CPU: one memcpy of 16 MiB),
+    measured once per device and process."""
     key = device  # hashable: no str() per block
     if key not in _bandwidths:
         if device.type == "cuda":
-            nbytes = 64 << 20
+            nbytes = max(1 << 20, min(64 << 20, budget_bytes // 8))
             host = _torch.empty(nbytes, dtype=_torch.uint8, pin_memory=True)
             dev = _torch.empty(nbytes, dtype=_torch.uint8, device=device)
             dev.copy_(host, non_blocking=True)  # warm-up
@@ -153,6 +155,32 @@ def _measure_bandwidth(device):
             seconds = time.perf_counter() - begin
         _bandwidths[key] = nbytes / max(seconds, 1e-9)
     return _bandwidths[key]
+
+
+# PyTorch's caching allocator takes device memory in segments: 2 MiB for
+# requests of up to 1 MiB, 20 MiB for those of up to 10 MiB (kSmallBuffer
+# and kLargeBuffer in CUDACachingAllocator.cpp). What it holds exceeds what
+# it allocated by up to a partly used segment of each kind, and a new one is
+# taken whole: a reserve under two large segments cannot absorb one (seen
+# on a GPU with a 150 MiB budget under deltad's allocator).
+_SEGMENT_SLACK = 2 * (20 << 20)
+
+_warmed_up = set()  # devices whose libraries took their workspaces
+
+
+def _warm_up_libraries(device):
+    """cuBLAS and cuBLASLt take their workspaces (through PyTorch's
+    allocator: 32 MiB with CUBLAS_WORKSPACE_CONFIG=:4096:8) at their first
+    use, inside the first forward, after the first budget for saved
+    activations was set from what PyTorch held: that step could overshoot
+    the budget by as much. One small product of each kind takes them
+    before, so the budget counts them."""
+    if device in _warmed_up:
+        return
+    _warmed_up.add(device)
+    a = _torch.ones(16, 16, device=device)
+    _torch.nn.functional.linear(a, a, a[0])  # cuBLASLt (bias epilogue)
+    _torch.mm(a, a)  # cuBLAS
 
 
 def _half_the_memory():
@@ -190,7 +218,10 @@ class _Engine:
         self.client = client
         self.iterations = 0  # over all the blocks it served
         self.plan = plan
-        self.bandwidth = link_bytes_per_second or _measure_bandwidth(device)
+        if self.cuda:
+            _warm_up_libraries(device)
+        self.bandwidth = link_bytes_per_second or _measure_bandwidth(
+            device, budget_bytes)
         self.recorder = Recorder(device, min_bytes, max_depth)
         self.store = SavedStore(device, budget_bytes, self._director,
                                 self.recorder, host_bytes, prefetch_bytes,
@@ -445,7 +476,8 @@ class managed:
     the budget; 0: off). max_depth: how many module calls back a recompute
     may rerun. host_bytes: host memory for offloads (default: half the
     machine's). reserve_bytes (CUDA): what temporaries and workspaces need
-    beside saved activations (default: an eighth of the budget). client: an
+    beside saved activations (default: an eighth of the budget, at least
+    two of PyTorch's 20 MiB segments up to half of it). client: an
     open deltad.Client for the daemon session (default: the installed
     allocator's on its GPU, else the process's session on `socket`, opened
     by the first block and kept; see close_sessions()).
@@ -531,7 +563,8 @@ class managed:
         if prefetch_bytes is None:
             prefetch_bytes = budget_bytes // 4
         if reserve_bytes is None:
-            reserve_bytes = budget_bytes // 8 if cuda else 0
+            reserve_bytes = max(budget_bytes // 8, min(
+                _SEGMENT_SLACK, budget_bytes // 2)) if cuda else 0
         host_bytes = host_bytes or _HOST_DEFAULT
         settings = (budget_bytes, min_bytes, policy, prefetch_bytes,
                     max_depth, host_bytes, reserve_bytes, client,
