@@ -182,6 +182,7 @@ class PendingCopiesAtCloseTest(unittest.TestCase):
                 plan=Plan(), on_iteration=lambda: None)
             store.cuda = True
             store.copy_stream = cuda.Stream(None)
+            store.pytorch_allocator = False  # deltad's: copies held
 
             def save(tensor):
                 storage = saved._storage(tensor)

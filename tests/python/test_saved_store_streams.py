@@ -1,11 +1,13 @@
 """The store's CUDA ordering without a GPU: deltad.saved runs its CUDA
 branch against a stand-in torch.cuda that logs streams and events, on CPU
-tensors. Checked: an offload's device bytes stay referenced until its
-copy's event has completed (polled, never waited for on the host); a
-reload is allocated on the compute stream, copied on the copy stream after
-it, and the compute stream waits for the copy before the tensor is handed
-out; a prefetched group that dies unread keeps its bytes until the copy
-into them has run. A GPU runs the real thing (bench/torch_bench.py)."""
+tensors. Checked, under deltad's allocator: an offload's device bytes stay
+referenced until its copy's event has completed (polled, waited for on the
+host only past the cap on bytes in flight); a reload is allocated on the
+compute stream, copied on the copy stream after it, and the compute stream
+waits for the copy before the tensor is handed out; a prefetched group
+that dies unread keeps its bytes until the copy into them has run. Under
+PyTorch's own allocator the copy stream is recorded on the bytes instead,
+and nothing is kept. A GPU runs the real thing (bench/torch_bench.py)."""
 
 import contextlib
 import unittest
@@ -16,8 +18,9 @@ import deltad.saved as saved
 
 
 class FakeEvent:
-    def __init__(self, log):
+    def __init__(self, log, log_waits=False):
         self.log = log
+        self.log_waits = log_waits  # else a host wait fails the test
         self.done = False
         self.stream = None
 
@@ -30,7 +33,10 @@ class FakeEvent:
         return self.done
 
     def synchronize(self):
-        raise AssertionError("the store must never wait on the host")
+        if not self.log_waits:
+            raise AssertionError("the store must not wait on the host")
+        self.log.append(("synchronize",))
+        self.done = True
 
 
 class FakeStream:
@@ -54,6 +60,7 @@ class FakeCuda:
     def __init__(self):
         self.log = []
         self.events = []
+        self.waits_allowed = False
         self.compute = FakeStream("compute", self.log)
         self.current = self.compute
 
@@ -61,7 +68,7 @@ class FakeCuda:
         return FakeStream("copy", self.log)
 
     def Event(self):  # noqa: N802
-        event = FakeEvent(self.log)
+        event = FakeEvent(self.log, self.waits_allowed)
         self.events.append(event)
         return event
 
@@ -88,6 +95,16 @@ class FakeTorch:
 
     def __getattr__(self, name):
         return getattr(torch, name)
+
+    @property
+    def Tensor(self):  # noqa: N802 (torch's name)
+        log = self.log
+
+        class Tensor:
+            @staticmethod
+            def record_stream(tensor, stream):
+                log.append(("record_stream", tensor.data_ptr(), stream.name))
+        return Tensor
 
     def empty(self, *args, pin_memory=False, device=None, **kwargs):
         self.log.append(("empty", "pinned" if pin_memory else "device",
@@ -120,6 +137,7 @@ class StreamOrderTest(unittest.TestCase):
             prefetch_bytes=1 << 30, plan=Plan(), on_iteration=lambda: None)
         self.store.cuda = True
         self.store.copy_stream = self.cuda.Stream(None)
+        self.store.pytorch_allocator = False  # deltad's: copies held
 
     def tearDown(self):
         saved._torch = self.real
@@ -135,7 +153,7 @@ class StreamOrderTest(unittest.TestCase):
         del a
 
         def held():
-            return [t.data_ptr() for _, t in self.store.in_flight]
+            return [e[1].data_ptr() for e in self.store.in_flight]
 
         self.store.budget = 1024  # the next save pushes `a` out
         sb = self.save(torch.ones(1024))
@@ -183,6 +201,37 @@ class StreamOrderTest(unittest.TestCase):
         reload_event.done = True
         self.store._poll_copies()
         self.assertEqual(self.store.in_flight, [])
+
+    def test_past_the_cap_the_oldest_copies_are_waited_for(self):
+        self.cuda.waits_allowed = True
+        self.store.in_flight_cap = 4096  # one storage of 1024 floats
+        saves = [self.save(torch.full((1024,), float(i))) for i in range(3)]
+        self.store.budget = 1024  # each save now pushes the oldest out
+        saves += [self.save(torch.ones(1024)) for _ in range(2)]
+        self.assertGreaterEqual(self.store.counters.offloads, 2)
+        # Each copy past the first waited for the one before it.
+        self.assertLessEqual(self.store.in_flight_bytes, 4096)
+        self.assertEqual(self.store.in_flight_bytes,
+                         sum(e[2] for e in self.store.in_flight))
+        waits = self.cuda.log.count(("synchronize",))
+        self.assertGreaterEqual(waits, 1)
+        self.assertEqual(self.store.counters.host_waits, waits)
+
+    def test_under_pytorchs_allocator_the_copy_stream_is_recorded(self):
+        self.store.pytorch_allocator = True
+        a = torch.arange(1024, dtype=torch.float32)
+        address = a.data_ptr()
+        sa = self.save(a)
+        del a
+        self.store.budget = 1024
+        sb = self.save(torch.ones(1024))
+        self.assertEqual(self.store.counters.offloads, 1)
+        # PyTorch's allocator keeps the block from reuse until the copy
+        # stream passes the copy: the store keeps nothing, waits for none.
+        self.assertIn(("record_stream", address, "copy"), self.cuda.log)
+        self.assertEqual(self.store.in_flight, [])
+        self.assertEqual(self.store.counters.host_waits, 0)
+        del sa, sb
 
 
 if __name__ == "__main__":

@@ -103,8 +103,15 @@ class SavedStore(_core.Core):
         self.closed = False
         self.copy_stream = (_torch.cuda.Stream(device) if self.cuda
                             else None)
-        # CUDA: (event, tensor) for device bytes a copy still reads.
+        # CUDA: (event, tensor, bytes) for device bytes a copy still reads
+        # or writes (see _keep_until_copied), and their sum.
         self.in_flight = []
+        self.in_flight_bytes = 0
+        # Set by the owner: whether PyTorch's own caching allocator serves
+        # the device (not deltad's), and the most bytes copies may still
+        # hold before the store waits for the oldest.
+        self.pytorch_allocator = True
+        self.in_flight_cap = 1 << 62
         # Members that died (SavedTensor.__del__, run by the garbage
         # collector at any allocation, on the thread that holds the
         # re-entrant lock) while the store was releasing or restoring:
@@ -239,7 +246,7 @@ class SavedStore(_core.Core):
         if group.event is not None:
             # Prefetched and never read: its block may be reused only once
             # the copy into it has run.
-            self.in_flight.append((group.event, group.flat))
+            self._keep_until_copied(group.flat, group.nbytes, group.event)
             group.event = None
         if self.groups.get(group.key) is group:
             del self.groups[group.key]
@@ -260,21 +267,45 @@ class SavedStore(_core.Core):
 
     # --- releasing
 
-    def _keep_until_copied(self, tensor):
-        event = _torch.cuda.Event()
-        event.record(self.copy_stream)
-        self.in_flight.append((event, tensor))
+    def _keep_until_copied(self, tensor, nbytes, event=None):
+        """Keeps the device bytes of `tensor`, which a copy on the copy
+        stream (up to `event`, else its end now) reads or writes, from
+        being reused under it, the store letting go of them."""
+        if self.pytorch_allocator:
+            # PyTorch's caching allocator reuses the block only once the
+            # copy stream has passed this point, and when it runs short it
+            # waits for such copies itself: no wait here, nothing kept.
+            _torch.Tensor.record_stream(tensor, self.copy_stream)
+            return
+        # deltad's allocator: PyTorch's pluggable allocator drops
+        # record_stream, and a MemPool routed for every thread defers such
+        # frees until routing ends. So the bytes stay referenced until the
+        # copy has run (polled), and past in_flight_cap the store waits for
+        # the oldest copies: what they hold is not room for the step yet.
+        if event is None:
+            event = _torch.cuda.Event()
+            event.record(self.copy_stream)
+        self.in_flight.append((event, tensor, nbytes))
+        self.in_flight_bytes += nbytes
+        if self.in_flight_bytes > self.in_flight_cap:
+            self._poll_copies()
+            while self.in_flight_bytes > self.in_flight_cap:
+                self.in_flight[0][0].synchronize()
+                self.counters.host_waits += 1
+                self._poll_copies()
 
     def _poll_copies(self):
-        """Lets go of device bytes whose copy out has run. Copies on one
+        """Lets go of device bytes whose copy has run. Copies on one
         stream finish in order: the first one still running ends it."""
-        done = 0
-        for event, _ in self.in_flight:
+        done = freed = 0
+        for event, _, nbytes in self.in_flight:
             if not event.query():
                 break
             done += 1
+            freed += nbytes
         if done:
             del self.in_flight[:done]
+            self.in_flight_bytes -= freed
 
     def _make_room(self, budget, protect=None, extra=0):
         """Releases the oldest groups this store alone holds until the
@@ -374,11 +405,7 @@ class SavedStore(_core.Core):
                     host = _torch.empty(flat.shape, dtype=flat.dtype,
                                         pin_memory=True)
                     host.copy_(flat, non_blocking=True)
-                # The device bytes stay referenced until the copy has run
-                # (polled, never waited for). Not record_stream: PyTorch's
-                # pluggable allocator drops it, and a MemPool routed for
-                # every thread defers such frees until routing ends.
-                self._keep_until_copied(flat)
+                self._keep_until_copied(flat, group.nbytes)
             else:
                 host = _torch.empty_like(flat)
                 host.copy_(flat)
@@ -551,6 +578,7 @@ class SavedStore(_core.Core):
                 _torch.cuda.current_stream(self.device).wait_event(
                     self.in_flight[-1][0])
                 self.in_flight = []
+                self.in_flight_bytes = 0
             self.budget = 1 << 62
             # Graphs of the block may still be unpacked, restoring what
             # they need, but nothing is released or prefetched any more:

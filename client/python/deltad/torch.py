@@ -226,6 +226,9 @@ class _Engine:
         self.store = SavedStore(device, budget_bytes, self._director,
                                 self.recorder, host_bytes, prefetch_bytes,
                                 self.plan, self._on_iteration)
+        if self.cuda:
+            self.store.pytorch_allocator = _allocator.mode() is None
+            self.store.in_flight_cap = max(reserve_bytes // 2, 1 << 20)
         # Weak: the store keeps the recorder for rebuilds, and a cycle
         # would leave every block's objects to the garbage collector.
         self.recorder.store = weakref.proxy(self.store)
