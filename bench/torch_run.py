@@ -68,6 +68,8 @@ _OOM_FIGURES = re.compile(
     r"is allocated by PyTorch|(?P<cached>[\d.]+ \w+) is reserved by "
     r"PyTorch but unallocated")
 
+_DELTAD_HELD = re.compile(r"deltad: a budget of .*? offloaded to host memory")
+
 
 def short(exc, limit=160):
     # One line, and no '|' to break a Markdown table.
@@ -75,10 +77,13 @@ def short(exc, limit=160):
     if len(text) > limit and "Tried to allocate" in text:
         found = {k: v for m in _OOM_FIGURES.finditer(text)
                  for k, v in m.groupdict().items() if v}
+        held = _DELTAD_HELD.search(text)  # deltad.torch's account
         text = (f"{type(exc).__name__}: asked {found.get('asked', '?')}; "
                 f"the process holds {found.get('process', '?')}, PyTorch "
                 f"{found.get('allocated', '?')} allocated and "
-                f"{found.get('cached', '?')} cached")
+                f"{found.get('cached', '?')} cached"
+                + (f"; {held.group(0)}" if held else ""))
+        limit = max(limit, len(text))
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
