@@ -87,6 +87,18 @@ def short(exc, limit=160):
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def deltad_did(stats):
+    """What a run's managed block did, for its log line."""
+    if stats is None:
+        return ""
+    return (f" [deltad: saved activations peaked at "
+            f"{size(stats.peak_device_bytes)} of {size(stats.budget_bytes)}"
+            f"; {stats.offloads} offloads, {stats.evictions} evictions, "
+            f"{stats.prefetches} prefetches, {stats.overshoots} overshoots, "
+            f"{stats.host_waits} host waits, "
+            f"{stats.stall_ns / 1e6:.0f} ms stalled]")
+
+
 def free_memory(cuda):
     gc.collect()
     if cuda:
@@ -208,6 +220,7 @@ class Bench:
             torch.cuda.reset_peak_memory_stats(self.device)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
         checkpointed = mode == "checkpoint"
+        manager = None
         try:
             inputs, targets = work.make_batch(batch, self.device)
             with self.mode_context(mode, model) as manager:
@@ -233,6 +246,8 @@ class Bench:
         except Exception as e:  # noqa: BLE001: classified, then reported
             result.oom = is_oom(e, self.deltad_error)
             result.error = short(e)
+            if manager is not None:
+                result.deltad = manager.stats()  # up to the failure
         finally:
             if self.cuda:
                 result.torch_peak = torch.cuda.max_memory_reserved(
@@ -314,7 +329,8 @@ class Bench:
             what = ("fits" if r.ok else
                     "out of memory" if r.oom else "ERROR")
             note(f"{work.name} {mode} batch {batch}: {what} "
-                 f"({r.wall:.1f} s)" + ("" if r.ok else f": {r.error}"))
+                 f"({r.wall:.1f} s)" + ("" if r.ok else f": {r.error}")
+                 + deltad_did(r.deltad))
             if r.ok:
                 return True, None
             if not r.oom:
