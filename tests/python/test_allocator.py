@@ -88,6 +88,22 @@ class RefusalTest(unittest.TestCase):
             allocator._check_unused(torch, 0, "global")
         self.assertIn("before any .cuda()", str(e.exception))
 
+    def test_the_global_swap_finds_its_device_without_starting_cuda(self):
+        # PyTorch 2.0-2.7: asking for the current device starts CUDA, after
+        # which the allocator can no longer be swapped.
+        def current_device():
+            raise AssertionError("CUDA started before the swap")
+        torch = fake_torch("2.4.0", mempool=False)
+        torch.cuda.current_device = current_device
+        torch.device = lambda d: types.SimpleNamespace(
+            type=d.split(":")[0], index=None)
+        self.assertEqual(allocator._device_index(torch, None, "global"), 0)
+        self.assertEqual(allocator._device_index(torch, "cuda", "global"), 0)
+        self.assertEqual(allocator._device_index(torch, 3, "global"), 3)
+        # Once it is up, and for a pool, PyTorch says which it is.
+        torch.cuda.current_device = lambda: 1
+        self.assertEqual(allocator._device_index(torch, None, "mempool"), 1)
+
 
 class RoutingTest(unittest.TestCase):
 

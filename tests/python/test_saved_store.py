@@ -67,16 +67,14 @@ class CollectedWhileTheStoreWorksTest(unittest.TestCase):
     once and end dropped, with the store's counters back at zero."""
 
     def setUp(self):
-        import deltad.saved as saved
-        self.saved = saved
-        self.real = saved._torch
-        saved._torch = _CollectingTorch(self.real)
+        from test_saved_store_streams import patch_torch
+        self.undo = patch_torch(_CollectingTorch(torch))
         gc.collect()
         gc.disable()  # only the store's allocations collect
 
     def tearDown(self):
         gc.enable()
-        self.saved._torch = self.real
+        self.undo()
 
     def check_empty(self, store):
         gc.collect()
@@ -171,10 +169,9 @@ class PendingCopiesAtCloseTest(unittest.TestCase):
     def test_close_orders_the_compute_stream_after_pending_copies(self):
         import deltad.saved as saved
         from test_saved_store_streams import (FakeCuda, FakeTorch,
-                                              NoRecompute, Plan)
+                                              NoRecompute, Plan, patch_torch)
         cuda = FakeCuda()
-        real = saved._torch
-        saved._torch = FakeTorch(cuda)
+        undo = patch_torch(FakeTorch(cuda))
         try:
             store = saved.SavedStore(
                 torch.device("cpu"), 1 << 30, lambda group: "offload",
@@ -200,7 +197,7 @@ class PendingCopiesAtCloseTest(unittest.TestCase):
             self.assertIn(("wait_event", "compute", "copy"), cuda.log)
             del sa, sb
         finally:
-            saved._torch = real
+            undo()
 
 
 class MisusedCoreTest(unittest.TestCase):

@@ -15,6 +15,18 @@ import unittest
 import torch
 
 import deltad.saved as saved
+import deltad.saved_restore as saved_restore
+
+
+def patch_torch(fake):
+    """Gives deltad.saved and deltad.saved_restore (each uses torch through
+    its own _torch) the stand-in `fake`; returns what undoes it."""
+    before = saved._torch, saved_restore._torch
+    saved._torch = saved_restore._torch = fake
+
+    def undo():
+        saved._torch, saved_restore._torch = before
+    return undo
 
 
 class FakeEvent:
@@ -129,8 +141,7 @@ class StreamOrderTest(unittest.TestCase):
 
     def setUp(self):
         self.cuda = FakeCuda()
-        self.real = saved._torch
-        saved._torch = FakeTorch(self.cuda)
+        self.undo = patch_torch(FakeTorch(self.cuda))
         self.store = saved.SavedStore(
             torch.device("cpu"), 1 << 30,
             lambda group: "offload", NoRecompute(), host_bytes=1 << 30,
@@ -140,7 +151,7 @@ class StreamOrderTest(unittest.TestCase):
         self.store.pytorch_allocator = False  # deltad's: copies held
 
     def tearDown(self):
-        saved._torch = self.real
+        self.undo()
 
     def save(self, tensor):
         storage = saved._storage(tensor)
@@ -227,11 +238,53 @@ class StreamOrderTest(unittest.TestCase):
         sb = self.save(torch.ones(1024))
         self.assertEqual(self.store.counters.offloads, 1)
         # PyTorch's allocator keeps the block from reuse until the copy
-        # stream passes the copy: the store keeps nothing, waits for none.
+        # stream passes the copy: the store keeps no reference, waits for
+        # nothing, and counts the bytes until the copy has run.
         self.assertIn(("record_stream", address, "copy"), self.cuda.log)
-        self.assertEqual(self.store.in_flight, [])
+        self.assertEqual([e[1:] for e in self.store.in_flight],
+                         [(None, 4096)])
+        self.assertEqual(self.store.in_flight_bytes, 4096)
         self.assertEqual(self.store.counters.host_waits, 0)
+        self.cuda.events[0].done = True
+        self.store._poll_copies()
+        self.assertEqual(self.store.in_flight_bytes, 0)
         del sa, sb
+
+    def test_a_prefetch_that_runs_out_of_memory_leaves_the_group_offloaded(
+            self):
+        saves = [self.save(torch.full((1024,), float(i))) for i in range(3)]
+        self.store.budget = 1024  # the third save pushes the first two out
+        saves.append(self.save(torch.ones(1024)))
+        for e in self.cuda.events:
+            e.done = True
+        self.store._poll_copies()
+        self.assertEqual(self.store.counters.offloads, 3)
+        self.store.budget = 1 << 30
+        real_empty = saved._torch.empty
+        failed = []
+
+        def empty(*args, pin_memory=False, device=None, **kwargs):
+            if not pin_memory:
+                failed.append(args)
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+            return real_empty(*args, pin_memory=pin_memory, **kwargs)
+
+        saved._torch.empty = empty
+        try:
+            # Backward reads the last save, then prefetches the others:
+            # the first prefetch runs out of memory, and no other is tried.
+            self.assertTrue(torch.equal(self.store.unpack(saves[3]),
+                                        torch.ones(1024)))
+        finally:
+            del saved._torch.empty
+        self.assertEqual(len(failed), 1)
+        self.assertEqual(self.store.counters.prefetches, 0)
+        self.assertTrue(self.store.prefetch_paused)
+        # What backward needs is still restored, with the room it makes.
+        for i in (2, 1, 0):
+            self.assertTrue(torch.equal(self.store.unpack(saves[i]),
+                                        torch.full((1024,), float(i))))
+        self.assertEqual(self.store.counters.reloads, 3)
 
 
 if __name__ == "__main__":

@@ -84,5 +84,59 @@ class RecomputeTest(unittest.TestCase):
         self.assertGreater(stats.evictions, 2 * stats.offloads, stats)
 
 
+class _Event:
+    """A CUDA event's stand-in: done or not, 2 ms after its start."""
+
+    def __init__(self, done):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, end):
+        return 2.0
+
+
+class RecomputeCostTest(unittest.TestCase):
+    """On CUDA the CPU runs ahead of the GPU: when the store picks its
+    victims in a forward, most recorded calls have not run yet, and a cost
+    read as 0 made every release an eviction. A call not measured yet is
+    priced at its module's last measured run, and without one it is not
+    priced at all: the Director offloads."""
+
+    def call(self, module, done):
+        from deltad.recompute import Call
+        c = Call()
+        c.module, c.args, c.kwargs = module, (), {}
+        c.events = (_Event(True), _Event(done))
+        c.own_ns = 0
+        return c
+
+    def test_an_unmeasured_call_has_no_cost_then_its_modules_last(self):
+        module = torch.nn.ReLU()
+        self.assertIsNone(self.call(module, done=False).cost_ns())
+        self.assertEqual(self.call(module, done=True).cost_ns(), 2000000)
+        self.assertEqual(self.call(module, done=False).cost_ns(), 2000000)
+
+    def test_a_call_rerunning_an_unmeasured_one_has_no_cost(self):
+        module = torch.nn.Tanh()
+        first = self.call(module, done=False)
+        second = self.call(torch.nn.ReLU(), done=True)
+        second.args = (("call", first, None),)
+        self.assertIsNone(second.cost_ns())
+
+    def test_the_director_offloads_what_it_cannot_price(self):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+        with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                  budget_bytes=1 << 20) as manager:
+            engine = manager._engine
+            group = type("Group", (), {})()
+            group.nbytes = 1 << 20
+            group.call = self.call(torch.nn.GELU(), done=False)
+            engine.recorder.can_rebuild = lambda g: True
+            engine.policy = "auto"
+            self.assertEqual(engine._director(group), "offload")
+
+
 if __name__ == "__main__":
     unittest.main()

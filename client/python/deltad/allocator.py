@@ -110,15 +110,24 @@ def _routing(torch):
     return "global"
 
 
-def _device_index(torch, device):
-    if device is None:
-        return torch.cuda.current_device()
+def _device_index(torch, device, mode):
+    """The CUDA device index `device` names (None: the current one).
+    Asking PyTorch for the current device initializes CUDA, after which
+    PyTorch 2.0-2.7 ("global") can no longer swap its allocator: there,
+    before CUDA is up, the current device is CUDA's first, 0."""
     if isinstance(device, int):
         return device
-    d = torch.device(device)
-    if d.type != "cuda":
-        raise ValueError(f"deltad's allocator serves CUDA devices, not {d}")
-    return torch.cuda.current_device() if d.index is None else d.index
+    index = None
+    if device is not None:
+        d = torch.device(device)
+        if d.type != "cuda":
+            raise ValueError(
+                f"deltad's allocator serves CUDA devices, not {d}")
+        index = d.index
+    if index is None:
+        index = 0 if mode == "global" and not torch.cuda.is_initialized() \
+            else torch.cuda.current_device()
+    return index
 
 
 def _check_unused(torch, index, mode):
@@ -174,7 +183,7 @@ def install(client=None, budget_bytes=0, socket=DEFAULT_SOCKET, device=None):
                 f"only. Run on a GPU with a CUDA build of PyTorch, or set "
                 f"DELTAD_DISABLE=1 to go without it.")
         mode = _routing(torch)
-        index = _device_index(torch, device)
+        index = _device_index(torch, device, mode)
         _check_unused(torch, index, mode)
         owns = client is None
         if owns:

@@ -44,6 +44,10 @@ def _view(flat, meta):
     return view.as_strided(shape, stride, offset)
 
 
+# Module -> the GPU time of its last run whose events were read.
+_last_ns = weakref.WeakKeyDictionary()
+
+
 class Call:
     """One run of a module's forward, as recompute runs it again."""
 
@@ -53,14 +57,28 @@ class Call:
 
     def cost_ns(self):
         """This run's time plus that of the calls it reruns for its
-        arguments: what recomputing its output costs."""
+        arguments: what recomputing its output costs; None while unknown
+        (on CUDA the CPU runs ahead of the GPU: a call whose events have
+        not completed is priced at its module's last measured run, and
+        without one the Director offloads rather than take it as free)."""
+        own = self.own_ns
         if self.events is not None:
             start, end = self.events
             if end.query():  # read lazily, once the GPU ran it
-                self.own_ns = int(start.elapsed_time(end) * 1e6)
+                own = self.own_ns = int(start.elapsed_time(end) * 1e6)
                 self.events = None
-        return self.own_ns + sum(v[1].cost_ns() for v in self.sources()
-                                 if v[0] == "call")
+                _last_ns[self.module] = own
+            else:
+                own = _last_ns.get(self.module)
+                if own is None:
+                    return None
+        for v in self.sources():
+            if v[0] == "call":
+                cost = v[1].cost_ns()
+                if cost is None:
+                    return None
+                own += cost
+        return own
 
     def sources(self):
         return itertools.chain(self.args, self.kwargs.values())

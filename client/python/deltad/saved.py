@@ -34,6 +34,8 @@ import time
 import torch as _torch
 
 from deltad._extension import load_savedcore
+from deltad.saved_restore import (  # noqa: F401 (_storage: theirs too)
+    Restoring, _flat, _storage)
 
 # The hot path in C (deltad/_savedcore.c): the hooks, pack, unpack and a
 # member's death; the rest of the store is below. Its types:
@@ -62,13 +64,8 @@ _core = load_savedcore()
 RESIDENT, OFFLOADED, EVICTED = _core.RESIDENT, _core.OFFLOADED, _core.EVICTED
 SavedTensor, _Group, Counters = _core.SavedTensor, _core.Group, _core.Counters
 
-# The tensor's untyped storage: PyTorch 2.x's untyped_storage, 1.13's
-# _storage (its storage() builds a typed one, 15 times slower).
-_storage = getattr(_torch.Tensor, "untyped_storage", None) or \
-    _torch.Tensor._storage
 
-
-class SavedStore(_core.Core):
+class SavedStore(Restoring, _core.Core):
     """The saved activations of one managed block.
 
     budget: the bytes saved activations may hold on the device now (an
@@ -112,6 +109,7 @@ class SavedStore(_core.Core):
         # hold before the store waits for the oldest.
         self.pytorch_allocator = True
         self.in_flight_cap = 1 << 62
+        self.prefetch_paused = False  # a prefetch ran out of memory
         # Members that died (SavedTensor.__del__, run by the garbage
         # collector at any allocation, on the thread that holds the
         # re-entrant lock) while the store was releasing or restoring:
@@ -141,6 +139,8 @@ class SavedStore(_core.Core):
         self.lock.acquire()
         busy, self.busy = self.busy, True
         try:
+            if self.in_flight:
+                self._poll_copies()  # backward's room for prefetches
             if group.state != RESIDENT:
                 start = time.perf_counter_ns()
                 self._restore(group, need=True)
@@ -226,6 +226,7 @@ class SavedStore(_core.Core):
         self.unpacked = []
         self.by_position = []
         self.order = []
+        self.prefetch_paused = False
         if self.on_iteration is not None:  # None once the block ended
             self.on_iteration()
 
@@ -270,21 +271,25 @@ class SavedStore(_core.Core):
     def _keep_until_copied(self, tensor, nbytes, event=None):
         """Keeps the device bytes of `tensor`, which a copy on the copy
         stream (up to `event`, else its end now) reads or writes, from
-        being reused under it, the store letting go of them."""
-        if self.pytorch_allocator:
-            # PyTorch's caching allocator reuses the block only once the
-            # copy stream has passed this point, and when it runs short it
-            # waits for such copies itself: no wait here, nothing kept.
-            _torch.Tensor.record_stream(tensor, self.copy_stream)
-            return
-        # deltad's allocator: PyTorch's pluggable allocator drops
-        # record_stream, and a MemPool routed for every thread defers such
-        # frees until routing ends. So the bytes stay referenced until the
-        # copy has run (polled), and past in_flight_cap the store waits for
-        # the oldest copies: what they hold is not room for the step yet.
+        being reused under it, the store letting go of them. Either way
+        they are no room until the copy has run (polled): they count in
+        in_flight_bytes, which prefetches leave alone, and past
+        in_flight_cap the store waits for the oldest copies."""
         if event is None:
             event = _torch.cuda.Event()
             event.record(self.copy_stream)
+        if self.pytorch_allocator:
+            # PyTorch's caching allocator reuses the block only once the
+            # copy stream has passed this point: the store keeps no
+            # reference. (Short of memory, it waits for such copies only
+            # to free whole cached segments, and then asks the device for
+            # new ones: a block freed that way inside a segment is not
+            # found in that allocation, hence the cap here too.)
+            _torch.Tensor.record_stream(tensor, self.copy_stream)
+            tensor = None
+        # Under deltad's allocator the store keeps the reference: PyTorch's
+        # pluggable allocator drops record_stream, and a MemPool routed
+        # for every thread defers such frees until routing ends.
         self.in_flight.append((event, tensor, nbytes))
         self.in_flight_bytes += nbytes
         if self.in_flight_bytes > self.in_flight_cap:
@@ -429,129 +434,6 @@ class SavedStore(_core.Core):
             del self.groups[group.key]
         return True
 
-    # --- restoring
-
-    def _restore(self, group, need):
-        """Brings a released group back (its storage in group.flat; the
-        members are rebuilt by _settle)."""
-        c = self.counters
-        budget = self.budget
-        if c.resident_bytes + group.nbytes > budget:
-            if not need:
-                return False
-            self._make_room(budget, group, extra=group.nbytes)
-        if group.state == OFFLOADED:
-            host = group.host
-            if self.cuda:
-                # Allocated on the compute stream, which will read it and
-                # free it: it waits for the copy's event before either.
-                current = _torch.cuda.current_stream(self.device)
-                flat = _torch.empty(host.shape, dtype=host.dtype,
-                                    device=self.device)
-                self.copy_stream.wait_stream(current)
-                with _torch.cuda.stream(self.copy_stream):
-                    flat.copy_(host, non_blocking=True)
-                event = _torch.cuda.Event()
-                event.record(self.copy_stream)
-                group.event = event
-            else:
-                flat = _torch.empty_like(host)
-                flat.copy_(host)
-                c.host_waits += 1
-            group.host = None
-            c.host_bytes -= group.nbytes
-            c.reloads += 1
-            c.reloaded_bytes += group.nbytes
-            if not need:
-                c.prefetches += 1
-        else:
-            start = time.perf_counter_ns()
-            out = self.recompute.rebuild(group)
-            flat = _flat(out, group.nbytes)
-            c.recomputes += 1
-            c.recompute_ns += time.perf_counter_ns() - start
-            for source in group.evicted_sources:
-                source.dependents -= 1
-                if source.dependents == 0 and source.live == 0:
-                    self._drop(source)
-            group.evicted_sources = ()
-        group.flat = flat
-        group.state = RESIDENT
-        # Keyed by where its bytes are now. The old address was freed when
-        # the group was released and may belong to a newer tensor: under
-        # the old key that tensor would be packed into this group, or taken
-        # for a recompute's argument from it (wrong bytes, once a graph
-        # kept with retain_graph outlives the next forward).
-        if self.groups.get(group.key) is group:
-            del self.groups[group.key]
-        group.key = _storage(flat).data_ptr()
-        self.groups[group.key] = group
-        if not self.closed:
-            # A victim again (the last in line: it is needed soon), so that
-            # a restore that backward has not reached yet can make way.
-            self.order.append(group)
-        c.resident_bytes += group.nbytes
-        if c.resident_bytes > c.peak_resident_bytes:
-            c.peak_resident_bytes = c.resident_bytes
-        return True
-
-    def _settle(self, group):
-        """Rebuilds a restored group's members as views of its storage, the
-        compute stream waiting for the copy that filled it."""
-        flat = group.flat
-        if flat is None:
-            return
-        if group.event is not None:
-            _torch.cuda.current_stream(self.device).wait_event(group.event)
-            group.event = None
-        released = group.versions
-        shift = [0] * len(group.metas)
-        for i, meta in enumerate(group.metas):
-            if meta is None:
-                continue
-            shape, stride, offset, dtype = meta
-            view = flat if dtype == flat.dtype else flat.view(dtype)
-            group.tensors[i] = view.as_strided(shape, stride, offset)
-            shift[i] = group.tensors[i]._version - released[i]
-        # The members are views of the store's own storage now: nobody else's.
-        group.origins = [None] * len(group.tensors)
-        group.versions = shift
-        if group.live == 0:
-            group.retained = flat  # for the dependents' recomputes only
-        group.flat = None
-        group.metas = None
-        group.rebuilt = True
-
-    def _prefetch_after(self, group):
-        """Restores, ahead of use and within the budget, the released
-        groups backward will unpack next: in the previous iteration's
-        unpack order when this one has the same groups, else in reverse
-        pack order. Called only while some group is offloaded."""
-        if self.prefetch_bytes <= 0:
-            return
-        plan = self.plan
-        by_position = self.by_position
-        if plan.unpack_order and plan.groups == len(by_position):
-            # The positions the last iteration unpacked after as many as
-            # this one has (none left when this one unpacked more: a graph
-            # that differs, or one unpacked twice).
-            order = plan.unpack_order
-            upcoming = (order[j] for j in range(len(self.unpacked),
-                                                len(order)))
-        else:
-            upcoming = range(group.position - 1, -1, -1)
-        ahead = 0
-        for position in upcoming:
-            if ahead >= self.prefetch_bytes or position >= len(by_position):
-                break
-            other = by_position[position]
-            if other.state is None or other.used:
-                continue
-            ahead += other.nbytes
-            if other.state == OFFLOADED and other.live > 0:
-                if not self._restore(other, need=False):
-                    break
-
     def close(self):
         """The block ended. Graphs saved in it can still be unpacked (the
         bytes are kept until autograd lets go of them); nothing more is
@@ -616,13 +498,6 @@ def _changed(group, saved, tensor):
     if shift is None or saved.index >= len(shift):
         return True
     return tensor._version - shift[saved.index] != saved.version
-
-
-def _flat(tensor, nbytes):
-    """The whole storage under `tensor`, as a 1-d tensor of its dtype."""
-    size = tensor.element_size()
-    with _torch.no_grad():
-        return tensor.detach().as_strided((nbytes // size,), (1,), 0)
 
 
 def _modified(tensor, version):

@@ -174,13 +174,15 @@ def _warm_up_libraries(device):
     use, inside the first forward, after the first budget for saved
     activations was set from what PyTorch held: that step could overshoot
     the budget by as much. One small product of each kind takes them
-    before, so the budget counts them."""
+    before, so the budget counts them; and a small backward, since
+    PyTorch keeps handles per thread and backward runs on autograd's."""
     if device in _warmed_up:
         return
     _warmed_up.add(device)
-    a = _torch.ones(16, 16, device=device)
-    _torch.nn.functional.linear(a, a, a[0])  # cuBLASLt (bias epilogue)
-    _torch.mm(a, a)  # cuBLAS
+    a = _torch.ones(16, 16, device=device, requires_grad=True)
+    with _torch.enable_grad():
+        out = _torch.nn.functional.linear(a, a, a[0])  # cuBLASLt (bias)
+        _torch.mm(out, a).sum().backward()  # cuBLAS, on both threads
 
 
 def _half_the_memory():
@@ -320,6 +322,8 @@ class _Engine:
         if self.policy == "recompute":
             return "evict"
         c_r = group.call.cost_ns()
+        if c_r is None:
+            return "offload"  # not measured yet (see Call.cost_ns)
         c_s = 2e9 * group.nbytes / self.bandwidth  # out and back, ns
         return "evict" if c_r <= c_s else "offload"
 

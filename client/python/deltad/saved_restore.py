@@ -1,0 +1,168 @@
+"""The restoring half of deltad.saved's store: bringing a released group
+back (reloaded from host memory or recomputed), rebuilding its members as
+views of the restored storage, and prefetching the groups backward unpacks
+next. A mixin of deltad.saved.SavedStore, whose state it works on (see
+there, and _Group's description, for the fields)."""
+
+import time
+
+import torch as _torch
+
+from deltad._extension import load_savedcore
+
+_core = load_savedcore()
+RESIDENT, OFFLOADED = _core.RESIDENT, _core.OFFLOADED
+
+# What PyTorch raises when its allocator (or deltad's, plugged in) has no
+# room (torch >= 1.13); a class no error is an instance of before that.
+_OutOfMemory = getattr(_torch.cuda, "OutOfMemoryError", None) or \
+    type("_NoOutOfMemoryError", (Exception,), {})
+
+
+# The tensor's untyped storage: PyTorch 2.x's untyped_storage, 1.13's
+# _storage (its storage() builds a typed one, 15 times slower).
+_storage = getattr(_torch.Tensor, "untyped_storage", None) or \
+    _torch.Tensor._storage
+
+
+def _flat(tensor, nbytes):
+    """The whole storage under `tensor`, as a 1-d tensor of its dtype."""
+    size = tensor.element_size()
+    with _torch.no_grad():
+        return tensor.detach().as_strided((nbytes // size,), (1,), 0)
+
+
+class Restoring:
+    """SavedStore's methods that bring released groups back (the lock is
+    held by their callers)."""
+
+    def _restore(self, group, need):
+        """Brings a released group back (its storage in group.flat; the
+        members are rebuilt by _settle)."""
+        c = self.counters
+        budget = self.budget
+        if c.resident_bytes + group.nbytes > budget or (
+                not need and c.resident_bytes + self.in_flight_bytes +
+                group.nbytes > budget):
+            if not need:
+                return False  # (bytes copies still hold are no room yet)
+            self._make_room(budget, group, extra=group.nbytes)
+        if group.state == OFFLOADED:
+            host = group.host
+            if self.cuda:
+                # Allocated on the compute stream, which will read it and
+                # free it: it waits for the copy's event before either.
+                current = _torch.cuda.current_stream(self.device)
+                flat = _torch.empty(host.shape, dtype=host.dtype,
+                                    device=self.device)
+                self.copy_stream.wait_stream(current)
+                with _torch.cuda.stream(self.copy_stream):
+                    flat.copy_(host, non_blocking=True)
+                event = _torch.cuda.Event()
+                event.record(self.copy_stream)
+                group.event = event
+            else:
+                flat = _torch.empty_like(host)
+                flat.copy_(host)
+                c.host_waits += 1
+            group.host = None
+            c.host_bytes -= group.nbytes
+            c.reloads += 1
+            c.reloaded_bytes += group.nbytes
+            if not need:
+                c.prefetches += 1
+        else:
+            start = time.perf_counter_ns()
+            out = self.recompute.rebuild(group)
+            flat = _flat(out, group.nbytes)
+            c.recomputes += 1
+            c.recompute_ns += time.perf_counter_ns() - start
+            for source in group.evicted_sources:
+                source.dependents -= 1
+                if source.dependents == 0 and source.live == 0:
+                    self._drop(source)
+            group.evicted_sources = ()
+        group.flat = flat
+        group.state = RESIDENT
+        # Keyed by where its bytes are now. The old address was freed when
+        # the group was released and may belong to a newer tensor: under
+        # the old key that tensor would be packed into this group, or taken
+        # for a recompute's argument from it (wrong bytes, once a graph
+        # kept with retain_graph outlives the next forward).
+        if self.groups.get(group.key) is group:
+            del self.groups[group.key]
+        group.key = _storage(flat).data_ptr()
+        self.groups[group.key] = group
+        if not self.closed:
+            # A victim again (the last in line: it is needed soon), so that
+            # a restore that backward has not reached yet can make way.
+            self.order.append(group)
+        c.resident_bytes += group.nbytes
+        if c.resident_bytes > c.peak_resident_bytes:
+            c.peak_resident_bytes = c.resident_bytes
+        return True
+
+    def _settle(self, group):
+        """Rebuilds a restored group's members as views of its storage, the
+        compute stream waiting for the copy that filled it."""
+        flat = group.flat
+        if flat is None:
+            return
+        if group.event is not None:
+            _torch.cuda.current_stream(self.device).wait_event(group.event)
+            group.event = None
+        released = group.versions
+        shift = [0] * len(group.metas)
+        for i, meta in enumerate(group.metas):
+            if meta is None:
+                continue
+            shape, stride, offset, dtype = meta
+            view = flat if dtype == flat.dtype else flat.view(dtype)
+            group.tensors[i] = view.as_strided(shape, stride, offset)
+            shift[i] = group.tensors[i]._version - released[i]
+        # The members are views of the store's own storage now: nobody else's.
+        group.origins = [None] * len(group.tensors)
+        group.versions = shift
+        if group.live == 0:
+            group.retained = flat  # for the dependents' recomputes only
+        group.flat = None
+        group.metas = None
+        group.rebuilt = True
+
+    def _prefetch_after(self, group):
+        """Restores, ahead of use and within the budget, the released
+        groups backward will unpack next: in the previous iteration's
+        unpack order when this one has the same groups, else in reverse
+        pack order. Called only while some group is offloaded."""
+        if self.prefetch_bytes <= 0 or self.prefetch_paused:
+            return
+        plan = self.plan
+        by_position = self.by_position
+        if plan.unpack_order and plan.groups == len(by_position):
+            # The positions the last iteration unpacked after as many as
+            # this one has (none left when this one unpacked more: a graph
+            # that differs, or one unpacked twice).
+            order = plan.unpack_order
+            upcoming = (order[j] for j in range(len(self.unpacked),
+                                                len(order)))
+        else:
+            upcoming = range(group.position - 1, -1, -1)
+        ahead = 0
+        for position in upcoming:
+            if ahead >= self.prefetch_bytes or position >= len(by_position):
+                break
+            other = by_position[position]
+            if other.state is None or other.used:
+                continue
+            ahead += other.nbytes
+            if other.state == OFFLOADED and other.live > 0:
+                try:
+                    if not self._restore(other, need=False):
+                        break
+                except _OutOfMemory:
+                    # Backward's temporaries took the room: the group is
+                    # as it was (offloaded), and a prefetch is optional.
+                    # No more in this iteration: each such failure costs
+                    # PyTorch's allocator a flush of its cache.
+                    self.prefetch_paused = True
+                    break
