@@ -286,6 +286,25 @@ class StreamOrderTest(unittest.TestCase):
                                         torch.full((1024,), float(i))))
         self.assertEqual(self.store.counters.reloads, 3)
 
+    def test_host_memory_is_counted_as_the_pinned_pool_rounds_it(self):
+        # 1000 floats: 4000 bytes, which PyTorch's pinned pool rounds up to
+        # 4096. Three fit a 12000-byte cap exactly, two as rounded.
+        self.store.host_cap = 12000
+        saves = [self.save(torch.full((1000,), float(i))) for i in range(4)]
+        self.store.budget = 4000  # each save pushed all but itself out
+        saves.append(self.save(torch.ones(1000)))
+        c = self.store.counters
+        self.assertEqual(c.offloads, 2)
+        self.assertGreaterEqual(c.host_full, 1)  # no recompute: kept
+        self.assertEqual(self.store.host_held, 2 * 4096)
+        # A reload gives its rounded size back.
+        for e in self.cuda.events:
+            e.done = True
+        self.store.budget = 1 << 30
+        self.store.unpack(saves[0])
+        self.assertEqual(self.store.host_held, 4096)
+        self.assertEqual(c.host_bytes, 4000)
+
 
 if __name__ == "__main__":
     unittest.main()

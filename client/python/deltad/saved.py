@@ -84,6 +84,10 @@ class SavedStore(Restoring, _core.Core):
         self.director = director
         self.recompute = recompute
         self.host_cap = host_bytes
+        # What offloads hold of it: on CUDA PyTorch's pinned pool rounds
+        # each request up to a power of two (CachingHostAllocator), so a
+        # cap counted in exact bytes could pin up to twice as much.
+        self.host_held = 0
         self.prefetch_bytes = prefetch_bytes
         self.plan = plan  # deltad.torch's per-model state: unpack order
         self.on_iteration = on_iteration  # a forward begins
@@ -256,6 +260,7 @@ class SavedStore(Restoring, _core.Core):
             c.resident_bytes -= group.nbytes
         elif group.state == OFFLOADED:
             c.host_bytes -= group.nbytes
+            self.host_held -= self._host_size(group)
         for source in group.evicted_sources:
             source.dependents -= 1
             if source.dependents == 0 and source.live == 0:
@@ -348,6 +353,11 @@ class SavedStore(Restoring, _core.Core):
             # memory whatever deltad does. The allocator has the last word.
             c.overshoots += 1
 
+    def _host_size(self, group):
+        """The host memory offloading `group` takes."""
+        n = group.nbytes
+        return 1 << (n - 1).bit_length() if self.cuda and n > 0 else n
+
     def _releasable(self, group):
         """Whether releasing frees the bytes: the store holds the group's
         tensors alone (Python holds no other reference to them, or to the
@@ -384,7 +394,8 @@ class SavedStore(Restoring, _core.Core):
     def _release(self, group):
         c = self.counters
         how = self.director(group)
-        if how == "offload" and c.host_bytes + group.nbytes > self.host_cap:
+        if how == "offload" and \
+                self.host_held + self._host_size(group) > self.host_cap:
             if not self.recompute.can_rebuild(group):
                 c.host_full += 1
                 return False  # kept: no host memory left for it
@@ -420,6 +431,7 @@ class SavedStore(Restoring, _core.Core):
             c.offloads += 1
             c.offloaded_bytes += group.nbytes
             c.host_bytes += group.nbytes
+            self.host_held += self._host_size(group)
         else:
             sources = self.recompute.sources_of(group)
             for source in sources:

@@ -67,6 +67,7 @@ class Restoring:
                 c.host_waits += 1
             group.host = None
             c.host_bytes -= group.nbytes
+            self.host_held -= self._host_size(group)
             c.reloads += 1
             c.reloaded_bytes += group.nbytes
             if not need:
