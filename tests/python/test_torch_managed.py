@@ -427,43 +427,6 @@ class NestedBlocksTest(unittest.TestCase):
                 deltad.torch.close_sessions()
 
 
-class CudaBudgetWithDeltadAllocatorTest(unittest.TestCase):
-    """On PyTorch 2.0-2.7 deltad's allocator replaces PyTorch's
-    (allocator mode "global"), and torch.cuda.memory_allocated then raises
-    ("CUDAPluggableAllocator does not yet support getDeviceStats"): the
-    budget of an iteration must come from the allocator's own count. (A
-    stand-in for CUDA: this checks _Engine._on_iteration alone.)"""
-
-    def test_the_iteration_budget_reads_the_allocators_count(self):
-        import types
-        import deltad.allocator as allocator
-
-        def no_stats(device=None):
-            raise RuntimeError("CUDAPluggableAllocator does not yet "
-                               "support getDeviceStats.")
-
-        stand_in = types.SimpleNamespace(
-            iterations=0, requested_budget=1 << 30, client=None,
-            cuda=True, device=torch.device("cuda", 0), reserve=1 << 20,
-            store=types.SimpleNamespace(budget=0), policy="offload",
-            plan=types.SimpleNamespace(pressure=False))
-        saved = (torch.cuda.memory_allocated, allocator.mode,
-                 allocator.stats)
-        torch.cuda.memory_allocated = no_stats
-        allocator.mode = lambda: "global"
-        allocator.stats = lambda: allocator.AllocatorStats(
-            attached=True, allocated_bytes=100 << 20,
-            device_bytes=100 << 20, peak_device_bytes=100 << 20,
-            budget_bytes=1 << 30, blocks=1)
-        try:
-            deltad.torch._Engine._on_iteration(stand_in)
-        finally:
-            (torch.cuda.memory_allocated, allocator.mode,
-             allocator.stats) = saved
-        self.assertEqual(stand_in.store.budget,
-                         (1 << 30) - (100 << 20) - (1 << 20))
-
-
 class RunInstallsTheAllocatorBeforeCudaTest(unittest.TestCase):
     """python -m deltad.run with no --budget must install deltad's
     allocator before anything initializes CUDA in the process: on PyTorch

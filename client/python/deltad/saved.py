@@ -101,6 +101,7 @@ class SavedStore(Restoring, _core.Core):
         self.by_position = []  # this iteration's groups by position
         self.unpacked = []     # positions in unpack order, this iteration
         self.released_this_iteration = False
+        self.released_last_iteration = False
         self.closed = False
         self.copy_stream = (_torch.cuda.Stream(device) if self.cuda
                             else None)
@@ -242,6 +243,7 @@ class SavedStore(Restoring, _core.Core):
             self.plan.groups = len(self.by_position)
         if self.released_this_iteration:
             self.plan.pressure = True
+        self.released_last_iteration = self.released_this_iteration
         self.released_this_iteration = False
 
     def _drop(self, group):

@@ -34,14 +34,15 @@ Set DELTAD_DISABLE=1 to run the block unmanaged without changing code.
 """
 
 import dataclasses
-import os
-import time
 import weakref
 
 import torch as _torch
 
 from deltad import allocator as _allocator
 from deltad.allocator import disabled
+from deltad.budget import (
+    _HOST_DEFAULT, _SEGMENT_SLACK, _measure_bandwidth, _next_saved_budget,
+    _warm_up_libraries)
 from deltad.client import DEFAULT_SOCKET, Client, ClientStats, DeltadError
 from deltad.recompute import Recorder
 from deltad.saved import SavedStore, _storage
@@ -52,9 +53,6 @@ _POLICIES = ("auto", "offload", "recompute")
 # What each model learned in earlier blocks: whether it had to release
 # memory, and backward's unpack order.
 _plans = weakref.WeakKeyDictionary()
-
-# Measured link bandwidth per device (bytes/s), once per process.
-_bandwidths = {}
 
 
 class OutOfMemoryError(_torch.cuda.OutOfMemoryError):
@@ -126,76 +124,6 @@ class ManagerStats(ClientStats):
     host_full: int  # releases refused: host memory full, no recompute
 
 
-def _measure_bandwidth(device, budget_bytes):
-    """Host-to-device bytes/s (CUDA: one pinned copy of 64 MiB, or of an
-    eighth of the budget if less, at least 1 MiB: under deltad's allocator
-    a small budget has no room for 64 MiB; CPU: one memcpy of 16 MiB),
-    measured once per device and process."""
-    key = device  # hashable: no str() per block
-    if key not in _bandwidths:
-        if device.type == "cuda":
-            nbytes = max(1 << 20, min(64 << 20, budget_bytes // 8))
-            host = _torch.empty(nbytes, dtype=_torch.uint8, pin_memory=True)
-            dev = _torch.empty(nbytes, dtype=_torch.uint8, device=device)
-            dev.copy_(host, non_blocking=True)  # warm-up
-            start = _torch.cuda.Event(enable_timing=True)
-            end = _torch.cuda.Event(enable_timing=True)
-            start.record()
-            dev.copy_(host, non_blocking=True)
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            nbytes = 16 << 20
-            a = _torch.empty(nbytes, dtype=_torch.uint8)
-            b = _torch.empty_like(a)
-            b.copy_(a)
-            begin = time.perf_counter()
-            b.copy_(a)
-            seconds = time.perf_counter() - begin
-        _bandwidths[key] = nbytes / max(seconds, 1e-9)
-    return _bandwidths[key]
-
-
-# PyTorch's caching allocator takes device memory in segments: 2 MiB for
-# requests of up to 1 MiB, 20 MiB for those of up to 10 MiB (kSmallBuffer
-# and kLargeBuffer in CUDACachingAllocator.cpp). What it holds exceeds what
-# it allocated by up to a partly used segment of each kind, and a new one is
-# taken whole: a reserve under two large segments cannot absorb one (seen
-# on a GPU with a 150 MiB budget under deltad's allocator).
-_SEGMENT_SLACK = 2 * (20 << 20)
-
-_warmed_up = set()  # devices whose libraries took their workspaces
-
-
-def _warm_up_libraries(device):
-    """cuBLAS and cuBLASLt take their workspaces (through PyTorch's
-    allocator: 32 MiB with CUBLAS_WORKSPACE_CONFIG=:4096:8) at their first
-    use, inside the first forward, after the first budget for saved
-    activations was set from what PyTorch held: that step could overshoot
-    the budget by as much. One small product of each kind takes them
-    before, so the budget counts them; and a small backward, since
-    PyTorch keeps handles per thread and backward runs on autograd's."""
-    if device in _warmed_up:
-        return
-    _warmed_up.add(device)
-    a = _torch.ones(16, 16, device=device, requires_grad=True)
-    with _torch.enable_grad():
-        out = _torch.nn.functional.linear(a, a, a[0])  # cuBLASLt (bias)
-        _torch.mm(out, a).sum().backward()  # cuBLAS, on both threads
-
-
-def _half_the_memory():
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-    except (ValueError, OSError):
-        return 16 << 30
-
-
-# Host memory for offloads when the block is given none.
-_HOST_DEFAULT = _half_the_memory()
-
-
 class _Engine:
     """What a managed block runs on: its store (deltad.saved), its
     recorder (deltad.recompute) and the hooks, built for one set of
@@ -219,6 +147,10 @@ class _Engine:
         self.reserve = reserve_bytes
         self.client = client
         self.iterations = 0  # over all the blocks it served
+        self.block_iterations = 0  # in the block it serves now
+        self.last_saved = None  # bytes saved activations got last time
+        self.peak_from = None  # iteration since whose start PyTorch's
+        # peak statistics count (CUDA; see _on_iteration)
         self.plan = plan
         if self.cuda:
             _warm_up_libraries(device)
@@ -258,6 +190,7 @@ class _Engine:
         """Serves another block: laid aside idle (lay_aside), it stays so,
         its hooks being out of use."""
         self.model = model
+        self.block_iterations = 0
         self.store.reopen(self.requested_budget, self.prefetch_bytes,
                           self._director, self._on_iteration)
 
@@ -282,6 +215,7 @@ class _Engine:
         """A forward begins: the budget saved activations get in it, and
         the recording recompute needs if the last iteration was short."""
         self.iterations += 1
+        self.block_iterations += 1
         budget = self.requested_budget
         if self.client is not None:
             try:
@@ -299,6 +233,7 @@ class _Engine:
         if self.cuda:
             # Parameters, gradients, optimizer state, inputs: what the
             # caching allocator holds while no activation is saved.
+            peak = None
             if _allocator.mode() == "global":
                 # PyTorch 2.0-2.7 with deltad's allocator in place of its
                 # own: memory_allocated raises there (a pluggable allocator
@@ -307,7 +242,19 @@ class _Engine:
                 others = _allocator.stats().allocated_bytes
             else:
                 others = _torch.cuda.memory_allocated(self.device)
-            budget = budget - others - self.reserve
+                if self.peak_from == self.iterations - 1:
+                    peak = _torch.cuda.max_memory_allocated(self.device)
+                # The last iteration's peak, read at the next one's start:
+                # PyTorch's peak statistics of the device restart with each
+                # iteration under a block (what a caller reads of them
+                # covers the iteration under way).
+                _torch.cuda.reset_peak_memory_stats(self.device)
+                self.peak_from = self.iterations
+            budget = _next_saved_budget(
+                budget, others, self.reserve, self.last_saved, peak,
+                self.store.released_last_iteration,
+                self.block_iterations > 1)
+            self.last_saved = budget
         self.store.budget = max(budget, 0)
         if self.policy == "auto" and self.plan.pressure:
             self.recorder.wrap(self.model)

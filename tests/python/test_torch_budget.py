@@ -1,0 +1,137 @@
+"""The budget deltad.torch gives saved activations on CUDA, without a GPU:
+the rule that follows each iteration's peak (deltad.budget), and
+_Engine._on_iteration against stand-ins for torch.cuda's statistics and
+deltad's allocator."""
+
+import unittest
+
+import torch
+
+import deltad.budget
+import deltad.torch
+
+
+class CudaBudgetWithDeltadAllocatorTest(unittest.TestCase):
+    """On PyTorch 2.0-2.7 deltad's allocator replaces PyTorch's
+    (allocator mode "global"), and torch.cuda.memory_allocated then raises
+    ("CUDAPluggableAllocator does not yet support getDeviceStats"): the
+    budget of an iteration must come from the allocator's own count. (A
+    stand-in for CUDA: this checks _Engine._on_iteration alone.)"""
+
+    def test_the_iteration_budget_reads_the_allocators_count(self):
+        import deltad.allocator as allocator
+
+        def no_stats(device=None):
+            raise RuntimeError("CUDAPluggableAllocator does not yet "
+                               "support getDeviceStats.")
+
+        stand_in = engine_stand_in()
+        saved = (torch.cuda.memory_allocated, allocator.mode,
+                 allocator.stats)
+        torch.cuda.memory_allocated = no_stats
+        allocator.mode = lambda: "global"
+        allocator.stats = lambda: allocator.AllocatorStats(
+            attached=True, allocated_bytes=100 << 20,
+            device_bytes=100 << 20, peak_device_bytes=100 << 20,
+            budget_bytes=1 << 30, blocks=1)
+        try:
+            deltad.torch._Engine._on_iteration(stand_in)
+        finally:
+            (torch.cuda.memory_allocated, allocator.mode,
+             allocator.stats) = saved
+        self.assertEqual(stand_in.store.budget,
+                         (1 << 30) - (100 << 20) - (1 << 20))
+
+
+def engine_stand_in():
+    """What _Engine._on_iteration reads of its engine, on "cuda"."""
+    import types
+    return types.SimpleNamespace(
+        iterations=0, block_iterations=0, last_saved=None, peak_from=None,
+        requested_budget=1 << 30, client=None, cuda=True,
+        device=torch.device("cuda", 0), reserve=1 << 20,
+        store=types.SimpleNamespace(budget=0, released_last_iteration=False),
+        policy="offload", plan=types.SimpleNamespace(pressure=False))
+
+
+class CudaBudgetFromThePeakTest(unittest.TestCase):
+    """Under PyTorch's allocator (its statistics work) each iteration's
+    budget for saved activations follows the last one's peak
+    (deltad.budget._next_saved_budget), read at the next one's start,
+    PyTorch's peak statistics restarting there. A stand-in for CUDA."""
+
+    def test_the_second_iteration_is_given_what_the_first_left(self):
+        import deltad.allocator as allocator
+        stand_in = engine_stand_in()
+        stand_in.reserve = 256 << 20
+        calls = []
+        peak = [0]
+        saved = (torch.cuda.memory_allocated, torch.cuda.max_memory_allocated,
+                 torch.cuda.reset_peak_memory_stats, allocator.mode)
+        torch.cuda.memory_allocated = lambda device=None: 100 << 20
+        torch.cuda.max_memory_allocated = lambda device=None: peak[0]
+        torch.cuda.reset_peak_memory_stats = \
+            lambda device=None: calls.append("reset")
+        allocator.mode = lambda: None
+        try:
+            on_iteration = deltad.torch._Engine._on_iteration
+            on_iteration(stand_in)
+            first = stand_in.store.budget
+            self.assertEqual(first, (1 << 30) - (100 << 20) - (256 << 20))
+            # It released, and peaked 64 MiB under the budget less 1/16.
+            stand_in.store.released_last_iteration = True
+            peak[0] = (1 << 30) - (1 << 26) - (64 << 20)
+            on_iteration(stand_in)
+            self.assertEqual(stand_in.store.budget, first + (64 << 20))
+            self.assertEqual(calls, ["reset", "reset"])
+            # A new block (another batch, maybe): at most the first guess.
+            stand_in.block_iterations = 0
+            on_iteration(stand_in)
+            self.assertEqual(stand_in.store.budget, first)
+        finally:
+            (torch.cuda.memory_allocated, torch.cuda.max_memory_allocated,
+             torch.cuda.reset_peak_memory_stats, allocator.mode) = saved
+
+
+class SavedBudgetRuleTest(unittest.TestCase):
+    """On CUDA the bytes saved activations get follow what the last
+    iteration's peak left of the budget (deltad.budget._next_saved_budget):
+    a fixed reserve for temporaries was short for GPT-2's logits and
+    generous elsewhere."""
+
+    B, OTHERS, RESERVE = 1600, 100, 200  # margin: B // 16 = 100
+
+    def next(self, last, peak, released, same_block=True):
+        return deltad.budget._next_saved_budget(
+            self.B, self.OTHERS, self.RESERVE, last, peak, released,
+            same_block)
+
+    def test_the_first_iteration_gets_the_budget_less_others_and_reserve(self):
+        self.assertEqual(self.next(None, None, False), 1300)
+
+    def test_where_the_store_released_the_peak_is_led_to_the_margin(self):
+        # It peaked at 1700 with 1100 for saved activations, 200 over the
+        # budget less the margin: the next gets 200 less.
+        self.assertEqual(self.next(1100, 1700, True), 900)
+        # Temporaries smaller than the reserve: the bytes go to the store.
+        self.assertEqual(self.next(1300, 1400, True), 1400)
+        # At most what the budget leaves beside the others and the margin.
+        self.assertEqual(self.next(1300, 500, True), 1400)
+
+    def test_without_releases_it_keeps_its_bytes_unless_the_peak_was_close(
+            self):
+        self.assertEqual(self.next(1400, 1200, False), 1400)
+        self.assertEqual(self.next(1000, 1200, False), 1300)  # the default
+        # Held less than its bytes, but the peak left less than the margin.
+        self.assertEqual(self.next(1300, 1600, False), 1200)
+
+    def test_a_new_block_only_lowers_the_first_guess(self):
+        self.assertEqual(self.next(1300, 1400, True, same_block=False), 1300)
+        self.assertEqual(self.next(1100, 1700, True, same_block=False), 900)
+
+    def test_never_below_zero(self):
+        self.assertEqual(self.next(100, 3000, True), 0)
+
+
+if __name__ == "__main__":
+    unittest.main()
