@@ -82,7 +82,11 @@ def intro(args, bench, cuda):
                  f"deltad's budget is the same limit: it keeps saved "
                  f"activations, held by reference in PyTorch's memory, "
                  f"within what parameters, gradients, optimizer state and "
-                 f"a reserve of an eighth for temporaries leave. ")
+                 f"a reserve of an eighth for temporaries leave, and from a "
+                 f"block's second iteration within what the last one's "
+                 f"peak left (docs/PYTORCH.md); it restarts PyTorch's peak "
+                 f"statistics at each iteration, so its peak memory below "
+                 f"is its last iteration's. ")
         if args.tf32:
             limit += "fp32 with TF32 matmuls and convolutions. "
     else:
