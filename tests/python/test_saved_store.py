@@ -291,5 +291,50 @@ class DroppedGraphTest(unittest.TestCase):
                 self.assertEqual(store.groups, {})
 
 
+class LearnedBudgetTest(unittest.TestCase):
+    """A budget learned from the last iteration's peak (deltad.budget)
+    that is larger than the first guess holds only for an iteration like
+    the last: checked when the store first passes the first guess, by the
+    size of the iteration's first storage."""
+
+    def setUp(self):
+        import deltad.saved as saved
+        from test_saved_store_streams import NoRecompute, Plan
+        self.saved = saved
+        self.learned = None
+        self.store = saved.SavedStore(
+            torch.device("cpu"), 3 * 4096, lambda group: "offload",
+            NoRecompute(), host_bytes=1 << 30, prefetch_bytes=0,
+            plan=Plan(), on_iteration=self.on_iteration)
+
+    def on_iteration(self):
+        # What deltad.torch's engine does as an iteration begins.
+        self.store.budget = 3 * 4096
+        self.store.budget_if_same = self.learned
+
+    def iteration(self, n, floats):
+        """Saves n storages of `floats` floats; what keeps them."""
+        storage = self.saved._storage
+        return [self.store.pack(t, storage(t).data_ptr(), storage(t))
+                for t in (torch.full((floats,), float(i)) for i in range(n))]
+
+    def test_an_iteration_like_the_last_gets_the_learned_budget(self):
+        del self.iteration(1, 1024)[:]  # the last: storages of 4096 bytes
+        self.learned = 8 * 4096
+        kept = self.iteration(6, 1024)
+        self.assertEqual(self.store.counters.offloads, 0)
+        self.assertEqual(self.store.budget, 8 * 4096)
+        self.assertEqual(self.store.budget_used, 8 * 4096)
+        del kept
+
+    def test_another_batch_keeps_the_first_guess(self):
+        del self.iteration(1, 2048)[:]  # the last had twice the batch
+        self.learned = 8 * 4096
+        kept = self.iteration(6, 1024)
+        self.assertGreater(self.store.counters.offloads, 0)
+        self.assertEqual(self.store.budget, 3 * 4096)
+        self.assertIsNone(self.store.budget_if_same)
+        del kept
+
 if __name__ == "__main__":
     unittest.main()

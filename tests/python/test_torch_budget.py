@@ -47,10 +47,12 @@ def engine_stand_in():
     """What _Engine._on_iteration reads of its engine, on "cuda"."""
     import types
     return types.SimpleNamespace(
-        iterations=0, block_iterations=0, last_saved=None, peak_from=None,
+        iterations=0, peak_from=None,
         requested_budget=1 << 30, client=None, cuda=True,
         device=torch.device("cuda", 0), reserve=1 << 20,
-        store=types.SimpleNamespace(budget=0, released_last_iteration=False),
+        store=types.SimpleNamespace(
+            budget=0, released_last_iteration=False, budget_used=None,
+            budget_if_same=None),
         policy="offload", plan=types.SimpleNamespace(pressure=False))
 
 
@@ -73,21 +75,27 @@ class CudaBudgetFromThePeakTest(unittest.TestCase):
         torch.cuda.reset_peak_memory_stats = \
             lambda device=None: calls.append("reset")
         allocator.mode = lambda: None
+        store = stand_in.store
         try:
             on_iteration = deltad.torch._Engine._on_iteration
             on_iteration(stand_in)
-            first = stand_in.store.budget
+            first = store.budget
             self.assertEqual(first, (1 << 30) - (100 << 20) - (256 << 20))
-            # It released, and peaked 64 MiB under the budget less 1/16.
-            stand_in.store.released_last_iteration = True
+            self.assertIsNone(store.budget_if_same)
+            # It released, and peaked 64 MiB under the budget less 1/16:
+            # 64 MiB more if the next iteration is alike (the store checks
+            # at its first storage past the first guess).
+            store.released_last_iteration = True
             peak[0] = (1 << 30) - (1 << 26) - (64 << 20)
             on_iteration(stand_in)
-            self.assertEqual(stand_in.store.budget, first + (64 << 20))
+            self.assertEqual(store.budget, first)
+            self.assertEqual(store.budget_if_same, first + (64 << 20))
             self.assertEqual(calls, ["reset", "reset"])
-            # A new block (another batch, maybe): at most the first guess.
-            stand_in.block_iterations = 0
+            # It peaked 32 MiB over: 32 MiB less, at once.
+            peak[0] = (1 << 30) - (1 << 26) + (32 << 20)
             on_iteration(stand_in)
-            self.assertEqual(stand_in.store.budget, first)
+            self.assertEqual(store.budget, first - (32 << 20))
+            self.assertIsNone(store.budget_if_same)
         finally:
             (torch.cuda.memory_allocated, torch.cuda.max_memory_allocated,
              torch.cuda.reset_peak_memory_stats, allocator.mode) = saved
@@ -101,10 +109,9 @@ class SavedBudgetRuleTest(unittest.TestCase):
 
     B, OTHERS, RESERVE = 1600, 100, 200  # margin: B // 16 = 100
 
-    def next(self, last, peak, released, same_block=True):
+    def next(self, last, peak, released):
         return deltad.budget._next_saved_budget(
-            self.B, self.OTHERS, self.RESERVE, last, peak, released,
-            same_block)
+            self.B, self.OTHERS, self.RESERVE, last, peak, released)
 
     def test_the_first_iteration_gets_the_budget_less_others_and_reserve(self):
         self.assertEqual(self.next(None, None, False), 1300)
@@ -124,10 +131,6 @@ class SavedBudgetRuleTest(unittest.TestCase):
         self.assertEqual(self.next(1000, 1200, False), 1300)  # the default
         # Held less than its bytes, but the peak left less than the margin.
         self.assertEqual(self.next(1300, 1600, False), 1200)
-
-    def test_a_new_block_only_lowers_the_first_guess(self):
-        self.assertEqual(self.next(1300, 1400, True, same_block=False), 1300)
-        self.assertEqual(self.next(1100, 1700, True, same_block=False), 900)
 
     def test_never_below_zero(self):
         self.assertEqual(self.next(100, 3000, True), 0)

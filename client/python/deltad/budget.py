@@ -72,18 +72,17 @@ def _warm_up_libraries(device):
         _torch.mm(out, a).sum().backward()  # cuBLAS, on both threads
 
 
-def _next_saved_budget(budget, others, reserve, last, peak, released,
-                       same_block):
-    """The bytes saved activations may hold in the next iteration (CUDA).
+def _next_saved_budget(budget, others, reserve, last, peak, released):
+    """The bytes saved activations may hold in the next iteration (CUDA),
+    if it is like the last one (the caller checks that before it gives
+    more than the first guess, budget - others - reserve).
 
     budget: what the process may use in all; others: what it holds with no
     activation saved (parameters, gradients, optimizer state, inputs);
     reserve: the first guess at what temporaries need beside them. last:
     the last iteration's bytes for saved activations and peak: the most
     PyTorch held in it (None: not measured); released: whether the store
-    released in it (then those bytes bound it); same_block: whether it ran
-    in this block (a new block may be another batch: what the last showed
-    may lower the guess, not raise it).
+    released in it (then those bytes bound it).
 
     Temporaries are what they are: what an iteration left of the budget
     (less a margin of 1/16 for the allocator's fragmentation) goes to
@@ -100,8 +99,6 @@ def _next_saved_budget(budget, others, reserve, last, peak, released,
         saved = max(default, last)  # held less than its bytes: enough
     else:
         saved = min(default, last + headroom)
-    if not same_block:
-        saved = min(saved, default)
     return max(0, min(saved, budget - others - budget // 16))
 
 

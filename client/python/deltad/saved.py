@@ -102,6 +102,12 @@ class SavedStore(Restoring, _core.Core):
         self.unpacked = []     # positions in unpack order, this iteration
         self.released_this_iteration = False
         self.released_last_iteration = False
+        # The size of the last iteration's first storage, and a budget
+        # that holds if this iteration's is the same (see
+        # _pack_over_budget; the owner sets it with the budget).
+        self.first_nbytes_last = None
+        self.budget_if_same = None
+        self.budget_used = None  # the budget this iteration ran with (CUDA)
         self.closed = False
         self.copy_stream = (_torch.cuda.Stream(device) if self.cuda
                             else None)
@@ -130,6 +136,15 @@ class SavedStore(Restoring, _core.Core):
     def _pack_over_budget(self, group):
         """A new storage took the resident bytes past the budget (lock
         held)."""
+        if self.budget_if_same is not None:
+            # A larger budget learned from the last iteration, which holds
+            # if this one is alike: its first storage of the same size.
+            learned, self.budget_if_same = self.budget_if_same, None
+            first = self.by_position[0].nbytes if self.by_position else None
+            if first is not None and first == self.first_nbytes_last:
+                self.budget = self.budget_used = learned
+                if self.counters.resident_bytes <= learned:
+                    return
         busy, self.busy = self.busy, True
         try:
             self._make_room(self.budget, group)
@@ -245,6 +260,8 @@ class SavedStore(Restoring, _core.Core):
             self.plan.pressure = True
         self.released_last_iteration = self.released_this_iteration
         self.released_this_iteration = False
+        self.first_nbytes_last = (self.by_position[0].nbytes
+                                  if self.by_position else None)
 
     def _drop(self, group):
         if group.state is None:

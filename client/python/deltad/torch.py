@@ -147,8 +147,6 @@ class _Engine:
         self.reserve = reserve_bytes
         self.client = client
         self.iterations = 0  # over all the blocks it served
-        self.block_iterations = 0  # in the block it serves now
-        self.last_saved = None  # bytes saved activations got last time
         self.peak_from = None  # iteration since whose start PyTorch's
         # peak statistics count (CUDA; see _on_iteration)
         self.plan = plan
@@ -190,7 +188,6 @@ class _Engine:
         """Serves another block: laid aside idle (lay_aside), it stays so,
         its hooks being out of use."""
         self.model = model
-        self.block_iterations = 0
         self.store.reopen(self.requested_budget, self.prefetch_bytes,
                           self._director, self._on_iteration)
 
@@ -215,7 +212,6 @@ class _Engine:
         """A forward begins: the budget saved activations get in it, and
         the recording recompute needs if the last iteration was short."""
         self.iterations += 1
-        self.block_iterations += 1
         budget = self.requested_budget
         if self.client is not None:
             try:
@@ -250,11 +246,16 @@ class _Engine:
                 # covers the iteration under way).
                 _torch.cuda.reset_peak_memory_stats(self.device)
                 self.peak_from = self.iterations
-            budget = _next_saved_budget(
-                budget, others, self.reserve, self.last_saved, peak,
-                self.store.released_last_iteration,
-                self.block_iterations > 1)
-            self.last_saved = budget
+            store = self.store
+            learned = _next_saved_budget(
+                budget, others, self.reserve, store.budget_used, peak,
+                store.released_last_iteration)
+            first_guess = max(budget - others - self.reserve, 0)
+            # More than the first guess only once this iteration shows it
+            # is like the last (the same batch: see _pack_over_budget).
+            budget = min(learned, first_guess)
+            store.budget_if_same = learned if learned > budget else None
+            store.budget_used = budget
         self.store.budget = max(budget, 0)
         if self.policy == "auto" and self.plan.pressure:
             self.recorder.wrap(self.model)
