@@ -92,14 +92,20 @@ def _next_saved_budget(budget, others, reserve, last, peak, released):
     default = budget - others - reserve
     if last is None or peak is None:
         return max(default, 0)
-    headroom = budget - budget // 16 - peak
+    margin = budget // 16
+    if released and peak < others + last - margin:
+        # Its saved activations reached `last` beside the others: this
+        # peak is not the whole iteration's (something restarted PyTorch's
+        # peak statistics meanwhile, as torch_bench does before a run).
+        return max(default, 0)
+    headroom = budget - margin - peak
     if released:
         saved = last + headroom
     elif headroom >= 0:
         saved = max(default, last)  # held less than its bytes: enough
     else:
         saved = min(default, last + headroom)
-    return max(0, min(saved, budget - others - budget // 16))
+    return max(0, min(saved, budget - others - margin))
 
 
 def _half_the_memory():
