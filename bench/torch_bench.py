@@ -250,6 +250,12 @@ def parse_args(argv):
     p.add_argument("--socket", default=None,
                    help="a running deltad's socket (default: none, the "
                    "in-process policy)")
+    p.add_argument("--deltad_allocator", action="store_true",
+                   help="run deltad's mode in a process of its own per "
+                   "try, deltad's allocator serving all of its CUDA memory "
+                   "with the limit as its budget, as `python -m deltad.run` "
+                   "does (default: in this process, under PyTorch's "
+                   "allocator)")
     p.add_argument("--deltad_policy", default="auto",
                    choices=("auto", "offload", "recompute"))
     p.add_argument("--deltad_min_bytes", type=int, default=None,

@@ -93,6 +93,13 @@ def intro(args, bench, cuda):
         limit = (f"On the CPU no memory limit is enforced but deltad's: it "
                  f"gets a budget of {size(bench.budget)} "
                  f"(--memory_limit_gib) for saved activations. ")
+    if getattr(args, "deltad_allocator", False):
+        limit += ("deltad's mode runs each try in a process of its own "
+                  "(bench/torch_child.py), deltad's allocator serving all "
+                  "of its CUDA memory with the limit as its budget, as "
+                  "`python -m deltad.run` does, instead of under PyTorch's "
+                  "allocator and the memory fraction"
+                  + (". " if cuda else " (on the CPU: no allocator). "))
     return (
         limit +
         f"deltad: {where}, policy `{args.deltad_policy}`, tensors of "

@@ -15,8 +15,13 @@ goes wherever torch_bench.py goes (scripts/gpu-pack).
 import contextlib
 import functools
 import gc
+import json
+import os
 import re
+import subprocess
+import sys
 import time
+import types
 
 import benchlib
 
@@ -150,8 +155,11 @@ class RunResult:
 
 
 class Bench:
-    def __init__(self, args, deltad_module, deltad_reason):
+    def __init__(self, args, deltad_module, deltad_reason,
+                 allocator_child=False):
         self.args = args
+        # In torch_child.py: deltad's allocator caps the process's memory.
+        self.allocator_child = allocator_child
         self.device = torch.device(args.device)
         self.cuda = self.device.type == "cuda"
         if self.cuda and self.device.index is None:
@@ -180,7 +188,7 @@ class Bench:
         """Enforces the memory limit for a mode's run (CUDA only): every
         mode, deltad included, gets the same cap on PyTorch's caching
         allocator, which holds all of the run's memory."""
-        if not self.cuda:
+        if not self.cuda or self.allocator_child:
             return
         fraction = min(1.0, self.limit / self.total)
         torch.cuda.set_per_process_memory_fraction(fraction, self.device)
@@ -205,8 +213,48 @@ class Bench:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
+    def run_in_child(self, work, batch, warmup, steps):
+        """deltad's mode in a process of its own under deltad's allocator
+        (--deltad_allocator; see torch_child.py)."""
+        spec = {"args": {k: v for k, v in vars(self.args).items()
+                         if isinstance(v, (str, int, float, bool, list,
+                                           dict, type(None)))},
+                "model": work.name, "batch": batch, "warmup": warmup,
+                "steps": steps}
+        child = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                             "torch_child.py")
+        result = RunResult()
+        start = time.perf_counter()
+        try:
+            p = subprocess.run([sys.executable, child], input=json.dumps(spec),
+                               capture_output=True, text=True, timeout=900)
+            lines = p.stdout.strip().splitlines()
+            out = json.loads(lines[-1]) if p.returncode == 0 and lines \
+                else None
+        except (subprocess.TimeoutExpired, ValueError) as e:
+            p, out = None, None
+            result.error = short(e)
+        if out is None:
+            result.error = result.error or (
+                f"the child process failed (exit {p.returncode}): "
+                + " ".join(p.stderr.strip().splitlines()[-3:])[-300:])
+            result.oom = "out of memory" in result.error.lower()
+        else:
+            for k in ("ok", "oom", "error", "seconds", "samples_per_s",
+                      "torch_peak"):
+                setattr(result, k, out[k])
+            if out["deltad"] is not None:
+                result.deltad = types.SimpleNamespace(**out["deltad"])
+                self.connected = result.deltad.connected
+            self.errors += out["errors"]
+        result.wall = time.perf_counter() - start
+        return result
+
     def run(self, work, mode, batch, warmup, steps):
         """`warmup` then `steps` timed training steps at `batch`."""
+        if mode == "deltad" and getattr(self.args, "deltad_allocator",
+                                        False) and not self.allocator_child:
+            return self.run_in_child(work, batch, warmup, steps)
         result = RunResult()
         start = time.perf_counter()
         model = work.model

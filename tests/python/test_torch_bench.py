@@ -142,6 +142,33 @@ class TorchBenchSmokeTest(unittest.TestCase):
             self.assertNotEqual(cells[7], "-")
 
 
+class TorchBenchInAChildProcessTest(unittest.TestCase):
+    """--deltad_allocator: deltad's mode runs each try in a process of its
+    own (bench/torch_child.py; on a GPU under deltad's allocator, here on
+    the CPU without one), and its results come back as the in-process
+    mode's do: the search, the releases, the timed runs."""
+
+    def test_deltad_runs_in_a_child_and_reports_as_in_process(self):
+        with tempfile.TemporaryDirectory(prefix="torch_bench-") as d:
+            doc = os.path.join(d, "BENCHMARKS.md")
+            with open(doc, "w") as f:
+                f.write(f"{BEGIN}\n{END}\n")
+            r = run("--device", "cpu", "--smoke", "--deltad_allocator",
+                    "--models", "gpt2", "--modes", "none,deltad",
+                    "--update_doc", doc)
+            self.assertEqual(r.returncode, 0, r.stderr[-3000:])
+            with open(doc) as f:
+                text = f.read()
+        self.assertIn("bench/torch_child.py", text)
+        tries = re.findall(r"gpt2 deltad batch (\d+): fits .*\[deltad: .* "
+                           r"(\d+) offloads", r.stderr)
+        self.assertTrue(tries, r.stderr[-3000:])
+        # The smoke budget holds the smoke GPT's at small batches only.
+        self.assertGreater(max(int(n) for _, n in tries), 0)
+        self.assertRegex(r.stderr, r"gpt2 deltad batch \d+: [\d.]+ "
+                         r"samples/s")
+
+
 class TorchBenchArgumentsTest(unittest.TestCase):
 
     def test_bad_arguments_exit_2(self):
