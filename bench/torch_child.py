@@ -36,7 +36,7 @@ def main():
         torch.backends.cudnn.allow_tf32 = True
     bench = Bench(args, deltad, None, allocator_child=True)
     torch.manual_seed(0)
-    work, skipped = MAKERS[spec["model"]](args.smoke)
+    work, _ = MAKERS[spec["model"]](args.smoke)
     work.model.to(bench.device).train()
     r = bench.run(work, "deltad", spec["batch"], spec["warmup"],
                   spec["steps"])

@@ -13,16 +13,14 @@ from deltad._extension import load_savedcore
 _core = load_savedcore()
 RESIDENT, OFFLOADED = _core.RESIDENT, _core.OFFLOADED
 
-# What PyTorch raises when its allocator (or deltad's, plugged in) has no
-# room (torch >= 1.13); a class no error is an instance of before that.
-_OutOfMemory = getattr(_torch.cuda, "OutOfMemoryError", None) or \
-    type("_NoOutOfMemoryError", (Exception,), {})
-
-
 # The tensor's untyped storage: PyTorch 2.x's untyped_storage, 1.13's
 # _storage (its storage() builds a typed one, 15 times slower).
 _storage = getattr(_torch.Tensor, "untyped_storage", None) or \
     _torch.Tensor._storage
+
+# What PyTorch raises when its allocator (or deltad's, plugged in) has no
+# room (bound here: the tests stand in for torch.cuda).
+_OutOfMemory = _torch.cuda.OutOfMemoryError
 
 
 def _flat(tensor, nbytes):
@@ -41,11 +39,10 @@ class Restoring:
         members are rebuilt by _settle)."""
         c = self.counters
         budget = self.budget
-        if c.resident_bytes + group.nbytes > budget or (
-                not need and c.resident_bytes + self.in_flight_bytes +
-                group.nbytes > budget):
-            if not need:
-                return False  # (bytes copies still hold are no room yet)
+        held = c.resident_bytes + group.nbytes
+        if not need and held + self.in_flight_bytes > budget:
+            return False  # (bytes copies still hold are no room yet)
+        if held > budget:
             self._make_room(budget, group, extra=group.nbytes)
         if group.state == OFFLOADED:
             host = group.host
