@@ -163,12 +163,32 @@ int deltad_allocator_detach(void);
  * that frees memory still in use by queued work must wait for that work
  * (PyTorch's caching allocator over a MemPool does, with events). */
 void* deltad_torch_malloc(ssize_t size, int device, void* stream);
+/* deltad_torch_malloc, but a failure throws a C++ exception derived from
+ * std::exception, with deltad_last_error()'s message, instead of returning
+ * NULL. For PyTorch 2.0-2.7's change_current_allocator, whose pluggable
+ * allocator does not check for NULL: a tensor would get a null pointer
+ * and the first kernel writing it fail with an illegal address. (PyTorch
+ * turns the exception into a RuntimeError.) Not for C callers. */
+void* deltad_torch_malloc_or_raise(ssize_t size, int device, void* stream);
 /* Returns `ptr` to the client that allocated it, even after a detach. The
  * size recorded at allocation is the one freed, whatever `size` says; a
  * pointer deltad_torch_malloc did not return, or one already freed, is
  * ignored (deltad_last_error() says so). `device` and `stream` are not
  * used. */
 void deltad_torch_free(void* ptr, ssize_t size, int device, void* stream);
+
+/* Release on allocation failure. When the attached client's budget cannot
+ * hold an allocation (RESOURCE_EXHAUSTED), deltad_torch_malloc calls
+ * fn(bytes, ctx) on the allocating thread, with none of the allocator's
+ * locks held, and tries again if it returns > 0 (the bytes it freed, by
+ * deltad_torch_free or by letting the framework free tensors); at most 4
+ * times per allocation. fn's own allocations are not served by calling it
+ * again. NULL removes it. The owner of saved activations sets it (the
+ * Python package does, under change_current_allocator, where freed tensors
+ * come straight back; a MemPool keeps them in its cache, see
+ * docs/ALLOCATOR.md). */
+typedef int64_t (*deltad_reclaim_fn)(int64_t bytes, void* ctx);
+int deltad_allocator_set_reclaim(deltad_reclaim_fn fn, void* ctx);
 
 typedef struct {
   int32_t attached;          /* 1 when a client is attached */
@@ -177,6 +197,8 @@ typedef struct {
   int64_t peak_device_bytes; /* the most device_bytes held at once */
   int64_t budget_bytes;      /* its budget now */
   int64_t blocks;            /* live blocks of every client */
+  int64_t reclaims;          /* calls of the reclaim callback */
+  int64_t reclaimed_bytes;   /* what they said they freed */
 } deltad_allocator_usage;
 
 /* What the allocator holds: zeros (but blocks) when none is attached. */

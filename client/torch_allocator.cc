@@ -12,11 +12,18 @@
 // closed while PyTorch still holds blocks (at exit, Python may close it
 // before PyTorch frees its pools): its blocks are forgotten with it, and
 // their frees ignored.
+//
+// An allocation the budget cannot hold asks the reclaim callback, if one is
+// set, to free memory (the owner of saved activations releases some), and is
+// tried again: the release on allocation failure of DELTA. The callback runs
+// with none of this file's locks held, so it may free blocks itself.
 #include <sys/types.h>
 
 #include <cstdint>
 #include <mutex>
 #include <shared_mutex>
+#include <stdexcept>
+#include <string>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -46,6 +53,13 @@ struct AllocatorState {
   // frees do not wait for an allocation that is making room.
   std::mutex blocks_mu;
   absl::flat_hash_map<void*, Block> blocks;  // blocks_mu
+
+  // deltad_allocator_set_reclaim's callback, and what it did.
+  std::mutex reclaim_mu;
+  deltad_reclaim_fn reclaim = nullptr;  // reclaim_mu
+  void* reclaim_ctx = nullptr;          // reclaim_mu
+  int64_t reclaims = 0;                 // reclaim_mu
+  int64_t reclaimed_bytes = 0;          // reclaim_mu
 };
 
 AllocatorState& State() {
@@ -79,6 +93,80 @@ using deltad::client::capi::AllocatorState;
 using deltad::client::capi::Block;
 using deltad::client::capi::Report;
 using deltad::client::capi::State;
+
+// How many times one allocation asks the callback for room: each round
+// must free something, and what it frees may go to other threads first.
+constexpr int kReclaimRounds = 4;
+
+// Set while this thread runs the callback: an allocation the callback makes
+// (a copy's buffer) is not served by reclaiming again.
+thread_local bool in_reclaim = false;
+
+// Thrown by deltad_torch_malloc_or_raise. PyTorch reports a std::exception
+// raised by an allocator as a RuntimeError with its message.
+class OutOfDeviceMemory : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// One try with the attached client; the block recorded when it succeeds.
+absl::StatusOr<void*> AllocateOnce(AllocatorState& s, ssize_t size,
+                                   int device) {
+  if (size < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot allocate ", size, " device bytes"));
+  }
+  std::shared_lock<std::shared_mutex> lifetime(s.lifetime_mu);
+  deltad_client* client = s.attached;
+  if (client == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no deltad client is attached to the allocator (call "
+        "deltad_allocator_attach, or deltad.allocator.install() from "
+        "Python): no device memory for ",
+        size, " bytes"));
+  }
+  if (client->cuda_ordinal >= 0 && device != client->cuda_ordinal) {
+    // One client serves one GPU; memory of another would be unusable.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the deltad allocator serves CUDA device ", client->cuda_ordinal,
+        ", not device ", device, " (one client per GPU)"));
+  }
+  absl::StatusOr<void*> p = client->impl->AllocateRaw(size);
+  if (!p.ok()) return p.status();
+  std::lock_guard<std::mutex> lock(s.blocks_mu);
+  s.blocks.insert_or_assign(*p, Block{client, static_cast<int64_t>(size)});
+  return *p;
+}
+
+// AllocateOnce, and while the budget is short and the reclaim callback
+// frees something, again.
+absl::StatusOr<void*> Allocate(ssize_t size, int device) {
+  AllocatorState& s = State();
+  for (int round = 0;; ++round) {
+    absl::StatusOr<void*> p = AllocateOnce(s, size, device);
+    if (p.ok() || !absl::IsResourceExhausted(p.status()) || in_reclaim ||
+        round == kReclaimRounds) {
+      return p;
+    }
+    deltad_reclaim_fn fn;
+    void* ctx;
+    {
+      std::lock_guard<std::mutex> lock(s.reclaim_mu);
+      fn = s.reclaim;
+      ctx = s.reclaim_ctx;
+    }
+    if (fn == nullptr) return p;
+    in_reclaim = true;
+    const int64_t freed = fn(static_cast<int64_t>(size), ctx);
+    in_reclaim = false;
+    {
+      std::lock_guard<std::mutex> lock(s.reclaim_mu);
+      ++s.reclaims;
+      if (freed > 0) s.reclaimed_bytes += freed;
+    }
+    if (freed <= 0) return p;
+  }
+}
 
 }  // namespace
 
@@ -114,37 +202,30 @@ int deltad_allocator_detach(void) {
 
 void* deltad_torch_malloc(ssize_t size, int device, void* /*stream*/) {
   if (size == 0) return nullptr;
-  if (size < 0) {
-    Report(absl::InvalidArgumentError(
-        absl::StrCat("cannot allocate ", size, " device bytes")));
-    return nullptr;
-  }
-  AllocatorState& s = State();
-  std::shared_lock<std::shared_mutex> lifetime(s.lifetime_mu);
-  deltad_client* client = s.attached;
-  if (client == nullptr) {
-    Report(absl::FailedPreconditionError(absl::StrCat(
-        "no deltad client is attached to the allocator (call "
-        "deltad_allocator_attach, or deltad.allocator.install() from "
-        "Python): no device memory for ",
-        size, " bytes")));
-    return nullptr;
-  }
-  if (client->cuda_ordinal >= 0 && device != client->cuda_ordinal) {
-    // One client serves one GPU; memory of another would be unusable.
-    Report(absl::InvalidArgumentError(absl::StrCat(
-        "the deltad allocator serves CUDA device ", client->cuda_ordinal,
-        ", not device ", device, " (one client per GPU)")));
-    return nullptr;
-  }
-  absl::StatusOr<void*> p = client->impl->AllocateRaw(size);
+  absl::StatusOr<void*> p = Allocate(size, device);
   if (!p.ok()) {
     Report(p.status());
     return nullptr;
   }
-  std::lock_guard<std::mutex> lock(s.blocks_mu);
-  s.blocks.insert_or_assign(*p, Block{client, static_cast<int64_t>(size)});
   return *p;
+}
+
+void* deltad_torch_malloc_or_raise(ssize_t size, int device, void* /*stream*/) {
+  if (size == 0) return nullptr;
+  absl::StatusOr<void*> p = Allocate(size, device);
+  if (!p.ok()) {
+    Report(p.status());
+    throw OutOfDeviceMemory(std::string(p.status().message()));
+  }
+  return *p;
+}
+
+int deltad_allocator_set_reclaim(deltad_reclaim_fn fn, void* ctx) {
+  AllocatorState& s = State();
+  std::lock_guard<std::mutex> lock(s.reclaim_mu);
+  s.reclaim = fn;
+  s.reclaim_ctx = fn == nullptr ? nullptr : ctx;
+  return 0;
 }
 
 void deltad_torch_free(void* ptr, ssize_t /*size*/, int /*device*/,
@@ -179,6 +260,11 @@ int deltad_allocator_stats(deltad_allocator_usage* usage) {
   {
     std::lock_guard<std::mutex> lock(s.blocks_mu);
     usage->blocks = static_cast<int64_t>(s.blocks.size());
+  }
+  {
+    std::lock_guard<std::mutex> lock(s.reclaim_mu);
+    usage->reclaims = s.reclaims;
+    usage->reclaimed_bytes = s.reclaimed_bytes;
   }
   if (s.attached == nullptr) return 0;
   const deltad::client::ClientStats stats = s.attached->impl->Stats();

@@ -187,6 +187,72 @@ class EntryPointsTest(unittest.TestCase):
         self.assertIn(b"deltad_allocator_attach", self.lib.deltad_last_error())
         self.assertFalse(allocator.stats().attached)
 
+    def test_a_reclaimer_frees_room_for_an_allocation_past_the_budget(self):
+        test = self
+
+        class Holder:  # what a store of saved activations does
+            def __init__(self):
+                self.blocks = [test.malloc(2 * MiB) for _ in range(4)]
+                self.asked = []
+
+            def reclaim(self, nbytes):
+                self.asked.append(nbytes)
+                test.free(self.blocks.pop(), 2 * MiB)
+                return 2 * MiB
+
+        holder = Holder()
+        self.assertNotIn(None, holder.blocks)
+        before = allocator.stats()
+        allocator.add_reclaimer(holder.reclaim)
+        try:
+            # Past the budget, from this thread and from another (ctypes
+            # lets the GIL go for the call; the callback takes it back).
+            p = self.malloc(2 * MiB)
+            self.assertIsNotNone(p, self.lib.deltad_last_error())
+            out = []
+            t = threading.Thread(target=lambda: out.append(
+                self.malloc(3 * MiB)))
+            t.start()
+            t.join()
+            self.assertIsNotNone(out[0], self.lib.deltad_last_error())
+        finally:
+            allocator.remove_reclaimer(holder.reclaim)
+        # The allocation's size each time: 3 MiB took two blocks freed.
+        self.assertEqual(holder.asked, [2 * MiB, 3 * MiB, 3 * MiB])
+        after = allocator.stats()
+        self.assertEqual(after.reclaims - before.reclaims, len(holder.asked))
+        self.assertEqual(after.reclaimed_bytes - before.reclaimed_bytes,
+                         2 * MiB * len(holder.asked))
+        # Removed: the next allocation past the budget fails as before.
+        self.assertIsNone(self.malloc(4 * MiB))
+        self.assertEqual(allocator.stats().reclaims, after.reclaims)
+        for q in holder.blocks + [p, out[0]]:
+            self.free(q, 2 * MiB if q != out[0] else 3 * MiB)
+        self.assertEqual(allocator.stats().allocated_bytes, 0)
+
+    def test_a_reclaimer_that_raises_or_died_leaves_the_failure(self):
+        held = [self.malloc(2 * MiB) for _ in range(4)]
+
+        class Broken:
+            def reclaim(self, nbytes):
+                raise ValueError("broken reclaimer")
+
+        broken, gone = Broken(), Broken()
+        allocator.add_reclaimer(broken.reclaim)
+        allocator.add_reclaimer(gone.reclaim)
+        del gone  # held weakly: no longer asked
+        try:
+            with mock.patch("sys.stderr") as stderr:
+                self.assertIsNone(self.malloc(2 * MiB))
+            printed = "".join(c.args[0] for c in stderr.write.call_args_list)
+            self.assertEqual(printed.count("ValueError: broken reclaimer"), 1)
+            self.assertIn(b"budget of 8388608", self.lib.deltad_last_error())
+        finally:
+            allocator.remove_reclaimer(broken.reclaim)
+        self.assertEqual(allocator._reclaimers, [])
+        for q in held:
+            self.free(q, 2 * MiB)
+
     def test_threads_allocate_and_free_at_once(self):
         errors = []
 

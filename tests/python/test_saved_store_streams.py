@@ -10,6 +10,7 @@ PyTorch's own allocator the copy stream is recorded on the bytes instead,
 and nothing is kept. A GPU runs the real thing (bench/torch_bench.py)."""
 
 import contextlib
+import threading
 import unittest
 
 import torch
@@ -305,6 +306,55 @@ class StreamOrderTest(unittest.TestCase):
         self.assertEqual(self.store.host_held, 4096)
         self.assertEqual(c.host_bytes, 4000)
 
+
+    def test_reclaim_releases_the_oldest_and_waits_for_their_copies(self):
+        self.cuda.waits_allowed = True
+        saves = [self.save(torch.full((1024,), float(i))) for i in range(3)]
+        self.store.budget = 1 << 20
+        # An allocation of the step needs 6000 bytes more than the budget
+        # left: the two oldest groups (4096 bytes each) go, and their
+        # bytes are free on return (the copies ran, the references gone).
+        freed = self.store.reclaim(6000)
+        c = self.store.counters
+        self.assertEqual(freed, 2 * 4096)
+        self.assertEqual(c.offloads, 2)
+        self.assertEqual(c.resident_bytes, 4096)
+        self.assertEqual(self.store.in_flight, [])
+        self.assertEqual(self.store.in_flight_bytes, 0)
+        self.assertEqual(self.cuda.log.count(("synchronize",)), 1)
+        self.assertEqual(c.host_waits, 1)
+        # The rest of the iteration saves no more than is left.
+        self.assertEqual(self.store.budget, 4096)
+        self.assertTrue(self.store.released_this_iteration)
+        for i, sv in enumerate(saves):
+            self.assertTrue(torch.equal(self.store.unpack(sv),
+                                        torch.full((1024,), float(i))))
+
+    def test_reclaim_inside_the_stores_own_work_frees_nothing(self):
+        saves = [self.save(torch.full((1024,), float(i))) for i in range(2)]
+        self.store.busy = True  # e.g. a reload's allocation
+        self.assertEqual(self.store.reclaim(4096), 0)
+        self.store.busy = False
+        held = threading.Event()
+        done = threading.Event()
+
+        def hold():
+            with self.store.lock:
+                held.set()
+                done.wait(10)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        held.wait(10)
+        try:
+            # Another thread's: the allocation does not wait for it.
+            self.assertEqual(self.store.reclaim(4096), 0)
+        finally:
+            done.set()
+            t.join()
+        self.assertEqual(self.store.counters.offloads, 0)
+        self.assertEqual(self.store.counters.resident_bytes, 2 * 4096)
+        del saves
 
 if __name__ == "__main__":
     unittest.main()

@@ -80,7 +80,13 @@ class AllocatorUsage(ctypes.Structure):
         ("peak_device_bytes", ctypes.c_int64),
         ("budget_bytes", ctypes.c_int64),
         ("blocks", ctypes.c_int64),
+        ("reclaims", ctypes.c_int64),
+        ("reclaimed_bytes", ctypes.c_int64),
     ]
+
+
+# deltad_reclaim_fn: (bytes, ctx) -> bytes freed.
+ReclaimFn = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
 
 
 RecomputeFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64,
@@ -183,4 +189,7 @@ def load():
         lib.deltad_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t,
                                           ctypes.c_int, ctypes.c_void_p]
         lib.deltad_torch_free.restype = None
+        lib.deltad_allocator_set_reclaim.argtypes = [ReclaimFn,
+                                                     ctypes.c_void_p]
+        lib.deltad_allocator_set_reclaim.restype = ctypes.c_int
     return lib

@@ -20,6 +20,9 @@ the budget is short. How it plugs in depends on the PyTorch:
   (`change_current_allocator`): every tensor is one call, with no cache,
   and it must happen before CUDA is first used. A MemPool there routes the
   library's memory to the calling thread only, which backward escapes.
+  There an allocation the budget cannot hold first asks the reclaimers
+  (add_reclaimer: the saved activations' stores) to release some, and
+  one that still fails raises (that PyTorch does not check for NULL).
 - older: not supported; `install()` says so.
 
 `DELTAD_DISABLE=1` in the environment makes `install()` do nothing (it
@@ -30,11 +33,14 @@ import ctypes
 import dataclasses
 import os
 import threading
+import traceback
+import weakref
 
 from deltad import _capi
 from deltad.client import DEFAULT_SOCKET, Client, _check, _library
 
 _MALLOC = "deltad_torch_malloc"
+_MALLOC_OR_RAISE = "deltad_torch_malloc_or_raise"
 _FREE = "deltad_torch_free"
 
 _lock = threading.Lock()
@@ -44,6 +50,11 @@ _active = None  # the _Installation in force
 # and the client alive (a pool destroyed first frees with the wrong
 # function, pytorch/pytorch#146431). Kept for the process's life.
 _retired = []
+# Weak references to the bound methods reclaim(nbytes) -> bytes freed that
+# the library's reclaim callback asks in turn (add_reclaimer), and that
+# callback, kept alive while the library may call it.
+_reclaimers = []
+_reclaim_callback = None
 
 
 @dataclasses.dataclass
@@ -54,6 +65,8 @@ class AllocatorStats:
     peak_device_bytes: int
     budget_bytes: int
     blocks: int              # live blocks, of every client
+    reclaims: int = 0        # allocations short of room that asked the
+    reclaimed_bytes: int = 0  # reclaimers, and what they freed
 
 
 @dataclasses.dataclass
@@ -198,8 +211,11 @@ def install(client=None, budget_bytes=0, socket=DEFAULT_SOCKET, device=None):
                 client.close()
             raise
         try:
+            # PyTorch 2.0-2.7's pluggable allocator takes a NULL for a
+            # block: there a failure raises instead.
             allocator = torch.cuda.memory.CUDAPluggableAllocator(
-                lib._name, _MALLOC, _FREE)
+                lib._name, _MALLOC if mode == "mempool" else _MALLOC_OR_RAISE,
+                _FREE)
             installation = _Installation(client, owns, index, mode, allocator)
             if mode == "mempool":
                 if torch.cuda.is_initialized():
@@ -257,7 +273,54 @@ def stats():
     return AllocatorStats(
         attached=bool(u.attached), allocated_bytes=u.allocated_bytes,
         device_bytes=u.device_bytes, peak_device_bytes=u.peak_device_bytes,
-        budget_bytes=u.budget_bytes, blocks=u.blocks)
+        budget_bytes=u.budget_bytes, blocks=u.blocks, reclaims=u.reclaims,
+        reclaimed_bytes=u.reclaimed_bytes)
+
+
+def add_reclaimer(method):
+    """Registers `method` (a bound method: held weakly, dropped with its
+    object), which deltad's allocator calls as method(nbytes) on the
+    allocating thread when the budget cannot hold an allocation; it frees
+    device memory (by letting tensors go) and returns how much. Useful only
+    where freed tensors come straight back to deltad: under the global
+    swap ("global" mode), not under a MemPool, whose cache keeps them."""
+    global _reclaim_callback
+    with _lock:
+        _reclaimers.append(weakref.WeakMethod(method))
+        if _reclaim_callback is None:
+            # Never freed: a thread may be inside it when it is unset.
+            _reclaim_callback = _capi.ReclaimFn(_reclaim)
+        if len(_reclaimers) == 1:
+            _check(_library().deltad_allocator_set_reclaim(
+                _reclaim_callback, None))
+
+
+def remove_reclaimer(method):
+    """Undoes add_reclaimer(method); nothing if it is not registered."""
+    with _lock:
+        _reclaimers[:] = [r for r in _reclaimers
+                          if r() is not None and r() != method]
+        if not _reclaimers and _reclaim_callback is not None:
+            _check(_library().deltad_allocator_set_reclaim(
+                _capi.ReclaimFn(), None))
+
+
+def _reclaim(nbytes, _ctx):
+    """The library's reclaim callback: asks the reclaimers in turn until
+    `nbytes` are freed. It must not raise into C: a reclaimer that fails
+    is reported here, and the allocation fails as it would without it."""
+    freed = 0
+    for ref in list(_reclaimers):  # (no lock: it may run inside install)
+        method = ref()
+        if method is None:
+            continue
+        try:
+            freed += max(int(method(nbytes - freed)), 0)
+        except Exception:  # noqa: BLE001 (raising into C would abort)
+            traceback.print_exc()
+        if freed >= nbytes:
+            break
+    return freed
 
 
 def installed_client(device):

@@ -343,8 +343,17 @@ class SavedStore(Restoring, _core.Core):
         c = self.counters
         if self.in_flight:
             self._poll_copies()
-        slack = budget // 16
-        target = budget - slack - extra
+        self._release_down_to(budget - budget // 16 - extra, protect)
+        if c.resident_bytes + extra > budget:
+            # Nothing more can be released: what is left is still in use
+            # by the forward (or held outside autograd), so it occupies
+            # memory whatever deltad does. The allocator has the last word.
+            c.overshoots += 1
+
+    def _release_down_to(self, target, protect=None):
+        """Releases the oldest groups this store alone holds (but
+        `protect`) until the resident bytes are at most `target`."""
+        c = self.counters
         kept = []
         released = False
         order, self.order = self.order, []
@@ -366,11 +375,43 @@ class SavedStore(Restoring, _core.Core):
             self.order = kept
         if released:
             self.released_this_iteration = True
-        if c.resident_bytes + extra > budget:
-            # Nothing more can be released: what is left is still in use
-            # by the forward (or held outside autograd), so it occupies
-            # memory whatever deltad does. The allocator has the last word.
-            c.overshoots += 1
+
+    def reclaim(self, nbytes):
+        """Frees `nbytes` of device memory for an allocation that deltad's
+        allocator could not serve within the budget (it calls this through
+        deltad.allocator's reclaimers): releases the oldest groups this
+        store alone holds, and waits for the copies of those offloaded, so
+        that their bytes are free on return. The rest of the iteration
+        saves no more than is left. Returns the bytes freed: 0 while the
+        store is at work on this thread (the allocation is its own) or
+        another thread holds it (an allocation must not wait on it)."""
+        if not self.lock.acquire(blocking=False):
+            return 0
+        try:
+            if self.busy or self.closed:
+                return 0
+            self.busy = True
+            try:
+                c = self.counters
+                resident = c.resident_bytes
+                before = resident + self.in_flight_bytes
+                self._release_down_to(resident - nbytes)
+                if c.resident_bytes < resident:
+                    self.budget = min(self.budget, c.resident_bytes)
+                if self.in_flight:
+                    # Under deltad's allocator the store holds the bytes of
+                    # copies still running (_keep_until_copied); they are
+                    # all on the copy stream, so the last one's end is
+                    # every one's.
+                    self.in_flight[-1][0].synchronize()
+                    c.host_waits += 1
+                    self.in_flight = []
+                    self.in_flight_bytes = 0
+                return before - c.resident_bytes - self.in_flight_bytes
+            finally:
+                self._done(False)
+        finally:
+            self.lock.release()
 
     def _host_size(self, group):
         """The host memory offloading `group` takes."""

@@ -161,6 +161,13 @@ class _Engine:
         if self.cuda:
             self.store.pytorch_allocator = _allocator.mode() is None
             self.store.in_flight_cap = max(reserve_bytes // 2, 1 << 20)
+            if _allocator.mode() == "global" and \
+                    _allocator.installed_client(device.index) is not None:
+                # Release on allocation failure: an allocation of the step
+                # (a temporary larger than the reserve) that the budget
+                # cannot hold has the store release saved activations. Not
+                # under a MemPool, whose cache would keep what it frees.
+                _allocator.add_reclaimer(self.store.reclaim)
         # Weak: the store keeps the recorder for rebuilds, and a cycle
         # would leave every block's objects to the garbage collector.
         self.recorder.store = weakref.proxy(self.store)

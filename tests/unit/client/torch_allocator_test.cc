@@ -3,6 +3,7 @@
 // The allocator is process-wide: every test leaves none attached.
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,6 +43,7 @@ deltad_allocator_usage Usage() {
 class TorchAllocatorTest : public ::testing::Test {
  protected:
   void TearDown() override {
+    deltad_allocator_set_reclaim(nullptr, nullptr);
     (void)deltad_allocator_detach();
     for (deltad_client* c : clients_) deltad_client_close(c);
   }
@@ -236,6 +238,105 @@ TEST_F(TorchAllocatorTest, ATrackedTensorIsOffloadedForAnAllocation) {
   EXPECT_EQ(static_cast<unsigned char*>(back)[12345], 0x33);
   deltad_unpin(c, 1);
   EXPECT_EQ(deltad_free(c, 1), 0);
+}
+
+// What a reclaim callback saw and does: frees the blocks it holds.
+struct Reclaimer {
+  std::vector<void*> blocks;  // each `block_bytes`, freed when asked
+  int64_t block_bytes = 0;
+  int calls = 0;
+  int64_t asked = 0;
+  bool allocate_inside = false;  // tries an allocation of its own first
+  void* inner = nullptr;
+};
+
+int64_t Reclaim(int64_t bytes, void* ctx) {
+  auto* r = static_cast<Reclaimer*>(ctx);
+  ++r->calls;
+  r->asked = bytes;
+  if (r->allocate_inside) r->inner = deltad_torch_malloc(bytes, 0, nullptr);
+  if (r->blocks.empty()) return 0;
+  deltad_torch_free(r->blocks.back(), r->block_bytes, 0, nullptr);
+  r->blocks.pop_back();
+  return r->block_bytes;
+}
+
+TEST_F(TorchAllocatorTest, AnAllocationTheBudgetCannotHoldAsksTheCallback) {
+  Attached(8 * kMiB);
+  Reclaimer r;
+  r.block_bytes = 2 * kMiB;
+  for (int i = 0; i < 3; ++i) {
+    r.blocks.push_back(deltad_torch_malloc(2 * kMiB, 0, nullptr));
+    ASSERT_NE(r.blocks.back(), nullptr) << deltad_last_error();
+  }
+  const deltad_allocator_usage before = Usage();
+  ASSERT_EQ(deltad_allocator_set_reclaim(&Reclaim, &r), 0);
+  // 6 MiB held of 8: room for 2 MiB without the callback; 6 MiB needs two
+  // of its blocks freed, one per call.
+  void* small = deltad_torch_malloc(2 * kMiB, 0, nullptr);
+  ASSERT_NE(small, nullptr) << deltad_last_error();
+  EXPECT_EQ(r.calls, 0);
+  deltad_torch_free(small, 2 * kMiB, 0, nullptr);
+  void* p = deltad_torch_malloc(6 * kMiB, 0, nullptr);
+  ASSERT_NE(p, nullptr) << deltad_last_error();
+  EXPECT_EQ(r.calls, 2);
+  EXPECT_EQ(r.asked, 6 * kMiB);
+  EXPECT_EQ(r.blocks.size(), 1u);
+  const deltad_allocator_usage after = Usage();
+  EXPECT_EQ(after.reclaims - before.reclaims, 2);
+  EXPECT_EQ(after.reclaimed_bytes - before.reclaimed_bytes, 4 * kMiB);
+  EXPECT_EQ(after.allocated_bytes, 8 * kMiB);
+  deltad_torch_free(p, 6 * kMiB, 0, nullptr);
+  deltad_torch_free(r.blocks.back(), 2 * kMiB, 0, nullptr);
+}
+
+TEST_F(TorchAllocatorTest, ACallbackThatFreesNothingLeavesTheBudgetsRefusal) {
+  Attached(4 * kMiB);
+  void* held = deltad_torch_malloc(4 * kMiB, 0, nullptr);
+  ASSERT_NE(held, nullptr) << deltad_last_error();
+  Reclaimer r;
+  ASSERT_EQ(deltad_allocator_set_reclaim(&Reclaim, &r), 0);
+  EXPECT_EQ(deltad_torch_malloc(2 * kMiB, 0, nullptr), nullptr);
+  EXPECT_EQ(r.calls, 1);
+  EXPECT_THAT(deltad_last_error(), HasSubstr("no room for 2097152 bytes"));
+  // Removed: not asked again.
+  ASSERT_EQ(deltad_allocator_set_reclaim(nullptr, &r), 0);
+  EXPECT_EQ(deltad_torch_malloc(2 * kMiB, 0, nullptr), nullptr);
+  EXPECT_EQ(r.calls, 1);
+  deltad_torch_free(held, 4 * kMiB, 0, nullptr);
+}
+
+TEST_F(TorchAllocatorTest, TheCallbacksOwnAllocationDoesNotCallItAgain) {
+  Attached(4 * kMiB);
+  Reclaimer r;
+  r.block_bytes = 4 * kMiB;
+  r.blocks.push_back(deltad_torch_malloc(4 * kMiB, 0, nullptr));
+  ASSERT_NE(r.blocks.back(), nullptr) << deltad_last_error();
+  r.allocate_inside = true;
+  ASSERT_EQ(deltad_allocator_set_reclaim(&Reclaim, &r), 0);
+  void* p = deltad_torch_malloc(2 * kMiB, 0, nullptr);
+  ASSERT_NE(p, nullptr) << deltad_last_error();
+  // The inner allocation (made before the callback freed anything) failed
+  // without recursing; the outer one got the freed room.
+  EXPECT_EQ(r.calls, 1);
+  EXPECT_EQ(r.inner, nullptr);
+  deltad_torch_free(p, 2 * kMiB, 0, nullptr);
+}
+
+TEST_F(TorchAllocatorTest, MallocOrRaiseThrowsTheBudgetsMessageInsteadOfNull) {
+  Attached(4 * kMiB);
+  void* p = deltad_torch_malloc_or_raise(4 * kMiB, 0, nullptr);
+  ASSERT_NE(p, nullptr) << deltad_last_error();
+  EXPECT_EQ(deltad_torch_malloc_or_raise(0, 0, nullptr), nullptr);
+  std::string message;
+  try {
+    deltad_torch_malloc_or_raise(2 * kMiB, 0, nullptr);
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  EXPECT_THAT(message, AllOf(HasSubstr("no room for 2097152 bytes"),
+                             HasSubstr("budget of 4194304")));
+  deltad_torch_free(p, 4 * kMiB, 0, nullptr);
 }
 
 }  // namespace
