@@ -191,18 +191,24 @@ typedef int64_t (*deltad_reclaim_fn)(int64_t bytes, void* ctx);
 int deltad_allocator_set_reclaim(deltad_reclaim_fn fn, void* ctx);
 
 typedef struct {
-  int32_t attached;          /* 1 when a client is attached */
-  int64_t allocated_bytes;   /* the attached client's, through malloc */
-  int64_t device_bytes;      /* its whole: the allocator's and tensors' */
-  int64_t peak_device_bytes; /* the most device_bytes held at once */
-  int64_t budget_bytes;      /* its budget now */
-  int64_t blocks;            /* live blocks of every client */
-  int64_t reclaims;          /* calls of the reclaim callback */
-  int64_t reclaimed_bytes;   /* what they said they freed */
+  int32_t attached;             /* 1 when a client is attached */
+  int64_t allocated_bytes;      /* the attached client's, through malloc */
+  int64_t device_bytes;         /* its whole: the allocator's and tensors' */
+  int64_t peak_device_bytes;    /* the most device_bytes held at once */
+  int64_t budget_bytes;         /* its budget now */
+  int64_t blocks;               /* live blocks of every client */
+  int64_t reclaims;             /* calls of the reclaim callback */
+  int64_t reclaimed_bytes;      /* what they said they freed */
+  int64_t peak_allocated_bytes; /* the most bytes in live blocks at once
+                                   since deltad_allocator_reset_peak */
 } deltad_allocator_usage;
 
-/* What the allocator holds: zeros (but blocks) when none is attached. */
+/* What the allocator holds: zeros (but blocks, reclaims and the peak)
+ * when none is attached. */
 int deltad_allocator_stats(deltad_allocator_usage* usage);
+/* Restarts peak_allocated_bytes from the bytes in live blocks now (an
+ * iteration's peak, where PyTorch keeps no statistics of its own). */
+int deltad_allocator_reset_peak(void);
 
 #ifdef __cplusplus
 }

@@ -19,6 +19,7 @@
 // with none of this file's locks held, so it may free blocks itself.
 #include <sys/types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <shared_mutex>
@@ -53,6 +54,11 @@ struct AllocatorState {
   // frees do not wait for an allocation that is making room.
   std::mutex blocks_mu;
   absl::flat_hash_map<void*, Block> blocks;  // blocks_mu
+  // Their bytes, and the most at once since deltad_allocator_reset_peak:
+  // under the global swap, what PyTorch allocated (it keeps no statistics
+  // with a pluggable allocator), per iteration.
+  int64_t live_bytes = 0;  // blocks_mu
+  int64_t peak_bytes = 0;  // blocks_mu
 
   // deltad_allocator_set_reclaim's callback, and what it did.
   std::mutex reclaim_mu;
@@ -78,6 +84,7 @@ void ForgetAllocatorClient(deltad_client* client) {
   std::lock_guard<std::mutex> lock(s.blocks_mu);
   for (auto it = s.blocks.begin(); it != s.blocks.end();) {
     if (it->second.owner == client) {
+      s.live_bytes -= it->second.bytes;
       s.blocks.erase(it++);
     } else {
       ++it;
@@ -135,6 +142,8 @@ absl::StatusOr<void*> AllocateOnce(AllocatorState& s, ssize_t size,
   if (!p.ok()) return p.status();
   std::lock_guard<std::mutex> lock(s.blocks_mu);
   s.blocks.insert_or_assign(*p, Block{client, static_cast<int64_t>(size)});
+  s.live_bytes += size;
+  s.peak_bytes = std::max(s.peak_bytes, s.live_bytes);
   return *p;
 }
 
@@ -220,6 +229,13 @@ void* deltad_torch_malloc_or_raise(ssize_t size, int device, void* /*stream*/) {
   return *p;
 }
 
+int deltad_allocator_reset_peak(void) {
+  AllocatorState& s = State();
+  std::lock_guard<std::mutex> lock(s.blocks_mu);
+  s.peak_bytes = s.live_bytes;
+  return 0;
+}
+
 int deltad_allocator_set_reclaim(deltad_reclaim_fn fn, void* ctx) {
   AllocatorState& s = State();
   std::lock_guard<std::mutex> lock(s.reclaim_mu);
@@ -245,6 +261,7 @@ void deltad_torch_free(void* ptr, ssize_t /*size*/, int /*device*/,
       return;
     }
     block = it->second;
+    s.live_bytes -= block.bytes;
     s.blocks.erase(it);
   }
   block.owner->impl->FreeRaw(ptr, block.bytes);
@@ -260,6 +277,7 @@ int deltad_allocator_stats(deltad_allocator_usage* usage) {
   {
     std::lock_guard<std::mutex> lock(s.blocks_mu);
     usage->blocks = static_cast<int64_t>(s.blocks.size());
+    usage->peak_allocated_bytes = s.peak_bytes;
   }
   {
     std::lock_guard<std::mutex> lock(s.reclaim_mu);

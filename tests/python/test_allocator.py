@@ -174,6 +174,16 @@ class EntryPointsTest(unittest.TestCase):
             self.free(q, 2 * MiB)
         self.assertEqual(allocator.stats().allocated_bytes, 0)
 
+    def test_the_peak_of_allocated_bytes_restarts_at_reset_peak(self):
+        a = self.malloc(2 * MiB)
+        b = self.malloc(MiB)
+        self.free(b, MiB)
+        self.assertGreaterEqual(allocator.stats().peak_allocated_bytes,
+                                3 * MiB)
+        allocator.reset_peak()
+        self.assertEqual(allocator.stats().peak_allocated_bytes, 2 * MiB)
+        self.free(a, 2 * MiB)
+
     def test_size_zero_is_null_without_an_error_and_any_device_index_works(
             self):
         self.assertIsNone(self.malloc(0))

@@ -34,13 +34,51 @@ class CudaBudgetWithDeltadAllocatorTest(unittest.TestCase):
             attached=True, allocated_bytes=100 << 20,
             device_bytes=100 << 20, peak_device_bytes=100 << 20,
             budget_bytes=1 << 30, blocks=1)
+        saved_reset, allocator.reset_peak = allocator.reset_peak, list
         try:
             deltad.torch._Engine._on_iteration(stand_in)
         finally:
             (torch.cuda.memory_allocated, allocator.mode,
              allocator.stats) = saved
+            allocator.reset_peak = saved_reset
         self.assertEqual(stand_in.store.budget,
                          (1 << 30) - (100 << 20) - (1 << 20))
+
+    def test_the_budget_follows_the_allocators_peak_per_iteration(self):
+        import deltad.allocator as allocator
+        stand_in = engine_stand_in()
+        stand_in.reserve = 256 << 20
+        peak = [0]
+        resets = []
+        saved = (allocator.mode, allocator.stats, allocator.reset_peak)
+        allocator.mode = lambda: "global"
+        allocator.stats = lambda: allocator.AllocatorStats(
+            attached=True, allocated_bytes=100 << 20,
+            device_bytes=100 << 20, peak_device_bytes=1 << 30,
+            budget_bytes=1 << 30, blocks=1, peak_allocated_bytes=peak[0])
+        allocator.reset_peak = lambda: resets.append(stand_in.iterations)
+        store = stand_in.store
+        on_iteration = deltad.torch._Engine._on_iteration
+        try:
+            first = first_iteration(self, stand_in)
+            # It released, and its peak (the allocator's, restarted at the
+            # iteration's start) came 32 MiB over the budget less 1/16.
+            store.released_last_iteration = True
+            peak[0] = (1 << 30) - (1 << 26) + (32 << 20)
+            on_iteration(stand_in)
+            self.assertEqual(store.budget, first - (32 << 20))
+            self.assertEqual(resets, [1, 2])
+        finally:
+            allocator.mode, allocator.stats, allocator.reset_peak = saved
+
+
+def first_iteration(test, stand_in):
+    """Runs the first iteration's start (100 MiB held, a 256 MiB reserve)
+    and returns its budget for saved activations: the first guess."""
+    deltad.torch._Engine._on_iteration(stand_in)
+    test.assertEqual(stand_in.store.budget,
+                     (1 << 30) - (100 << 20) - (256 << 20))
+    return stand_in.store.budget
 
 
 def engine_stand_in():
@@ -76,11 +114,9 @@ class CudaBudgetFromThePeakTest(unittest.TestCase):
             lambda device=None: calls.append("reset")
         allocator.mode = lambda: None
         store = stand_in.store
+        on_iteration = deltad.torch._Engine._on_iteration
         try:
-            on_iteration = deltad.torch._Engine._on_iteration
-            on_iteration(stand_in)
-            first = store.budget
-            self.assertEqual(first, (1 << 30) - (100 << 20) - (256 << 20))
+            first = first_iteration(self, stand_in)
             self.assertIsNone(store.budget_if_same)
             # It released, and peaked 64 MiB under the budget less 1/16:
             # 64 MiB more if the next iteration is alike (the store checks

@@ -11,6 +11,7 @@ import gc
 import os
 import sys
 import tempfile
+import types
 import unittest
 
 import torch
@@ -290,6 +291,24 @@ class ErrorsTest(unittest.TestCase):
             r"Tried to allocate 2\.00 GiB\ndeltad: a budget of 8\.0 MiB, "
             r"8\.0 MiB of it for saved activations; they hold [\d.]+ "
             r"[KM]iB in \d+ storages, [\d.]+ [KM]?i?B of it releasable")
+
+    def test_on_cuda_out_of_memory_with_room_to_release_names_the_reserve(
+            self):
+        # The message of a CUDA engine whose saved activations could still
+        # have been released: the temporaries outgrew the reserve.
+        store = types.SimpleNamespace(
+            budget=96 << 20, counters=types.SimpleNamespace(host_bytes=0),
+            holding=lambda: (80 << 20, 60 << 20, 12))
+        engine = types.SimpleNamespace(
+            requested_budget=128 << 20, store=store, cuda=True,
+            reserve=40 << 20)
+        text = deltad.torch._Engine.describe_memory(engine)
+        self.assertIn("60.0 MiB of it releasable", text)
+        self.assertIn("more than the 40.0 MiB reserved for them", text)
+        self.assertIn("reserve_bytes", text)
+        store.holding = lambda: (80 << 20, 0, 12)  # nothing to release
+        self.assertNotIn("reserve_bytes",
+                         deltad.torch._Engine.describe_memory(engine))
 
     def test_a_compiled_model_is_refused_with_what_to_do(self):
         class Compiled(torch.nn.Module):  # what torch.compile returns

@@ -82,6 +82,7 @@ class AllocatorUsage(ctypes.Structure):
         ("blocks", ctypes.c_int64),
         ("reclaims", ctypes.c_int64),
         ("reclaimed_bytes", ctypes.c_int64),
+        ("peak_allocated_bytes", ctypes.c_int64),
     ]
 
 
@@ -192,4 +193,6 @@ def load():
         lib.deltad_allocator_set_reclaim.argtypes = [ReclaimFn,
                                                      ctypes.c_void_p]
         lib.deltad_allocator_set_reclaim.restype = ctypes.c_int
+        lib.deltad_allocator_reset_peak.argtypes = []
+        lib.deltad_allocator_reset_peak.restype = ctypes.c_int
     return lib

@@ -67,6 +67,9 @@ class AllocatorStats:
     blocks: int              # live blocks, of every client
     reclaims: int = 0        # allocations short of room that asked the
     reclaimed_bytes: int = 0  # reclaimers, and what they freed
+    # The most bytes in live blocks at once since reset_peak() (under the
+    # global swap, where PyTorch keeps no statistics, PyTorch's peak).
+    peak_allocated_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -274,7 +277,13 @@ def stats():
         attached=bool(u.attached), allocated_bytes=u.allocated_bytes,
         device_bytes=u.device_bytes, peak_device_bytes=u.peak_device_bytes,
         budget_bytes=u.budget_bytes, blocks=u.blocks, reclaims=u.reclaims,
-        reclaimed_bytes=u.reclaimed_bytes)
+        reclaimed_bytes=u.reclaimed_bytes,
+        peak_allocated_bytes=u.peak_allocated_bytes)
+
+
+def reset_peak():
+    """Restarts stats().peak_allocated_bytes from what is allocated now."""
+    _check(_library().deltad_allocator_reset_peak())
 
 
 def add_reclaimer(method):

@@ -241,8 +241,13 @@ class _Engine:
                 # PyTorch 2.0-2.7 with deltad's allocator in place of its
                 # own: memory_allocated raises there (a pluggable allocator
                 # keeps no statistics); the library counts what PyTorch
-                # allocated through it.
-                others = _allocator.stats().allocated_bytes
+                # allocated through it, and its peak, restarted alike.
+                usage = _allocator.stats()
+                others = usage.allocated_bytes
+                if self.peak_from == self.iterations - 1:
+                    peak = usage.peak_allocated_bytes
+                _allocator.reset_peak()
+                self.peak_from = self.iterations
             else:
                 others = _torch.cuda.memory_allocated(self.device)
                 if self.peak_from == self.iterations - 1:
@@ -286,13 +291,24 @@ class _Engine:
         """What deltad held and could release, for an out-of-memory error."""
         held, releasable, storages = self.store.holding()
         c = self.store.counters
-        return (f"deltad: a budget of {_size(self.requested_budget)}, "
+        text = (f"deltad: a budget of {_size(self.requested_budget)}, "
                 f"{_size(self.store.budget)} of it for saved activations; "
                 f"they hold {_size(held)} in {storages} storages, "
                 f"{_size(releasable)} of it releasable now (the rest is "
                 f"still in use by the step or referenced outside autograd), "
-                f"{_size(c.host_bytes)} offloaded to host memory. Lower the "
-                f"batch, raise the budget, or use policy='recompute'.")
+                f"{_size(c.host_bytes)} offloaded to host memory. ")
+        if self.cuda and releasable > 0 and \
+                _allocator.mode() != "global":
+            # PyTorch's allocator (or a MemPool) ran short while saved
+            # activations could have made room: deltad releases them ahead
+            # of need only, and the step's temporaries outgrew the reserve.
+            return text + (
+                f"The step's temporaries needed more than the "
+                f"{_size(self.reserve)} reserved for them (deltad cannot "
+                f"release inside PyTorch's allocations): pass a larger "
+                f"reserve_bytes, lower the batch, or raise the budget.")
+        return text + ("Lower the batch, raise the budget, or use "
+                       "policy='recompute'.")
 
     def connected(self):
         if self.client is None:

@@ -339,4 +339,21 @@ TEST_F(TorchAllocatorTest, MallocOrRaiseThrowsTheBudgetsMessageInsteadOfNull) {
   deltad_torch_free(p, 4 * kMiB, 0, nullptr);
 }
 
+TEST_F(TorchAllocatorTest, ThePeakOfLiveBlocksRestartsWhereItIsReset) {
+  Attached(16 * kMiB);
+  void* a = deltad_torch_malloc(4 * kMiB, 0, nullptr);
+  void* b = deltad_torch_malloc(2 * kMiB, 0, nullptr);
+  ASSERT_NE(b, nullptr) << deltad_last_error();
+  deltad_torch_free(b, 2 * kMiB, 0, nullptr);
+  EXPECT_GE(Usage().peak_allocated_bytes, 6 * kMiB);
+  ASSERT_EQ(deltad_allocator_reset_peak(), 0);
+  EXPECT_EQ(Usage().peak_allocated_bytes, 4 * kMiB);  // what is live
+  void* c = deltad_torch_malloc(kMiB, 0, nullptr);
+  deltad_torch_free(c, kMiB, 0, nullptr);
+  EXPECT_EQ(Usage().peak_allocated_bytes, 5 * kMiB);
+  deltad_torch_free(a, 4 * kMiB, 0, nullptr);
+  ASSERT_EQ(deltad_allocator_reset_peak(), 0);
+  EXPECT_EQ(Usage().peak_allocated_bytes, 0);
+}
+
 }  // namespace
