@@ -180,7 +180,9 @@ void deltad_torch_free(void* ptr, ssize_t size, int device, void* stream);
 /* Release on allocation failure. When the attached client's budget cannot
  * hold an allocation (RESOURCE_EXHAUSTED), deltad_torch_malloc calls
  * fn(bytes, ctx) on the allocating thread, with none of the allocator's
- * locks held, and tries again if it returns > 0 (the bytes it freed, by
+ * locks held, `bytes` being how much more room the budget lacks (at least
+ * 1: chunk rounding can refuse what the byte counts admit), and tries
+ * again if it returns > 0 (the bytes it freed, by
  * deltad_torch_free or by letting the framework free tensors); at most 4
  * times per allocation. fn's own allocations are not served by calling it
  * again. NULL removes it. The owner of saved activations sets it (the

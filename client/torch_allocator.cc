@@ -117,8 +117,10 @@ class OutOfDeviceMemory : public std::runtime_error {
 };
 
 // One try with the attached client; the block recorded when it succeeds.
-absl::StatusOr<void*> AllocateOnce(AllocatorState& s, ssize_t size,
-                                   int device) {
+// When the budget is short, `*short_by` is how much: the bytes held past
+// what would let the allocation in.
+absl::StatusOr<void*> AllocateOnce(AllocatorState& s, ssize_t size, int device,
+                                   int64_t* short_by) {
   if (size < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("cannot allocate ", size, " device bytes"));
@@ -139,7 +141,13 @@ absl::StatusOr<void*> AllocateOnce(AllocatorState& s, ssize_t size,
         ", not device ", device, " (one client per GPU)"));
   }
   absl::StatusOr<void*> p = client->impl->AllocateRaw(size);
-  if (!p.ok()) return p.status();
+  if (!p.ok()) {
+    const deltad::client::ClientStats stats = client->impl->Stats();
+    // At least a byte: chunk rounding can refuse what the counts admit.
+    *short_by =
+        std::max<int64_t>(1, stats.device_bytes + size - stats.budget_bytes);
+    return p.status();
+  }
   std::lock_guard<std::mutex> lock(s.blocks_mu);
   s.blocks.insert_or_assign(*p, Block{client, static_cast<int64_t>(size)});
   s.live_bytes += size;
@@ -152,7 +160,8 @@ absl::StatusOr<void*> AllocateOnce(AllocatorState& s, ssize_t size,
 absl::StatusOr<void*> Allocate(ssize_t size, int device) {
   AllocatorState& s = State();
   for (int round = 0;; ++round) {
-    absl::StatusOr<void*> p = AllocateOnce(s, size, device);
+    int64_t short_by = 0;
+    absl::StatusOr<void*> p = AllocateOnce(s, size, device, &short_by);
     if (p.ok() || !absl::IsResourceExhausted(p.status()) || in_reclaim ||
         round == kReclaimRounds) {
       return p;
@@ -166,7 +175,7 @@ absl::StatusOr<void*> Allocate(ssize_t size, int device) {
     }
     if (fn == nullptr) return p;
     in_reclaim = true;
-    const int64_t freed = fn(static_cast<int64_t>(size), ctx);
+    const int64_t freed = fn(short_by, ctx);
     in_reclaim = false;
     {
       std::lock_guard<std::mutex> lock(s.reclaim_mu);

@@ -121,6 +121,29 @@ class RoutingTest(unittest.TestCase):
             "global")
 
 
+class AskedRoutingTest(unittest.TestCase):
+    """DELTAD_ALLOCATOR_ROUTING (or install(routing=)) picks the global
+    swap where a pool would serve, and is refused where it cannot be."""
+
+    def test_the_global_swap_can_be_asked_for_on_pytorch_2_8(self):
+        torch = fake_torch("2.9.0")
+        self.assertEqual(allocator._routing(torch, "global"), "global")
+        with mock.patch.dict(os.environ,
+                             {"DELTAD_ALLOCATOR_ROUTING": "global"}):
+            self.assertEqual(allocator._routing(torch), "global")
+        with mock.patch.dict(os.environ, {"DELTAD_ALLOCATOR_ROUTING": ""}):
+            self.assertEqual(allocator._routing(torch), "mempool")
+
+    def test_a_pool_cannot_be_asked_for_before_2_8_nor_an_unknown_routing(
+            self):
+        with self.assertRaises(RuntimeError) as e:
+            allocator._routing(fake_torch("2.4.0", mempool=False), "mempool")
+        self.assertIn("needs PyTorch 2.8", str(e.exception))
+        with self.assertRaises(ValueError) as e:
+            allocator._routing(fake_torch("2.9.0"), "pool")
+        self.assertIn("'mempool' or 'global', not 'pool'", str(e.exception))
+
+
 class EntryPointsTest(unittest.TestCase):
     """The functions PyTorch calls, on a client whose device memory is
     memfd chunks (the path a GPU's memory takes)."""
@@ -227,8 +250,8 @@ class EntryPointsTest(unittest.TestCase):
             self.assertIsNotNone(out[0], self.lib.deltad_last_error())
         finally:
             allocator.remove_reclaimer(holder.reclaim)
-        # The allocation's size each time: 3 MiB took two blocks freed.
-        self.assertEqual(holder.asked, [2 * MiB, 3 * MiB, 3 * MiB])
+        # What the budget lacked each time: 3 MiB took two blocks freed.
+        self.assertEqual(holder.asked, [2 * MiB, 3 * MiB, MiB])
         after = allocator.stats()
         self.assertEqual(after.reclaims - before.reclaims, len(holder.asked))
         self.assertEqual(after.reclaimed_bytes - before.reclaimed_bytes,

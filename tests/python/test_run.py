@@ -54,6 +54,18 @@ class ScriptCase(unittest.TestCase):
     def tearDownClass(cls):
         cls.dir.cleanup()
 
+    def trains_as_without(self, pattern, *options, env=None):
+        """Runs the script (3 steps) under `python -m deltad.run options`,
+        checks it printed what it did without deltad, and returns the
+        match of `pattern` in deltad's summary on stderr."""
+        r = run("-m", "deltad.run", *options, self.script, "3",
+                env=env if env is not None else self.env)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout, self.expected)
+        line = re.search(pattern, r.stderr)
+        self.assertIsNotNone(line, r.stderr)
+        return line
+
 
 class RunTest(ScriptCase):
     """The script on the CPU: on a machine with a GPU too, which it is made
@@ -63,14 +75,10 @@ class RunTest(ScriptCase):
     env = {"CUDA_VISIBLE_DEVICES": ""}
 
     def test_a_script_trains_as_without_deltad_within_the_budget(self):
-        r = run("-m", "deltad.run", "--budget", "1MiB", "--socket", "",
-                "--min_bytes", "1", self.script, "3", env=self.env)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertEqual(r.stdout, self.expected)
-        line = re.search(r"deltad: (\d+) iterations, (\d+) saved tensors, "
-                         r"peak \d+ bytes resident of a 1048576-byte "
-                         r"budget, (\d+) offloads", r.stderr)
-        self.assertIsNotNone(line, r.stderr)
+        line = self.trains_as_without(
+            r"deltad: (\d+) iterations, (\d+) saved tensors, peak \d+ bytes "
+            r"resident of a 1048576-byte budget, (\d+) offloads",
+            "--budget", "1MiB", "--socket", "", "--min_bytes", "1")
         self.assertEqual(int(line.group(1)), 3)
         self.assertGreater(int(line.group(2)), 0)
         self.assertGreater(int(line.group(3)), 0)
@@ -98,17 +106,21 @@ class RunTest(ScriptCase):
         self.assertIn("not a size", r.stderr)
 
 
-CUDA_SCRIPT = """
+def cuda_script(width, layers, batch, loss):
+    """A training script on the GPU: `layers` of Linear(width, width) and
+    ReLU, a batch of `batch` rows, and the code that sets `loss`."""
+    return f"""
 import sys, torch
 torch.use_deterministic_algorithms(True)
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Sequential(
-    torch.nn.Linear(256, 256), torch.nn.ReLU()) for _ in range(32)]).cuda()
+    torch.nn.Linear({width}, {width}), torch.nn.ReLU())
+    for _ in range({layers})]).cuda()
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-x = torch.randn(4096, 256, device="cuda")
+x = torch.randn({batch}, {width}, device="cuda")
 for step in range(int(sys.argv[1])):
     opt.zero_grad()
-    loss = model(x).square().mean()
+    {loss}
     loss.backward()
     opt.step()
 print("final", repr(loss.item()),
@@ -116,15 +128,23 @@ print("final", repr(loss.item()),
 """
 
 
+CUDA_SCRIPT = cuda_script(256, 32, 4096, "loss = model(x).square().mean()")
+
+
 @unittest.skipUnless(torch.cuda.is_available(),
                      "no GPU: the CUDA allocator path needs one")
-class CudaRunTest(ScriptCase):
+class CudaScriptCase(ScriptCase):
+    """A script on the GPU, its cuBLAS deterministic."""
+
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+class CudaRunTest(CudaScriptCase):
     """On a GPU: deltad's allocator serves the script's memory, the budget
     forces offloads, and training is bit-identical to the script run
     without deltad."""
 
     SOURCE = CUDA_SCRIPT
-    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
     def test_the_allocator_serves_a_script_that_trains_as_without(self):
         # Parameters 8 MiB (gradients as much, from backward on), the
@@ -132,23 +152,48 @@ class CudaRunTest(ScriptCase):
         # 4 MiB (the input and each ReLU's output): 132 MiB. Of a 150 MiB
         # budget, saved activations get what those leave less a reserve of
         # 40 MiB for temporaries, about 66 MiB: some are offloaded.
-        r = run("-m", "deltad.run", "--budget", "150MiB", "--socket", "",
-                self.script, "3", env=self.env)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertEqual(r.stdout, self.expected)
-        line = re.search(r"deltad: (\d+) iterations, .* (\d+) offloads .*"
-                         r"memory from deltad's allocator \((\w+)\): peak "
-                         r"(\d+) bytes", r.stderr)
-        self.assertIsNotNone(line, r.stderr)
+        line = self.trains_as_without(
+            r"deltad: (\d+) iterations, .* (\d+) offloads .*memory from "
+            r"deltad's allocator \((\w+)\): peak (\d+) bytes",
+            "--budget", "150MiB", "--socket", "")
         self.assertEqual(int(line.group(1)), 3)
-        self.assertGreater(int(line.group(2)), 0, r.stderr)
-        self.assertGreater(int(line.group(4)), 0, r.stderr)
+        self.assertGreater(int(line.group(2)), 0)
+        self.assertGreater(int(line.group(4)), 0)
 
     def test_no_allocator_leaves_pytorchs_in_place(self):
         r = run("-m", "deltad.run", "--budget", "1GiB", "--socket", "",
                 "--no_allocator", self.script, "2", env=self.env)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("memory from PyTorch's allocator", r.stderr)
+
+
+# An 80 MiB temporary beside the saved activations: twice the reserve.
+CUDA_TEMPORARY_SCRIPT = cuda_script(
+    1024, 8, 1024, "out = model(x); "
+    "loss = out.square().mean() + out.repeat(1, 20).sum() * 0")
+
+
+class CudaGlobalSwapTest(CudaScriptCase):
+    """On a GPU, under the global swap (DELTAD_ALLOCATOR_ROUTING=global,
+    any PyTorch 2.x): a first iteration whose temporary outgrows the
+    reserve gets its room from saved activations released when the
+    allocation fails, and trains as without deltad."""
+
+    SOURCE = CUDA_TEMPORARY_SCRIPT
+
+    def test_an_allocation_short_of_room_releases_saved_activations(self):
+        # At the first iteration's start PyTorch holds about 68 MiB
+        # (parameters 32, cuBLAS's workspaces 32, the input 4); the reserve
+        # is 40 MiB, so saved activations may take 62 of a 170 MiB budget
+        # and keep all of theirs (36 MiB). The 80 MiB temporary then finds
+        # about 14 MiB too few.
+        line = self.trains_as_without(
+            r"memory from deltad's allocator \(global\): .* (\d+) "
+            r"allocations short of room released (\d+) bytes",
+            "--budget", "170MiB", "--socket", "",
+            env={**self.env, "DELTAD_ALLOCATOR_ROUTING": "global"})
+        self.assertGreater(int(line.group(1)), 0)
+        self.assertGreater(int(line.group(2)), 0)
 
 
 if __name__ == "__main__":

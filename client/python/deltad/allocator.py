@@ -26,7 +26,10 @@ the budget is short. How it plugs in depends on the PyTorch:
 - older: not supported; `install()` says so.
 
 `DELTAD_DISABLE=1` in the environment makes `install()` do nothing (it
-returns None). See docs/ALLOCATOR.md for what is measured and what is not.
+returns None). `DELTAD_ALLOCATOR_ROUTING=global` takes the global swap on
+2.8 and later too (before CUDA is first used), where a tensor freed comes
+straight back to deltad and an allocation short of room can release saved
+activations (add_reclaimer); `mempool` insists on the pool. See docs/ALLOCATOR.md for what is measured and what is not.
 """
 
 import ctypes
@@ -103,9 +106,28 @@ def disabled():
         "1", "true", "yes", "on")
 
 
-def _routing(torch):
+def _routing(torch, asked=None):
     """How this PyTorch can hand all of a device's allocations to deltad:
-    "mempool" or "global". RuntimeError when it cannot at all."""
+    "mempool" or "global" (`asked`, or DELTAD_ALLOCATOR_ROUTING, where it
+    can; the pool where it can otherwise). RuntimeError when it cannot at
+    all, or not as asked."""
+    if asked is None:
+        asked = os.environ.get("DELTAD_ALLOCATOR_ROUTING", "").strip() or None
+    if asked not in (None, "mempool", "global"):
+        raise ValueError(
+            f"deltad's allocator routing is 'mempool' or 'global', not "
+            f"{asked!r} (DELTAD_ALLOCATOR_ROUTING or install(routing=))")
+    possible = _possible_routing(torch)
+    if asked == "mempool" and possible != "mempool":
+        raise RuntimeError(
+            f"deltad.allocator.install(): routing 'mempool' needs PyTorch "
+            f"2.8 or later (a pool serving every thread); this is "
+            f"{torch.__version__}. Leave the routing unset.")
+    return asked or possible
+
+
+def _possible_routing(torch):
+    """The routing this PyTorch offers by default (see _routing)."""
     memory = getattr(torch.cuda, "memory", None)
     if memory is None or not hasattr(memory, "CUDAPluggableAllocator"):
         raise RuntimeError(
@@ -156,9 +178,10 @@ def _check_unused(torch, index, mode):
         raise RuntimeError(
             f"deltad.allocator.install(): CUDA is already initialized, so "
             f"PyTorch {torch.__version__} can no longer replace its "
-            f"allocator (that needs PyTorch 2.8 or later once CUDA is up). "
-            f"Call install() first thing, before any .cuda(), torch.cuda "
-            f"call or CUDA tensor; or set DELTAD_DISABLE=1.")
+            f"allocator (the global swap; on PyTorch 2.8 or later the pool "
+            f"needs no swap, unless DELTAD_ALLOCATOR_ROUTING=global asks "
+            f"for one). Call install() first thing, before any .cuda(), "
+            f"torch.cuda call or CUDA tensor; or set DELTAD_DISABLE=1.")
     held = torch.cuda.memory_allocated(index)
     if held > 0:
         raise RuntimeError(
@@ -169,7 +192,8 @@ def _check_unused(torch, index, mode):
             f"free those tensors first; or set DELTAD_DISABLE=1.")
 
 
-def install(client=None, budget_bytes=0, socket=DEFAULT_SOCKET, device=None):
+def install(client=None, budget_bytes=0, socket=DEFAULT_SOCKET, device=None,
+            routing=None):
     """Makes the deltad client library this process's CUDA allocator for
     `device` (default: the current one) and returns the deltad.Client that
     serves it, or None when DELTAD_DISABLE=1.
@@ -177,6 +201,8 @@ def install(client=None, budget_bytes=0, socket=DEFAULT_SOCKET, device=None):
     client: a deltad.Client on the "cuda" device to serve the memory; by
     default one is opened (on `socket`, None for no daemon, asking for
     `budget_bytes`, 0 for a fair share) and owned by the allocator.
+    routing: "mempool" or "global" (see the module's docstring); None:
+    DELTAD_ALLOCATOR_ROUTING, else the pool where this PyTorch has one.
     Raises RuntimeError with what to do when this PyTorch has no CUDA, is
     too old, or has allocated CUDA memory already, and when an installation
     is in force.
@@ -198,7 +224,7 @@ def install(client=None, budget_bytes=0, socket=DEFAULT_SOCKET, device=None):
                 f"usable GPU, and deltad's allocator serves CUDA memory "
                 f"only. Run on a GPU with a CUDA build of PyTorch, or set "
                 f"DELTAD_DISABLE=1 to go without it.")
-        mode = _routing(torch)
+        mode = _routing(torch, routing)
         index = _device_index(torch, device, mode)
         _check_unused(torch, index, mode)
         owns = client is None

@@ -127,7 +127,9 @@ def main(argv=None):
                 a = allocator.stats()
                 served = (f"deltad's allocator ({allocator.mode()}): peak "
                           f"{a.peak_device_bytes} bytes of a "
-                          f"{a.budget_bytes}-byte budget")
+                          f"{a.budget_bytes}-byte budget, {a.reclaims} "
+                          f"allocations short of room released "
+                          f"{a.reclaimed_bytes} bytes")
             print(f"deltad: {s.iterations} iterations, {s.saved_tensors} "
                   f"saved tensors, peak {s.peak_device_bytes} bytes "
                   f"resident of a {s.budget_bytes}-byte budget, "
