@@ -29,7 +29,8 @@ the budget is short. How it plugs in depends on the PyTorch:
 returns None). `DELTAD_ALLOCATOR_ROUTING=global` takes the global swap on
 2.8 and later too (before CUDA is first used), where a tensor freed comes
 straight back to deltad and an allocation short of room can release saved
-activations (add_reclaimer); `mempool` insists on the pool. See docs/ALLOCATOR.md for what is measured and what is not.
+activations (add_reclaimer); `mempool` insists on the pool. See
+docs/ALLOCATOR.md for what is measured and what is not.
 """
 
 import ctypes
