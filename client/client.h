@@ -212,6 +212,11 @@ class Client {
   // FAILED_PRECONDITION once closed; RESOURCE_EXHAUSTED, naming the
   // budget, what is held and the request, when no release makes room.
   absl::StatusOr<void*> AllocateRaw(int64_t bytes);
+  // AllocateRaw's first step alone: the memory if the budget and the device
+  // have room now, else nullptr, with nothing released and no daemon asked.
+  void* TryAllocateRaw(int64_t bytes) {
+    return bytes > 0 ? TryAllocateWithinBudget(bytes, /*raw=*/true) : nullptr;
+  }
   // `p` and `bytes` as AllocateRaw gave and was given; the caller keeps
   // them (the client has no record of its own to check them against).
   // Valid after Close: the memory stays mapped until the client dies.

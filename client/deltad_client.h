@@ -177,17 +177,18 @@ void* deltad_torch_malloc_or_raise(ssize_t size, int device, void* stream);
  * used. */
 void deltad_torch_free(void* ptr, ssize_t size, int device, void* stream);
 
-/* Release on allocation failure. When the attached client's budget cannot
- * hold an allocation (RESOURCE_EXHAUSTED), deltad_torch_malloc calls
- * fn(bytes, ctx) on the allocating thread, with none of the allocator's
- * locks held, `bytes` being how much more room the budget lacks (at least
- * 1: chunk rounding can refuse what the byte counts admit), and tries
- * again if it returns > 0 (the bytes it freed, by
- * deltad_torch_free or by letting the framework free tensors); at most 4
- * times per allocation. fn's own allocations are not served by calling it
- * again. NULL removes it. The owner of saved activations sets it (the
- * Python package does, under change_current_allocator, where freed tensors
- * come straight back; a MemPool keeps them in its cache, see
+/* Release on allocation failure. When the attached client's budget is too
+ * short to hold an allocation now, deltad_torch_malloc calls fn(bytes, ctx)
+ * on the allocating thread, with none of the allocator's locks held,
+ * `bytes` being how much the budget lacks, and tries again if it returns
+ * > 0 (the bytes it freed, by deltad_torch_free or by letting the framework
+ * free tensors); at most 4 times per allocation. Only then does the client
+ * release its tracked tensors or ask the daemon for room (its own saved
+ * activations go before other processes' memory). fn's own allocations do
+ * not call it again. NULL removes it, without waiting for calls already
+ * running: their ctx must stay valid. The owner of saved activations sets
+ * it (the Python package does under change_current_allocator, where freed
+ * tensors come straight back; a MemPool keeps them in its cache, see
  * docs/ALLOCATOR.md). */
 typedef int64_t (*deltad_reclaim_fn)(int64_t bytes, void* ctx);
 int deltad_allocator_set_reclaim(deltad_reclaim_fn fn, void* ctx);

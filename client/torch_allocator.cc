@@ -117,10 +117,12 @@ class OutOfDeviceMemory : public std::runtime_error {
 };
 
 // One try with the attached client; the block recorded when it succeeds.
-// When the budget is short, `*short_by` is how much: the bytes held past
-// what would let the allocation in.
+// `fast`: only if the budget and the device have room now (nothing
+// released, no daemon asked); when the budget's count is what is short,
+// `*short_by` says by how much (else 0).
 absl::StatusOr<void*> AllocateOnce(AllocatorState& s, ssize_t size, int device,
-                                   int64_t* short_by) {
+                                   bool fast, int64_t* short_by) {
+  *short_by = 0;
   if (size < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("cannot allocate ", size, " device bytes"));
@@ -140,12 +142,16 @@ absl::StatusOr<void*> AllocateOnce(AllocatorState& s, ssize_t size, int device,
         "the deltad allocator serves CUDA device ", client->cuda_ordinal,
         ", not device ", device, " (one client per GPU)"));
   }
-  absl::StatusOr<void*> p = client->impl->AllocateRaw(size);
+  absl::StatusOr<void*> p = absl::ResourceExhaustedError("no room now");
+  if (fast) {
+    if (void* q = client->impl->TryAllocateRaw(size)) p = q;
+  } else {
+    p = client->impl->AllocateRaw(size);
+  }
   if (!p.ok()) {
     const deltad::client::ClientStats stats = client->impl->Stats();
-    // At least a byte: chunk rounding can refuse what the counts admit.
     *short_by =
-        std::max<int64_t>(1, stats.device_bytes + size - stats.budget_bytes);
+        std::max<int64_t>(0, stats.device_bytes + size - stats.budget_bytes);
     return p.status();
   }
   std::lock_guard<std::mutex> lock(s.blocks_mu);
@@ -155,17 +161,13 @@ absl::StatusOr<void*> AllocateOnce(AllocatorState& s, ssize_t size, int device,
   return *p;
 }
 
-// AllocateOnce, and while the budget is short and the reclaim callback
-// frees something, again.
+// With a reclaim callback, while the budget's count is short, the callback
+// frees first (this process's own saved activations, released at once),
+// and only then does the client's slow path ask the daemon and release
+// tracked tensors: DELTA releases its own when an allocation fails.
 absl::StatusOr<void*> Allocate(ssize_t size, int device) {
   AllocatorState& s = State();
-  for (int round = 0;; ++round) {
-    int64_t short_by = 0;
-    absl::StatusOr<void*> p = AllocateOnce(s, size, device, &short_by);
-    if (p.ok() || !absl::IsResourceExhausted(p.status()) || in_reclaim ||
-        round == kReclaimRounds) {
-      return p;
-    }
+  for (int round = 0; round < kReclaimRounds && !in_reclaim; ++round) {
     deltad_reclaim_fn fn;
     void* ctx;
     {
@@ -173,7 +175,13 @@ absl::StatusOr<void*> Allocate(ssize_t size, int device) {
       fn = s.reclaim;
       ctx = s.reclaim_ctx;
     }
-    if (fn == nullptr) return p;
+    if (fn == nullptr) break;
+    int64_t short_by = 0;
+    absl::StatusOr<void*> p =
+        AllocateOnce(s, size, device, /*fast=*/true, &short_by);
+    if (p.ok() || !absl::IsResourceExhausted(p.status())) return p;
+    // Short of chunks within the budget is the slow path's to fetch.
+    if (short_by <= 0) break;
     in_reclaim = true;
     const int64_t freed = fn(short_by, ctx);
     in_reclaim = false;
@@ -182,8 +190,10 @@ absl::StatusOr<void*> Allocate(ssize_t size, int device) {
       ++s.reclaims;
       if (freed > 0) s.reclaimed_bytes += freed;
     }
-    if (freed <= 0) return p;
+    if (freed <= 0) break;
   }
+  int64_t short_by = 0;
+  return AllocateOnce(s, size, device, /*fast=*/false, &short_by);
 }
 
 }  // namespace

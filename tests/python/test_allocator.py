@@ -197,6 +197,38 @@ class EntryPointsTest(unittest.TestCase):
             self.free(q, 2 * MiB)
         self.assertEqual(allocator.stats().allocated_bytes, 0)
 
+    def test_under_a_mempool_reclaimers_are_refused_and_never_called(self):
+        class Holder:
+            calls = 0
+
+            def reclaim(self, nbytes):
+                Holder.calls += 1
+                return 0
+
+        holder, other = Holder(), Holder()
+        allocator.add_reclaimer(holder.reclaim)
+        held = [self.malloc(2 * MiB) for _ in range(4)]
+        try:
+            pool = types.SimpleNamespace(mode="mempool")
+            with mock.patch.object(allocator, "_active", pool):
+                with self.assertRaises(RuntimeError) as e:
+                    allocator.add_reclaimer(other.reclaim)
+                self.assertIn("DELTAD_ALLOCATOR_ROUTING=global",
+                              str(e.exception))
+                with allocator._lock:
+                    allocator._arm_reclaim()  # as install() does
+                # Python would run under PyTorch's device lock: not asked.
+                self.assertIsNone(self.malloc(2 * MiB))
+                self.assertEqual(Holder.calls, 0)
+            with allocator._lock:
+                allocator._arm_reclaim()  # as uninstall() does
+            self.assertIsNone(self.malloc(2 * MiB))
+            self.assertEqual(Holder.calls, 1)
+        finally:
+            allocator.remove_reclaimer(holder.reclaim)
+            for q in held:
+                self.free(q, 2 * MiB)
+
     def test_the_peak_of_allocated_bytes_restarts_at_reset_peak(self):
         a = self.malloc(2 * MiB)
         b = self.malloc(MiB)

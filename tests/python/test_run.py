@@ -189,7 +189,7 @@ class CudaGlobalSwapTest(CudaScriptCase):
         # about 14 MiB too few.
         line = self.trains_as_without(
             r"memory from deltad's allocator \(global\): .* (\d+) "
-            r"allocations short of room released (\d+) bytes",
+            r"releases on allocation failure freed (\d+) bytes",
             "--budget", "170MiB", "--socket", "",
             env={**self.env, "DELTAD_ALLOCATOR_ROUTING": "global"})
         self.assertGreater(int(line.group(1)), 0)

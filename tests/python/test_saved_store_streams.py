@@ -53,9 +53,10 @@ class FakeEvent:
 
 
 class FakeStream:
-    def __init__(self, name, log):
+    def __init__(self, name, log, cuda=None):
         self.name = name
         self.log = log
+        self.cuda = cuda  # its waits_allowed and events, where it has one
 
     def wait_stream(self, other):
         self.log.append(("wait_stream", self.name, other.name))
@@ -64,7 +65,12 @@ class FakeStream:
         self.log.append(("wait_event", self.name, event.stream.name))
 
     def synchronize(self):
-        raise AssertionError("the store must never wait on the host")
+        if self.cuda is None or not self.cuda.waits_allowed:
+            raise AssertionError("the store must never wait on the host")
+        self.log.append(("synchronize_stream", self.name))
+        for event in self.cuda.events:
+            if event.stream is self:
+                event.done = True
 
 
 class FakeCuda:
@@ -78,7 +84,7 @@ class FakeCuda:
         self.current = self.compute
 
     def Stream(self, device):  # noqa: N802 (torch's name)
-        return FakeStream("copy", self.log)
+        return FakeStream("copy", self.log, self)
 
     def Event(self):  # noqa: N802
         event = FakeEvent(self.log, self.waits_allowed)
@@ -287,6 +293,37 @@ class StreamOrderTest(unittest.TestCase):
                                         torch.full((1024,), float(i))))
         self.assertEqual(self.store.counters.reloads, 3)
 
+    def test_a_prefetch_past_deltads_budget_under_the_global_swap_pauses(
+            self):
+        # deltad's allocator raises a RuntimeError there, not PyTorch's
+        # OutOfMemoryError; any other RuntimeError still propagates.
+        saves = [self.save(torch.full((1024,), float(i))) for i in range(3)]
+        self.store.budget = 1024
+        saves.append(self.save(torch.ones(1024)))
+        for e in self.cuda.events:
+            e.done = True
+        self.store._poll_copies()
+        self.store.budget = 1 << 30
+        real_empty = saved._torch.empty
+        error = [RuntimeError("deltad: no room for 4096 bytes within the "
+                              "budget of 8192 bytes")]
+
+        def empty(*args, pin_memory=False, device=None, **kwargs):
+            if not pin_memory:
+                raise error[0]
+            return real_empty(*args, pin_memory=pin_memory, **kwargs)
+
+        saved._torch.empty = empty
+        try:
+            self.store.unpack(saves[3])
+            self.assertTrue(self.store.prefetch_paused)
+            self.store.prefetch_paused = False
+            error[0] = RuntimeError("an error of another kind")
+            with self.assertRaisesRegex(RuntimeError, "another kind"):
+                self.store.unpack(saves[2])
+        finally:
+            del saved._torch.empty
+
     def test_host_memory_is_counted_as_the_pinned_pool_rounds_it(self):
         # 1000 floats: 4000 bytes, which PyTorch's pinned pool rounds up to
         # 4096. Three fit a 12000-byte cap exactly, two as rounded.
@@ -311,9 +348,17 @@ class StreamOrderTest(unittest.TestCase):
         self.cuda.waits_allowed = True
         saves = [self.save(torch.full((1024,), float(i))) for i in range(3)]
         self.store.budget = 1 << 20
+        self.store.budget_used = 1 << 20
+        self.store.budget_if_same = 2 << 20
+        # An older copy listed after a newer one (a dropped prefetch's is
+        # appended late): waiting for the last listed would not cover all.
+        older = self.cuda.Event()
+        older.record(self.store.copy_stream)
         # An allocation of the step needs 6000 bytes more than the budget
         # left: the two oldest groups (4096 bytes each) go, and their
         # bytes are free on return (the copies ran, the references gone).
+        self.store.in_flight.append((older, None, 0))
+        self.store.in_flight.insert(0, self.store.in_flight.pop())
         freed = self.store.reclaim(6000)
         c = self.store.counters
         self.assertEqual(freed, 2 * 4096)
@@ -321,10 +366,15 @@ class StreamOrderTest(unittest.TestCase):
         self.assertEqual(c.resident_bytes, 4096)
         self.assertEqual(self.store.in_flight, [])
         self.assertEqual(self.store.in_flight_bytes, 0)
-        self.assertEqual(self.cuda.log.count(("synchronize",)), 1)
+        self.assertEqual(self.cuda.log.count(("synchronize_stream", "copy")),
+                         1)
+        self.assertTrue(all(e.done for e in self.cuda.events))
         self.assertEqual(c.host_waits, 1)
-        # The rest of the iteration saves no more than is left.
+        # The rest of the iteration saves no more than is left, and the
+        # next learns from that.
         self.assertEqual(self.store.budget, 4096)
+        self.assertEqual(self.store.budget_used, 4096)
+        self.assertIsNone(self.store.budget_if_same)
         self.assertTrue(self.store.released_this_iteration)
         for i, sv in enumerate(saves):
             self.assertTrue(torch.equal(self.store.unpack(sv),

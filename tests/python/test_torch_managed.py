@@ -292,6 +292,22 @@ class ErrorsTest(unittest.TestCase):
             r"8\.0 MiB of it for saved activations; they hold [\d.]+ "
             r"[KM]iB in \d+ storages, [\d.]+ [KM]?i?B of it releasable")
 
+    def test_deltads_allocator_running_short_is_an_out_of_memory_error(self):
+        # Under the global swap PyTorch raises deltad's message as a
+        # RuntimeError; the block makes it an OutOfMemoryError as PyTorch's.
+        model = small_mlp()
+        with self.assertRaises(torch.cuda.OutOfMemoryError) as e:
+            with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                      budget_bytes=8 << 20):
+                raise RuntimeError("deltad: no room for 4096 bytes within "
+                                   "the budget of 8192 bytes")
+        self.assertIsInstance(e.exception, deltad.torch.OutOfMemoryError)
+        self.assertIn("deltad: a budget of 8.0 MiB", str(e.exception))
+        with self.assertRaisesRegex(RuntimeError, "^another$"):
+            with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                      budget_bytes=8 << 20):
+                raise RuntimeError("another")
+
     def test_on_cuda_out_of_memory_with_room_to_release_names_the_reserve(
             self):
         # The message of a CUDA engine whose saved activations could still

@@ -69,8 +69,8 @@ class AllocatorStats:
     peak_device_bytes: int
     budget_bytes: int
     blocks: int              # live blocks, of every client
-    reclaims: int = 0        # allocations short of room that asked the
-    reclaimed_bytes: int = 0  # reclaimers, and what they freed
+    reclaims: int = 0        # calls of the reclaimers (allocations short
+    reclaimed_bytes: int = 0  # of room), and what they freed
     # The most bytes in live blocks at once since reset_peak() (under the
     # global swap, where PyTorch keeps no statistics, PyTorch's peak).
     peak_allocated_bytes: int = 0
@@ -263,6 +263,7 @@ def install(client=None, budget_bytes=0, socket=DEFAULT_SOCKET, device=None,
                 client.close()
             raise
         _active = installation
+        _arm_reclaim()  # (off under a MemPool)
         return client
 
 
@@ -287,6 +288,7 @@ def uninstall():
         _library().deltad_allocator_detach()
         _retired.append(_active)
         _active = None
+        _arm_reclaim()
 
 
 def mode():
@@ -322,13 +324,19 @@ def add_reclaimer(method):
     swap ("global" mode), not under a MemPool, whose cache keeps them."""
     global _reclaim_callback
     with _lock:
+        if _active is not None and _active.mode == "mempool":
+            # PyTorch's caching allocator calls deltad's under its device
+            # lock: Python there would take the GIL under it, and what it
+            # freed would stay in the pool's cache anyway.
+            raise RuntimeError(
+                "deltad.allocator.add_reclaimer(): not under a MemPool "
+                "(the global swap only: DELTAD_ALLOCATOR_ROUTING=global)")
+        _reclaimers[:] = [r for r in _reclaimers if r() is not None]
         _reclaimers.append(weakref.WeakMethod(method))
         if _reclaim_callback is None:
             # Never freed: a thread may be inside it when it is unset.
             _reclaim_callback = _capi.ReclaimFn(_reclaim)
-        if len(_reclaimers) == 1:
-            _check(_library().deltad_allocator_set_reclaim(
-                _reclaim_callback, None))
+        _arm_reclaim()
 
 
 def remove_reclaimer(method):
@@ -336,9 +344,18 @@ def remove_reclaimer(method):
     with _lock:
         _reclaimers[:] = [r for r in _reclaimers
                           if r() is not None and r() != method]
-        if not _reclaimers and _reclaim_callback is not None:
-            _check(_library().deltad_allocator_set_reclaim(
-                _capi.ReclaimFn(), None))
+        _arm_reclaim()
+
+
+def _arm_reclaim():
+    """Sets the library's callback where reclaimers may run, unsets it
+    elsewhere (_lock held)."""
+    if _reclaim_callback is None:
+        return
+    armed = bool(_reclaimers) and (_active is None or
+                                   _active.mode != "mempool")
+    _check(_library().deltad_allocator_set_reclaim(
+        _reclaim_callback if armed else _capi.ReclaimFn(), None))
 
 
 def _reclaim(nbytes, _ctx):

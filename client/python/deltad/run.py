@@ -128,7 +128,7 @@ def main(argv=None):
                 served = (f"deltad's allocator ({allocator.mode()}): peak "
                           f"{a.peak_device_bytes} bytes of a "
                           f"{a.budget_bytes}-byte budget, {a.reclaims} "
-                          f"allocations short of room released "
+                          f"releases on allocation failure freed "
                           f"{a.reclaimed_bytes} bytes")
             print(f"deltad: {s.iterations} iterations, {s.saved_tensors} "
                   f"saved tensors, peak {s.peak_device_bytes} bytes "

@@ -397,13 +397,19 @@ class SavedStore(Restoring, _core.Core):
                 before = resident + self.in_flight_bytes
                 self._release_down_to(resident - nbytes)
                 if c.resident_bytes < resident:
-                    self.budget = min(self.budget, c.resident_bytes)
+                    # No more for the rest of the iteration, and what it
+                    # ran with is what the next one learns from.
+                    cap = c.resident_bytes
+                    self.budget = min(self.budget, cap)
+                    self.budget_if_same = None
+                    if self.budget_used is not None:
+                        self.budget_used = min(self.budget_used, cap)
                 if self.in_flight:
                     # Under deltad's allocator the store holds the bytes of
-                    # copies still running (_keep_until_copied); they are
-                    # all on the copy stream, so the last one's end is
-                    # every one's.
-                    self.in_flight[-1][0].synchronize()
+                    # copies still running (_keep_until_copied), all on the
+                    # copy stream, though not listed in the order they
+                    # were queued (a dropped prefetch's is older).
+                    self.copy_stream.synchronize()
                     c.host_waits += 1
                     self.in_flight = []
                     self.in_flight_bytes = 0
@@ -526,11 +532,12 @@ class SavedStore(Restoring, _core.Core):
             if self.in_flight:
                 # Nothing polls after the block, and the store may die (its
                 # list with it) while these copies still run: the compute
-                # stream, whose pool their memory returns to, waits for the
-                # last of them (copies on one stream finish in order), so
-                # that no later work there can reuse it under a copy.
-                _torch.cuda.current_stream(self.device).wait_event(
-                    self.in_flight[-1][0])
+                # stream, whose pool their memory returns to, waits for all
+                # that the copy stream holds now (the list is not in queue
+                # order: a dropped prefetch's copy is older), so that no
+                # later work there can reuse it under a copy.
+                _torch.cuda.current_stream(self.device).wait_stream(
+                    self.copy_stream)
                 self.in_flight = []
                 self.in_flight_bytes = 0
             self.budget = 1 << 62

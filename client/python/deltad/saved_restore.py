@@ -21,6 +21,18 @@ _storage = getattr(_torch.Tensor, "untyped_storage", None) or \
 # What PyTorch raises when its allocator (or deltad's, plugged in) has no
 # room (bound here: the tests stand in for torch.cuda).
 _OutOfMemory = _torch.cuda.OutOfMemoryError
+# How deltad's allocator begins the message of an allocation the budget
+# cannot hold (client/client_raw.cc). Under the global swap PyTorch raises
+# it as a RuntimeError (it cannot raise its own OutOfMemoryError from a
+# pluggable allocator: deltad_torch_malloc_or_raise).
+_NO_ROOM = "deltad: no room for "
+
+
+def _out_of_memory(exc):
+    """Whether `exc` says an allocation found no room: PyTorch's
+    OutOfMemoryError, or deltad's allocator's RuntimeError."""
+    return isinstance(exc, _OutOfMemory) or (
+        isinstance(exc, RuntimeError) and _NO_ROOM in str(exc))
 
 
 def _flat(tensor, nbytes):
@@ -157,7 +169,9 @@ class Restoring:
                 try:
                     if not self._restore(other, need=False):
                         break
-                except _OutOfMemory:
+                except RuntimeError as e:
+                    if not _out_of_memory(e):
+                        raise
                     # Backward's temporaries took the room: the group is
                     # as it was (offloaded), and a prefetch is optional.
                     # No more in this iteration: each such failure costs

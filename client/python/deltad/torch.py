@@ -46,6 +46,7 @@ from deltad.budget import (
 from deltad.client import DEFAULT_SOCKET, Client, ClientStats, DeltadError
 from deltad.recompute import Recorder
 from deltad.saved import SavedStore, _storage
+from deltad.saved_restore import _out_of_memory
 from deltad.trace import record_trace  # noqa: F401 (API)
 
 _POLICIES = ("auto", "offload", "recompute")
@@ -570,7 +571,7 @@ class managed:
         error = None
         try:
             self._hooks.__exit__(exc_type, exc, tb)
-            if (isinstance(exc, _torch.cuda.OutOfMemoryError) and
+            if (_out_of_memory(exc) and
                     not isinstance(exc, OutOfMemoryError)):
                 # Described before the block closes: what it held then.
                 error = OutOfMemoryError(

@@ -53,6 +53,21 @@ class TorchAllocatorTest : public ::testing::Test {
     EXPECT_EQ(deltad_allocator_attach(c), 0) << deltad_last_error();
     return c;
   }
+  // Tensor 1 of `bytes` filled with 0x33, unpinned, offloadable only.
+  static bool TrackOffloadable(deltad_client* c, int64_t bytes) {
+    deltad_tensor_info t{};
+    t.id = 1;
+    t.bytes = bytes;
+    t.uncomputable = 1;
+    void* tensor = nullptr;
+    if (deltad_track(c, &t, nullptr, nullptr, &tensor) != 0) {
+      ADD_FAILURE() << deltad_last_error();
+      return false;
+    }
+    std::memset(tensor, 0x33, bytes);
+    deltad_unpin(c, 1);
+    return true;
+  }
   std::vector<deltad_client*> clients_;
 };
 
@@ -220,15 +235,7 @@ TEST_F(TorchAllocatorTest, ConcurrentMallocAndFreeFromSeveralThreads) {
 
 TEST_F(TorchAllocatorTest, ATrackedTensorIsOffloadedForAnAllocation) {
   deltad_client* c = Attached(8 * kMiB);
-  deltad_tensor_info t{};
-  t.id = 1;
-  t.bytes = 4 * kMiB;
-  t.uncomputable = 1;
-  void* tensor = nullptr;
-  ASSERT_EQ(deltad_track(c, &t, nullptr, nullptr, &tensor), 0)
-      << deltad_last_error();
-  std::memset(tensor, 0x33, 4 * kMiB);
-  deltad_unpin(c, 1);
+  ASSERT_TRUE(TrackOffloadable(c, 4 * kMiB));
   void* p = deltad_torch_malloc(6 * kMiB, 0, nullptr);
   ASSERT_NE(p, nullptr) << deltad_last_error();
   EXPECT_EQ(deltad_resident(c, 1), 0);
@@ -289,6 +296,30 @@ TEST_F(TorchAllocatorTest, AnAllocationTheBudgetCannotHoldAsksTheCallback) {
   EXPECT_EQ(after.allocated_bytes, 8 * kMiB);
   deltad_torch_free(p, 6 * kMiB, 0, nullptr);
   deltad_torch_free(r.blocks.back(), 2 * kMiB, 0, nullptr);
+}
+
+TEST_F(TorchAllocatorTest, TheCallbackMakesRoomBeforeTrackedTensorsGo) {
+  deltad_client* c = Attached(8 * kMiB);
+  ASSERT_TRUE(TrackOffloadable(c, 4 * kMiB));
+  Reclaimer r;
+  r.block_bytes = 2 * kMiB;
+  r.blocks.push_back(deltad_torch_malloc(2 * kMiB, 0, nullptr));
+  ASSERT_NE(r.blocks.back(), nullptr) << deltad_last_error();
+  ASSERT_EQ(deltad_allocator_set_reclaim(&Reclaim, &r), 0);
+  // 6 MiB held of 8, 4 asked: the callback's 2 MiB go, the tracked tensor
+  // stays (the slow path would have offloaded it instead).
+  void* p = deltad_torch_malloc(4 * kMiB, 0, nullptr);
+  ASSERT_NE(p, nullptr) << deltad_last_error();
+  EXPECT_EQ(r.calls, 1);
+  EXPECT_EQ(deltad_resident(c, 1), 1);
+  // With nothing left to reclaim, the slow path offloads it as before.
+  void* q = deltad_torch_malloc(4 * kMiB, 0, nullptr);
+  ASSERT_NE(q, nullptr) << deltad_last_error();
+  EXPECT_EQ(r.calls, 2);
+  EXPECT_EQ(deltad_resident(c, 1), 0);
+  deltad_torch_free(p, 4 * kMiB, 0, nullptr);
+  deltad_torch_free(q, 4 * kMiB, 0, nullptr);
+  EXPECT_EQ(deltad_free(c, 1), 0);
 }
 
 TEST_F(TorchAllocatorTest, ACallbackThatFreesNothingLeavesTheBudgetsRefusal) {
