@@ -28,8 +28,9 @@ std::vector<TensorId> Prefetcher::Plan(const TensorTable& table,
                                        SessionId session) {
   // First, whatever is planned: the queue is consumed only when there is
   // room, and would otherwise keep every offload ever seen (and in replay
-  // mode it is never consumed at all).
-  DropStale(table);
+  // mode it is never consumed at all). Not on every plan (a backward step
+  // plans each time, and a pass is the whole queue): once it has doubled.
+  if (queue_.size() >= drop_stale_at_) DropStale(table);
   const int slots = options_.max_in_flight - in_flight;
   if (slots <= 0 || free_bytes <= 0) return {};
   if (plan == nullptr || !plan->has_plan() || options_.window_bytes == 0) {
@@ -60,6 +61,7 @@ void Prefetcher::DropStale(const TensorTable& table) {
     queue_[--keep] = queue_[i];
   }
   queue_.erase(queue_.begin(), queue_.begin() + static_cast<ptrdiff_t>(keep));
+  drop_stale_at_ = std::max<size_t>(64, 2 * queue_.size());
 }
 
 std::vector<TensorId> Prefetcher::PlanFromQueue(const TensorTable& table,
@@ -69,8 +71,10 @@ std::vector<TensorId> Prefetcher::PlanFromQueue(const TensorTable& table,
   // which would reload without bound whenever memory is free).
   while (!queue_.empty() && static_cast<int>(out.size()) < slots) {
     const Tensor* t = table.Find(queue_.back());
-    if (std::find(out.begin(), out.end(), t->id) != out.end()) {
-      queue_.pop_back();  // offloaded twice: queued twice
+    // Stale (DropStale has not run since), or offloaded twice: queued twice.
+    if (t == nullptr || t->state != TensorState::kOffloaded ||
+        std::find(out.begin(), out.end(), t->id) != out.end()) {
+      queue_.pop_back();
       continue;
     }
     if (t->bytes > free_bytes) break;

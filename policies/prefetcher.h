@@ -34,7 +34,8 @@ class Prefetcher {
 
   // Tensors to reload now, in order. `free_bytes` is the memory the scope may
   // still fill; `in_flight` the reloads already running. Entries that stopped
-  // being offloaded (freed, recomputed, reloaded on demand) are dropped.
+  // being offloaded (freed, recomputed, reloaded on demand) are skipped, and
+  // dropped from the queue whenever it has doubled since they last were.
   std::vector<TensorId> Plan(const TensorTable& table, int64_t free_bytes,
                              int in_flight, const AccessPlan* plan,
                              SessionId session);
@@ -52,6 +53,7 @@ class Prefetcher {
 
   PrefetchOptions options_;
   std::vector<TensorId> queue_;  // back = newest
+  size_t drop_stale_at_ = 64;    // queue_'s size that calls DropStale next
 };
 
 }  // namespace deltad::policy

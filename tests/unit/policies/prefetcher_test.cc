@@ -289,15 +289,16 @@ TEST_F(PrefetcherReplayTest, QueueStaysBoundedWhileThePlanIsFollowed) {
   // Many iterations of: prefetch by the plan, reload, offload again. The
   // queue (the fallback when there is no plan) must not keep every offload
   // ever seen.
-  for (int iteration = 0; iteration < 50; ++iteration) {
+  for (int iteration = 0; iteration < 200; ++iteration) {
     for (uint64_t key = 103; key <= 106; ++key) plan_.Record(key, 100);
     plan_.EndIteration();
     plan_.Record(101, 100);
     plan_.Record(102, 100);
     const std::vector<TensorId> planned = Plan(kLots, 0, &plan_);
     ASSERT_THAT(planned, ElementsAre(13, 14));
-    // At most one entry per offloaded tensor once a plan has been made.
-    ASSERT_LE(prefetcher_->queued(), 4u) << "iteration " << iteration;
+    // Stale entries go once the queue doubles: never more than 64 here
+    // (4 tensors offloaded at most at once).
+    ASSERT_LE(prefetcher_->queued(), 64u) << "iteration " << iteration;
     for (TensorId id : planned) {
       ASSERT_TRUE(table_.SetState(id, TensorState::kReloading).ok());
       ASSERT_TRUE(table_.SetState(id, TensorState::kResident).ok());
@@ -441,13 +442,31 @@ TEST(AccessPlanRepeatTest, InOrderRepeatVisitsEveryOccurrence) {
 TEST_F(PrefetcherTest, QueueStaysBoundedWhenNoReloadSlotIsFree) {
   Make(Options(1, 0));
   Add(Spec(1, 100, 1));
-  for (int round = 0; round < 100; ++round) {
+  for (int round = 0; round < 1000; ++round) {
     Offload(1);
     EXPECT_TRUE(Plan(kLots, /*in_flight=*/1).empty());
     ASSERT_TRUE(table_.SetState(1, TensorState::kReloading).ok());
     ASSERT_TRUE(table_.SetState(1, TensorState::kResident).ok());
+    // Stale entries go once the queue has doubled since they last did.
+    ASSERT_LE(prefetcher_->queued(), 64u) << "round " << round;
   }
-  EXPECT_LE(prefetcher_->queued(), 1u);
+  prefetcher_->DropStale(table_);
+  EXPECT_EQ(prefetcher_->queued(), 0u);
+}
+
+TEST_F(PrefetcherTest, StaleEntriesAreSkippedBeforeTheyAreDropped) {
+  Make(Options(4, 0));
+  for (TensorId id = 1; id <= 3; ++id) Add(Spec(id, 100, id));
+  for (TensorId id = 1; id <= 3; ++id) Offload(id);
+  // 3 reloaded on demand and 2 offloaded again: the queue, still holding
+  // their old entries, gives each offloaded tensor once, newest first.
+  ASSERT_TRUE(table_.SetState(3, TensorState::kReloading).ok());
+  ASSERT_TRUE(table_.SetState(3, TensorState::kResident).ok());
+  ASSERT_TRUE(table_.SetState(2, TensorState::kReloading).ok());
+  ASSERT_TRUE(table_.SetState(2, TensorState::kResident).ok());
+  Offload(2);
+  EXPECT_EQ(prefetcher_->queued(), 4u);  // not compacted yet
+  EXPECT_THAT(Plan(kLots, 0), ElementsAre(2, 1));
 }
 
 }  // namespace
