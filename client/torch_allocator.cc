@@ -118,11 +118,10 @@ class OutOfDeviceMemory : public std::runtime_error {
 
 // One try with the attached client; the block recorded when it succeeds.
 // `fast`: only if the budget and the device have room now (nothing
-// released, no daemon asked); when the budget's count is what is short,
-// `*short_by` says by how much (else 0).
+// released, no daemon asked); then, when the budget's count is what is
+// short, `*short_by` says by how much (else 0).
 absl::StatusOr<void*> AllocateOnce(AllocatorState& s, ssize_t size, int device,
                                    bool fast, int64_t* short_by) {
-  *short_by = 0;
   if (size < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("cannot allocate ", size, " device bytes"));
@@ -142,32 +141,41 @@ absl::StatusOr<void*> AllocateOnce(AllocatorState& s, ssize_t size, int device,
         "the deltad allocator serves CUDA device ", client->cuda_ordinal,
         ", not device ", device, " (one client per GPU)"));
   }
-  absl::StatusOr<void*> p = absl::ResourceExhaustedError("no room now");
+  void* p;
   if (fast) {
-    if (void* q = client->impl->TryAllocateRaw(size)) p = q;
+    p = client->impl->TryAllocateRaw(size);
+    if (p == nullptr) {
+      const deltad::client::ClientStats stats = client->impl->Stats();
+      *short_by =
+          std::max<int64_t>(0, stats.device_bytes + size - stats.budget_bytes);
+      return absl::ResourceExhaustedError("no room within the budget now");
+    }
   } else {
-    p = client->impl->AllocateRaw(size);
-  }
-  if (!p.ok()) {
-    const deltad::client::ClientStats stats = client->impl->Stats();
-    *short_by =
-        std::max<int64_t>(0, stats.device_bytes + size - stats.budget_bytes);
-    return p.status();
+    absl::StatusOr<void*> slow = client->impl->AllocateRaw(size);
+    if (!slow.ok()) return slow.status();
+    p = *slow;
   }
   std::lock_guard<std::mutex> lock(s.blocks_mu);
-  s.blocks.insert_or_assign(*p, Block{client, static_cast<int64_t>(size)});
+  s.blocks.insert_or_assign(p, Block{client, static_cast<int64_t>(size)});
   s.live_bytes += size;
   s.peak_bytes = std::max(s.peak_bytes, s.live_bytes);
-  return *p;
+  return p;
 }
 
-// With a reclaim callback, while the budget's count is short, the callback
-// frees first (this process's own saved activations, released at once),
-// and only then does the client's slow path ask the daemon and release
-// tracked tensors: DELTA releases its own when an allocation fails.
+// The fast try first (no lock of this file's but the lifetime's). While
+// the budget's count is short, the reclaim callback frees first (this
+// process's own saved activations, released at once), and only then does
+// the client's slow path ask the daemon and release tracked tensors:
+// DELTA releases its own when an allocation fails.
 absl::StatusOr<void*> Allocate(ssize_t size, int device) {
   AllocatorState& s = State();
-  for (int round = 0; round < kReclaimRounds && !in_reclaim; ++round) {
+  for (int round = 0;; ++round) {
+    int64_t short_by = 0;
+    absl::StatusOr<void*> p =
+        AllocateOnce(s, size, device, /*fast=*/true, &short_by);
+    if (p.ok() || !absl::IsResourceExhausted(p.status())) return p;
+    // Short of chunks within the budget is the slow path's to fetch.
+    if (short_by <= 0 || in_reclaim || round == kReclaimRounds) break;
     deltad_reclaim_fn fn;
     void* ctx;
     {
@@ -176,12 +184,6 @@ absl::StatusOr<void*> Allocate(ssize_t size, int device) {
       ctx = s.reclaim_ctx;
     }
     if (fn == nullptr) break;
-    int64_t short_by = 0;
-    absl::StatusOr<void*> p =
-        AllocateOnce(s, size, device, /*fast=*/true, &short_by);
-    if (p.ok() || !absl::IsResourceExhausted(p.status())) return p;
-    // Short of chunks within the budget is the slow path's to fetch.
-    if (short_by <= 0) break;
     in_reclaim = true;
     const int64_t freed = fn(short_by, ctx);
     in_reclaim = false;
@@ -192,8 +194,8 @@ absl::StatusOr<void*> Allocate(ssize_t size, int device) {
     }
     if (freed <= 0) break;
   }
-  int64_t short_by = 0;
-  return AllocateOnce(s, size, device, /*fast=*/false, &short_by);
+  int64_t unused = 0;
+  return AllocateOnce(s, size, device, /*fast=*/false, &unused);
 }
 
 }  // namespace

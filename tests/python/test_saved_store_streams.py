@@ -350,15 +350,15 @@ class StreamOrderTest(unittest.TestCase):
         self.store.budget = 1 << 20
         self.store.budget_used = 1 << 20
         self.store.budget_if_same = 2 << 20
-        # An older copy listed after a newer one (a dropped prefetch's is
-        # appended late): waiting for the last listed would not cover all.
-        older = self.cuda.Event()
+        # Copies already in flight, listed out of the order they were
+        # queued (a dropped prefetch's older copy is appended late).
+        older, newer = self.cuda.Event(), self.cuda.Event()
         older.record(self.store.copy_stream)
+        newer.record(self.store.copy_stream)
+        self.store.in_flight += [(newer, None, 0), (older, None, 0)]
         # An allocation of the step needs 6000 bytes more than the budget
         # left: the two oldest groups (4096 bytes each) go, and their
         # bytes are free on return (the copies ran, the references gone).
-        self.store.in_flight.append((older, None, 0))
-        self.store.in_flight.insert(0, self.store.in_flight.pop())
         freed = self.store.reclaim(6000)
         c = self.store.counters
         self.assertEqual(freed, 2 * 4096)

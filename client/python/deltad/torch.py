@@ -237,28 +237,28 @@ class _Engine:
         if self.cuda:
             # Parameters, gradients, optimizer state, inputs: what the
             # caching allocator holds while no activation is saved.
+            # The last iteration's peak, read at the next one's start: the
+            # peak statistics restart with each iteration under a block
+            # (what a caller reads of PyTorch's covers the iteration under
+            # way).
+            read_peak = self.peak_from == self.iterations - 1
+            self.peak_from = self.iterations
             peak = None
             if _allocator.mode() == "global":
                 # PyTorch 2.0-2.7 with deltad's allocator in place of its
                 # own: memory_allocated raises there (a pluggable allocator
                 # keeps no statistics); the library counts what PyTorch
-                # allocated through it, and its peak, restarted alike.
+                # allocated through it, and its peak.
                 usage = _allocator.stats()
                 others = usage.allocated_bytes
-                if self.peak_from == self.iterations - 1:
+                if read_peak:
                     peak = usage.peak_allocated_bytes
                 _allocator.reset_peak()
-                self.peak_from = self.iterations
             else:
                 others = _torch.cuda.memory_allocated(self.device)
-                if self.peak_from == self.iterations - 1:
+                if read_peak:
                     peak = _torch.cuda.max_memory_allocated(self.device)
-                # The last iteration's peak, read at the next one's start:
-                # PyTorch's peak statistics of the device restart with each
-                # iteration under a block (what a caller reads of them
-                # covers the iteration under way).
                 _torch.cuda.reset_peak_memory_stats(self.device)
-                self.peak_from = self.iterations
             store = self.store
             learned = _next_saved_budget(
                 budget, others, self.reserve, store.budget_used, peak,
