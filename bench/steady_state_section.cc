@@ -34,9 +34,10 @@ absl::StatusOr<std::string> SteadyStateSection(
      << iterations
      << " ideal iterations (`-`: does not fit). `delta-steady` runs `delta` "
         "in the first iteration while it records the accesses, then "
-        "replays the recording under each candidate plan and follows the "
-        "fastest (policies/sim/steady_state_policy.h); `planning` is that "
-        "replay's wall time on this machine against the simulated "
+        "replays the recording twice under `delta` and each candidate plan "
+        "and follows the one whose second replayed iteration is fastest "
+        "(policies/sim/steady_state_policy.h); `planning` is those "
+        "replays' wall time on this machine against the simulated "
         "iteration it plans.\n\n";
   int cells = 0;
   int cells_met = 0;

@@ -59,6 +59,14 @@ void DynamicPolicy::SeedAccessOrder(const Program& program,
   plan_.EndIteration();
 }
 
+void DynamicPolicy::ReplayAccessOrder(const Program& program,
+                                      const std::vector<int32_t>& accesses,
+                                      double window_fraction) {
+  options_.replay_window_fraction = window_fraction;
+  plan_ = policy::AccessPlan();
+  SeedAccessOrder(program, accesses);
+}
+
 void DynamicPolicy::OnCreate(SimContext& ctx, int32_t s) {
   const Program& program = ctx.program();
   const Storage& st = program.storages[s];

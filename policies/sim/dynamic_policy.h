@@ -77,6 +77,16 @@ class DynamicPolicy final : public SimPolicy {
   void SeedAccessOrder(const Program& program,
                        const std::vector<int32_t>& accesses);
 
+  // From now on, prefetch as delta-replay does with `window_fraction`: the
+  // iteration `accesses` recorded is the order this one prefetches by, and
+  // each iteration records its own for the next. The policy keeps all it
+  // has learnt, as delta-replay run from the start would have. Call it
+  // after BeginIteration. StopReplay goes back to DELTA's queue.
+  void ReplayAccessOrder(const Program& program,
+                         const std::vector<int32_t>& accesses,
+                         double window_fraction);
+  void StopReplay() { options_.replay_window_fraction = 0; }
+
   // While another policy decides and this one only follows (a steady-state
   // plan's fallback), its table rebuilds the evicted components when it
   // needs them instead of keeping them at every change

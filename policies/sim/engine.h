@@ -144,6 +144,7 @@ class Engine final : public SimContext {
   int64_t now_ = 0;
   int32_t step_ = 0;
   int iteration_ = 0;
+  int64_t iteration_start_ = 0;  // the clock when this iteration began
   int64_t releasing_ = 0;
   int64_t host_used_ = 0;
   // Of it, the copies made ahead of resident storages: they give way to an

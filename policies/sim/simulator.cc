@@ -213,12 +213,12 @@ bool Engine::RunIteration() {
     for (int32_t s : step.frees) FreeStorage(s);
     Advance(now_);
     policy_.AfterStep(*this, step_);
-    // Every step to come takes at least its op time: a run whose clock
-    // and the op time still to come reach the limit cannot end before it.
-    if (options_.give_up_at_ns > 0 &&
+    // Every step to come takes at least its op time: a measured iteration
+    // whose time so far and the op time still to come reach the limit
+    // cannot end before it.
+    if (options_.give_up_at_ns > 0 && iteration_ + 1 == options_.iterations &&
         step_ + 1 < static_cast<int32_t>(program_.steps.size()) &&
-        now_ + (program_.compute_ns - op_time_done) +
-                (options_.iterations - 1 - iteration_) * program_.compute_ns >=
+        now_ - iteration_start_ + (program_.compute_ns - op_time_done) >=
             options_.give_up_at_ns) {
       gave_up_ = true;
       Fail(absl::StrCat("gave up at ", now_, " ns (give_up_at_ns)"));
@@ -245,7 +245,7 @@ SimResult Engine::Run() {
       result_.compute_ns = keep.compute_ns;
       result_.peak_bytes = allocator_->footprint();
     }
-    const int64_t start = now_;
+    const int64_t start = iteration_start_ = now_;
     if (!RunIteration()) {
       result_.fits = false;
       result_.gave_up = gave_up_;

@@ -39,10 +39,11 @@ struct SimOptions {
   // Iterations run back to back; the last one is measured (earlier ones let
   // replay plans learn the access order).
   int iterations = 1;
-  // When > 0, the run gives up (fits = false, gave_up = true) once it can
-  // no longer end before it: the simulated clock and the op time of the
-  // steps still to come reach it. A planner comparing candidates needs no
-  // more of one that can no longer beat the best so far.
+  // When > 0, the run gives up (fits = false, gave_up = true) once its
+  // measured (last) iteration can no longer take less: that iteration's
+  // time so far and the op time of its steps still to come reach it. A
+  // planner comparing candidates needs no more of one that can no longer
+  // beat the best so far.
   int64_t give_up_at_ns = 0;
 };
 

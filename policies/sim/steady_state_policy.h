@@ -15,12 +15,14 @@ namespace deltad::sim {
 // Training repeats itself: after one iteration the whole access sequence is
 // known. `delta-steady` runs the dynamic `delta` policy for the first
 // iteration while it records the storages accessed, in order. From the
-// second on it plans: it replays the recorded iteration in the simulator
-// under each candidate (`delta` prefetching in the recorded order, DELTA as
-// published, DTR, and the static planners offload-greedy, window, lms and
-// chen-greedy) with the run's budget, host memory and allocator model, and
-// follows the one that finishes first, or `delta` where none beats the
-// first iteration's time.
+// second on it plans: it replays the recorded iteration twice in the
+// simulator under `delta` and under each candidate (delta-replay: `delta`
+// prefetching in the order its last iteration read; DELTA as published,
+// DTR, and the static planners offload-greedy, window and lms) with the
+// run's budget, host memory and allocator model, and follows the one whose
+// second iteration finishes first (`delta` where none beats it). For
+// delta-replay, `delta` itself turns to prefetching in the recorded order,
+// keeping all it learnt.
 // Planning happens once, at the start of the second iteration, and reports
 // its wall time (planning_ns); in a real process it would run beside
 // training, off its critical path.
@@ -51,8 +53,8 @@ class SteadyStatePolicy final : public SimPolicy {
   // The plan followed now ("delta" before one is chosen or once abandoned).
   const std::string& following() const { return following_; }
   int abandoned() const { return abandoned_; }
-  // How many candidate plans were replayed: the search ends at the first
-  // that runs the recorded iteration in its ideal time.
+  // How many plans were replayed, `delta`'s included: the search ends at
+  // the first that runs the recorded iteration in its ideal time.
   int replayed() const { return replayed_; }
 
  private:
@@ -65,6 +67,8 @@ class SteadyStatePolicy final : public SimPolicy {
   std::unique_ptr<DynamicPolicy> delta_;  // the fallback, fed every event
   std::unique_ptr<SimPolicy> plan_;       // the chosen planner, if not delta
   std::string following_ = "delta";
+  // `delta` prefetches in the recorded order (following delta-replay).
+  bool replaying_ = false;
   int iteration_ = 0;
   bool decided_ = false;
   // The accesses of the first iteration, then the position in them.

@@ -100,15 +100,15 @@ TEST(SteadyStatePolicy, APlanThatRunsInTheIdealTimeEndsTheSearch) {
   EXPECT_EQ(r.makespan_ns, net.program.compute_ns);
   EXPECT_GT(steady.replayed(), 0);
   EXPECT_LT(steady.replayed(), 6);
-  // With the whole peak, delta's own first iteration is ideal: nothing to
-  // replay, nothing to follow but delta.
+  // With the whole peak, delta's own iterations are ideal: its replay is
+  // the only one, and there is nothing to follow but delta.
   Net roomy;
   roomy.options.budget_bytes = roomy.program.peak_bytes;
   SteadyStatePolicy unplanned;
   r = roomy.Run(unplanned, 2);
   ASSERT_TRUE(r.fits) << r.failure;
   EXPECT_EQ(r.total_makespan_ns, 2 * roomy.program.compute_ns);
-  EXPECT_EQ(unplanned.replayed(), 0);
+  EXPECT_EQ(unplanned.replayed(), 1);
   EXPECT_EQ(unplanned.following(), "delta");
 }
 
@@ -181,22 +181,46 @@ TEST(SteadyStatePolicy, AnAccessOffTheRecordingAbandonsThePlanAtOnce) {
   EXPECT_EQ(steady.abandoned(), 1);
 }
 
-// Random layer graph 2 at half its peak: no candidate replays the recorded
-// iteration faster than `delta` ran it, so `delta` stays; from the second
-// iteration it reloads in the order the first read, as delta-replay does.
 // Random graph 2 at half its peak: prefetching in the order the first
 // iteration read is what replays fastest; the plan followed is `delta` doing
-// that, and the second iteration beats plain `delta`'s.
+// that, and the second iteration beats plain `delta`'s. `delta` itself
+// turns to it, keeping what it learnt: the iterations run exactly as
+// delta-replay's own from the start (a new delta-replay had run them up to
+// 2.6% slower on the bench's random graphs).
 TEST(SteadyStatePolicy, ItPrefetchesInTheRecordedOrderWhereThatReplaysFaster) {
   Net net;
   net.program = *Compile(RandomLayerGraph(2));
   net.options.budget_bytes = net.program.peak_bytes / 2;
   SteadyStatePolicy steady;
-  const SimResult r = net.Run(steady, 2);
+  const SimResult r = net.Run(steady, 4);
   ASSERT_TRUE(r.fits) << r.failure;
   EXPECT_EQ(steady.following(), "delta-replay");
-  const SimResult delta = net.Run(**MakePolicy("delta"), 2);
+  const SimResult delta = net.Run(**MakePolicy("delta"), 4);
   EXPECT_LT(r.makespan_ns, delta.makespan_ns);
+  const SimResult replay = net.Run(**MakePolicy("delta-replay"), 4);
+  EXPECT_EQ(r.total_makespan_ns, replay.total_makespan_ns);
+}
+
+// Random graph 7 at 0.4 of its peak over five iterations (the bench's
+// cell): replayed once from nothing, DELTA as published looked fastest and
+// then ran its iterations 6% slower than delta-replay. Judged by the second
+// of two replayed iterations, the plan followed runs the five no slower
+// than any candidate alone.
+TEST(SteadyStatePolicy, PlansAreJudgedByTheIterationsThatFollowTheFirst) {
+  Net net;
+  net.program = *Compile(RandomLayerGraph(7));
+  auto peak = UnlimitedPeak(net.program, net.device, AllocatorKind::kExact, 5);
+  ASSERT_TRUE(peak.ok()) << peak.status();
+  net.options.budget_bytes = *peak * 4 / 10;
+  SteadyStatePolicy steady;
+  const SimResult r = net.Run(steady, 5);
+  ASSERT_TRUE(r.fits) << r.failure;
+  for (const char* name : {"delta", "delta-replay", "delta-paper"}) {
+    const SimResult alone = net.Run(**MakePolicy(name), 5);
+    ASSERT_TRUE(alone.fits) << name << ": " << alone.failure;
+    EXPECT_LE(r.total_makespan_ns, alone.total_makespan_ns * 1005 / 1000)
+        << "following " << steady.following() << ", against " << name;
+  }
 }
 
 // DenseNet-121 with Adam at 0.4 of its peak: prefetching in the recorded
