@@ -64,13 +64,14 @@ class CostModel {
     return OffloadNs(gpu, Backlog(gpu) + queued + bytes) + ReloadNs(gpu, bytes);
   }
 
- private:
+  // What SetOffloadBacklog set for `gpu` (0 if nothing).
   int64_t Backlog(GpuId gpu) const {
     return gpu >= 0 && static_cast<size_t>(gpu) < backlog_.size()
                ? backlog_[gpu]
                : 0;
   }
 
+ private:
   // Indexed by GPU: a node has a handful, and the Filter prices a swap for
   // every candidate it scores.
   std::vector<LinkBandwidth> bandwidth_;  // zero: not measured, use default

@@ -18,6 +18,58 @@ constexpr size_t kPrefetchAhead = 24;
 // the simulator's traces: reusing samples of 15-40 tensors made some
 // cells up to 1.7x slower (dtr-sampled, docs/BENCHMARKS.md).
 constexpr size_t kTensorsPerPick = 64;
+
+// The bounds of dtr, dtr_eq and delta_cost are numerator / (m * s): for
+// delta_cost min(c_r, c_s), three divisions with the two in the swap's
+// price. The exact scan compares a lower bound of the numerator with the
+// best score times m * s first, which costs no division: an entry that
+// fails that check cannot win, and is passed over. The swap's lower bound
+// gives up a millionth and two nanoseconds for the price's truncation to
+// whole nanoseconds and the reciprocals' rounding, and the check a
+// billionth for the product's: an entry near the best is checked by its
+// bound as before, so the pick is the same.
+class BoundPrecheck {
+ public:
+  BoundPrecheck(Heuristic h, const CostModel* costs, GpuId gpu)
+      : heuristic_(h), priced_(costs != nullptr) {
+    if (!priced_) return;
+    const LinkBandwidth bw = costs->Bandwidth(gpu);
+    d2h_ns_per_byte_ = 1e9 / bw.d2h_bytes_per_s;
+    h2d_ns_per_byte_ = 1e9 / bw.h2d_bytes_per_s;
+    backlog_ = static_cast<double>(costs->Backlog(gpu));
+  }
+
+  static bool Applies(Heuristic h) {
+    return h == Heuristic::kDtr || h == Heuristic::kDtrEq ||
+           h == Heuristic::kDeltaCost;
+  }
+
+  // Whether `e`'s bound is certainly above `best` at `now_ns`.
+  bool Beaten(const CandidateEntry& e, int64_t now_ns, double best) const {
+    using heuristic_internal::kNever;
+    const double m = static_cast<double>(e.bytes);
+    double numerator = static_cast<double>(e.compute_cost_ns);
+    if (heuristic_ == Heuristic::kDeltaCost) {
+      if (e.flags.uncomputable || e.flags.evict_pinned) numerator = kNever;
+      if (priced_ && !e.flags.offload_pinned) {
+        const double reload = m * h2d_ns_per_byte_;
+        const double swap = e.flags.host_copy
+                                ? reload
+                                : (backlog_ + m) * d2h_ns_per_byte_ + reload;
+        numerator = std::min(numerator, swap * (1 - 1e-6) - 2);
+      }
+    }
+    const double s = heuristic_internal::Staleness(e.last_access_ns, now_ns);
+    return numerator > best * (m * s) * (1 + 1e-9);
+  }
+
+ private:
+  Heuristic heuristic_;
+  bool priced_;
+  double d2h_ns_per_byte_ = 0;
+  double h2d_ns_per_byte_ = 0;
+  double backlog_ = 0;
+};
 }  // namespace
 
 Filter::Filter(FilterOptions options, const CostModel* costs)
@@ -199,12 +251,18 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
   }
   // Entries are read in order; a tensor is loaded only where its bound can
   // win (every one without a bound, ahead of need).
+  const bool precheck = bounded && BoundPrecheck::Applies(options_.heuristic);
+  const BoundPrecheck beaten(options_.heuristic, costs_, gpu);
   auto scan_all = [&] {
     for (size_t i = 0; i < n; ++i) {
       if (!bounded && i + kPrefetchAhead < n) {
         table.Prefetch(entries[i + kPrefetchAhead].slot);
       }
       if (entries[i].bytes < min_bytes) continue;
+      if (precheck && best != UINT32_MAX &&
+          beaten.Beaten(entries[i], now_ns, best_score)) {
+        continue;
+      }
       offer(entries[i].slot, i, bound_of(entries[i]));
     }
   };

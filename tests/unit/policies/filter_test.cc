@@ -68,6 +68,23 @@ void FillMixed(TensorTable& table, int n) {
   for (int i = 1; i <= n; i += 7) Evict(table, static_cast<TensorId>(i));
 }
 
+// What an exact search must pick: the first candidate in list order with
+// the lowest score among those `eligible`, every one scored.
+uint32_t FirstLowestScore(const Filter& filter, const TensorTable& table,
+                          int64_t now_ns, Filter::Eligible eligible) {
+  uint32_t want = UINT32_MAX;
+  double want_score = INFINITY;
+  for (uint32_t slot : table.Candidates(kGpu0)) {
+    if (!eligible(table.AtSlot(slot))) continue;
+    const double score = filter.Score(table, slot, now_ns);
+    if (want == UINT32_MAX || score < want_score) {
+      want = slot;
+      want_score = score;
+    }
+  }
+  return want;
+}
+
 TEST(FilterTest, ExactSearchReturnsTheMinimumScore) {
   TensorTable table;
   FillMixed(table, 200);
@@ -124,18 +141,66 @@ TEST(FilterTest, SearchesSkippingByLowerBoundPickWhatScoringAllPicks) {
       absl::StatusOr<uint32_t> pick =
           filter.Select(table, kGpu0, kNow, eligible);
       ASSERT_TRUE(pick.ok()) << pick.status();
-      uint32_t want = UINT32_MAX;
-      double want_score = INFINITY;
-      for (uint32_t slot : table.Candidates(kGpu0)) {
-        if (!eligible(table.AtSlot(slot))) continue;
-        const double score = filter.Score(table, slot, kNow);
-        if (want == UINT32_MAX || score < want_score) {
-          want = slot;
-          want_score = score;
-        }
-      }
+      const uint32_t want = FirstLowestScore(filter, table, kNow, eligible);
       ASSERT_EQ(*pick, want) << HeuristicName(h) << " round " << round;
       taken.push_back(static_cast<uint32_t>(table.AtSlot(*pick).id));
+    }
+  }
+}
+
+// delta_cost's exact search passes over entries whose bound is certainly
+// above the best by a check without division: its picks are still the
+// first of the lowest scores, with swaps priced behind a backlog, host
+// copies that leave the reload alone, pinned tensors (one term only), and
+// recompute and swap costs that tie (1000 bytes each way at 4 GB/s: 250
+// ns each; costs of 0 to 1500 ns).
+TEST(FilterTest, ExactDeltaCostSearchPicksTheLowestScoreWhateverPricesTheSwap) {
+  TensorTable table;
+  TestLcg next(21);
+  for (TensorId id = 1; id <= 600; ++id) {
+    std::vector<TensorId> parents;
+    if (id > 1 && next() % 2 == 0) parents.push_back(1 + next() % (id - 1));
+    TensorSpec spec = Spec(id, 1000 * (1 + static_cast<int64_t>(next() % 2)),
+                           250 * static_cast<int64_t>(next() % 7), parents);
+    switch (next() % 6) {
+      case 0:
+        spec.flags.offload_pinned = true;
+        break;
+      case 1:
+        spec.flags.evict_pinned = true;
+        break;
+      case 2:
+        spec.flags.uncomputable = true;
+        break;
+      default:
+        break;
+    }
+    AddAt(table, spec, 10 * static_cast<int64_t>(next() % 3));
+    if (next() % 3 == 0) {
+      ASSERT_TRUE(table.SetHostCopy(id, true).ok());
+    }
+  }
+  for (TensorId id = 1; id <= 600; id += 5) {
+    const Tensor* t = table.Find(id);
+    if (!t->flags.evict_pinned && !t->flags.uncomputable) Evict(table, id);
+  }
+  for (int64_t backlog : {0, 1000, 3000}) {
+    CostModel costs;
+    ASSERT_TRUE(costs.SetBandwidth(0, {4e9, 4e9}).ok());
+    costs.SetOffloadBacklog(0, backlog);
+    Filter filter(Options(Heuristic::kDeltaCost), &costs);
+    std::vector<TensorId> taken;
+    auto eligible = [&taken](const Tensor& t) {
+      return std::find(taken.begin(), taken.end(), t.id) == taken.end();
+    };
+    for (int round = 0; round < 60; ++round) {
+      constexpr int64_t kNow = 40;
+      absl::StatusOr<uint32_t> pick =
+          filter.Select(table, kGpu0, kNow, eligible);
+      ASSERT_TRUE(pick.ok()) << pick.status();
+      const uint32_t want = FirstLowestScore(filter, table, kNow, eligible);
+      ASSERT_EQ(*pick, want) << "backlog " << backlog << " round " << round;
+      taken.push_back(table.AtSlot(*pick).id);
     }
   }
 }
