@@ -122,12 +122,19 @@ TEST(SessionSurvival, ADaemonStalledForThreeSecondsGetsTheClientBack) {
   Report before;
   ASSERT_NO_FATAL_FAILURE(
       StartPastItsBudget(daemon, {"--release_retry_ms=0"}, &client, &before));
-  Stall(daemon, absl::Seconds(3));
-
-  auto after = AttachedWithItsHoldings(daemon, client, absl::Seconds(60));
-  ASSERT_TRUE(after.ok()) << after.status() << "\n"
-                          << ReadFileOrEmpty(client.errors) << "\n"
-                          << daemon.Output();
+  // A stall that no call for room runs into goes unseen: on a loaded
+  // machine the client sometimes made none within 3 s (4 runs in 11 with a
+  // benchmark beside it; a second stall caught one). Stall again until one
+  // is caught.
+  absl::StatusOr<Report> after;
+  for (int stall = 0; stall < 5; ++stall) {
+    Stall(daemon, absl::Seconds(3));
+    after = AttachedWithItsHoldings(daemon, client, absl::Seconds(60));
+    ASSERT_TRUE(after.ok()) << after.status() << "\n"
+                            << ReadFileOrEmpty(client.errors) << "\n"
+                            << daemon.Output();
+    if (after->lost >= 1) break;
+  }
   // It noticed (a call for room ran past its 1 s deadline), ended that
   // session on both sides and opened another; it kept training meanwhile.
   EXPECT_GE(after->lost, 1);
