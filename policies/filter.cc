@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "absl/numeric/int128.h"
 #include "absl/strings/str_cat.h"
@@ -46,11 +47,11 @@ class BoundPrecheck {
 
   // Whether `e`'s bound is certainly above `best` at `now_ns`.
   bool Beaten(const CandidateEntry& e, int64_t now_ns, double best) const {
-    using heuristic_internal::kNever;
     const double m = static_cast<double>(e.bytes);
     double numerator = static_cast<double>(e.compute_cost_ns);
     if (heuristic_ == Heuristic::kDeltaCost) {
-      if (e.flags.uncomputable || e.flags.evict_pinned) numerator = kNever;
+      numerator =
+          heuristic_internal::RecomputePrice(e.flags, e.compute_cost_ns);
       if (priced_ && !e.flags.offload_pinned) {
         const double reload = m * h2d_ns_per_byte_;
         const double swap = e.flags.host_copy
@@ -252,15 +253,18 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
   // Entries are read in order; a tensor is loaded only where its bound can
   // win (every one without a bound, ahead of need).
   const bool precheck = bounded && BoundPrecheck::Applies(options_.heuristic);
-  const BoundPrecheck beaten(options_.heuristic, costs_, gpu);
+  // Its reciprocals only where it is used: sampled searches and the other
+  // heuristics pay nothing for it.
+  std::optional<BoundPrecheck> beaten;
   auto scan_all = [&] {
+    if (precheck && !beaten) beaten.emplace(options_.heuristic, costs_, gpu);
     for (size_t i = 0; i < n; ++i) {
       if (!bounded && i + kPrefetchAhead < n) {
         table.Prefetch(entries[i + kPrefetchAhead].slot);
       }
       if (entries[i].bytes < min_bytes) continue;
       if (precheck && best != UINT32_MAX &&
-          beaten.Beaten(entries[i], now_ns, best_score)) {
+          beaten->Beaten(entries[i], now_ns, best_score)) {
         continue;
       }
       offer(entries[i].slot, i, bound_of(entries[i]));

@@ -89,13 +89,18 @@ inline double SwapPrice(const TensorFlags& flags, GpuId gpu, int64_t bytes,
              : static_cast<double>(costs->SwapNs(gpu, bytes, flags));
 }
 
+// c_r for delta_cost: kNever where recompute is impossible or forbidden.
+inline double RecomputePrice(const TensorFlags& flags, int64_t recompute_ns) {
+  return flags.uncomputable || flags.evict_pinned
+             ? kNever
+             : static_cast<double>(recompute_ns);
+}
+
 // delta_cost's min(c_r, c_s) / (m * s) for a given c_r and c_s.
 inline double DeltaCost(const TensorFlags& flags, int64_t bytes,
                         int64_t last_access_ns, int64_t recompute_ns,
                         double swap, int64_t now_ns) {
-  const double recompute = flags.uncomputable || flags.evict_pinned
-                               ? kNever
-                               : static_cast<double>(recompute_ns);
+  const double recompute = RecomputePrice(flags, recompute_ns);
   return std::min(recompute, swap) /
          (static_cast<double>(bytes) * Staleness(last_access_ns, now_ns));
 }

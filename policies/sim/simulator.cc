@@ -245,7 +245,7 @@ SimResult Engine::Run() {
       result_.compute_ns = keep.compute_ns;
       result_.peak_bytes = allocator_->footprint();
     }
-    const int64_t start = iteration_start_ = now_;
+    iteration_start_ = now_;
     if (!RunIteration()) {
       result_.fits = false;
       result_.gave_up = gave_up_;
@@ -253,7 +253,7 @@ SimResult Engine::Run() {
       result_.planning_ns = policy_.planning_ns();
       return result_;
     }
-    result_.makespan_ns = now_ - start;
+    result_.makespan_ns = now_ - iteration_start_;
   }
   result_.fits = true;
   result_.total_makespan_ns = now_;  // the clock starts at 0
