@@ -24,6 +24,7 @@
 #include "policies/cost_model.h"
 #include "policies/director.h"
 #include "policies/filter.h"
+#include "policies/release_planner.h"
 #include "policies/tensor_table.h"
 
 namespace deltad::policy {
@@ -105,6 +106,36 @@ void BM_ReleaseDecision(benchmark::State& state, Heuristic h, bool sampled,
       static_cast<double>(w.table.CandidateEntries(scope).size());
 }
 
+// One release of `kReleaseBytes` as the daemon plans it (ReleasePlanner:
+// Filter picks and Director decisions until enough is freed), exact
+// delta_cost, then undone so that every iteration plans the same release
+// (the undo is timed too). `ranked`: the picks after the first come from
+// a ranking of the candidates (Filter::Batch); off, each scans them all.
+constexpr int64_t kReleaseBytes = int64_t{512} << 20;
+
+void BM_Release(benchmark::State& state, bool ranked) {
+  World& w = WorldOf(static_cast<int>(state.range(0)), /*touched=*/true);
+  FilterOptions options;
+  options.heuristic = Heuristic::kDeltaCost;
+  options.rank_in_batch = ranked;
+  Filter filter(options, &w.costs);
+  Director director(w.costs);
+  ReleasePlanner planner(w.table, filter, director);
+  Scope scope;
+  scope.gpu = 0;
+  constexpr int64_t kHost = int64_t{1} << 40;
+  size_t picks = 0;
+  for (auto _ : state) {
+    auto orders = planner.Release(scope, kReleaseBytes, w.now_ns, kHost);
+    if (!orders.ok()) std::abort();
+    picks = orders->size();
+    for (auto it = orders->rbegin(); it != orders->rend(); ++it) {
+      if (!w.table.CancelRelease(it->id).ok()) std::abort();
+    }
+  }
+  state.counters["picks"] = static_cast<double>(picks);
+}
+
 // What an access costs the table (the daemon's ACCESSED path without the
 // RPC): a Touch of a random resident tensor, which also keeps the tensor's
 // candidate entries current. Its own table: touches change it.
@@ -159,6 +190,16 @@ void Register() {
   }
   // What skipping candidates by their lower bound saves (the same picks).
   add(Heuristic::kDeltaCost, /*sampled=*/true, /*skip_by_bound=*/false);
+  // A release of several tensors over the daemon's exact regime, with and
+  // without the ranking (the same picks).
+  for (bool ranked : {true, false}) {
+    benchmark::RegisterBenchmark(
+        ranked ? "Release512MiB/delta_cost/exact"
+               : "Release512MiB/delta_cost/exact-scanning-each",
+        [ranked](benchmark::State& s) { BM_Release(s, ranked); })
+        ->Arg(2'048)
+        ->Unit(benchmark::kMicrosecond);
+  }
   benchmark::RegisterBenchmark("TableTouch", BM_Touch)
       ->Arg(1'000'000)
       ->Unit(benchmark::kMicrosecond);
@@ -214,7 +255,12 @@ std::string Markdown(const std::vector<Collector::Row>& rows,
         "current (time per access). `IterationRecord`: one iteration of N "
         "accesses recorded for a session's prefetches to replay, and the "
         "record made the plan (time per iteration; "
-        "daemon/prefetch_order.h).\n\n"
+        "daemon/prefetch_order.h). `Release512MiB`: one release of 512 MiB "
+        "planned as the daemon plans it (Filter picks and Director "
+        "decisions, 21 tensors in this table), then undone (time per "
+        "release and undo); its picks after the first come from a ranking "
+        "of the candidates (`-scanning-each`: a scan of every candidate per "
+        "pick, the same picks).\n\n"
      << "| benchmark | tensors | time per decision (us) | target | result |\n"
      << "|---|---:|---:|---|---|\n";
   for (const auto& r : rows) {

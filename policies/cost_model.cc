@@ -25,13 +25,16 @@ absl::Status CostModel::SetBandwidth(GpuId gpu, LinkBandwidth bw) {
     bandwidth_.resize(gpu + 1, LinkBandwidth{});
   }
   bandwidth_[gpu] = bw;
+  ++epoch_;
   return absl::OkStatus();
 }
 
 void CostModel::SetOffloadBacklog(GpuId gpu, int64_t bytes) {
   if (gpu < 0) return;
   if (static_cast<size_t>(gpu) >= backlog_.size()) backlog_.resize(gpu + 1, 0);
-  backlog_[gpu] = std::max<int64_t>(0, bytes);
+  const int64_t backlog = std::max<int64_t>(0, bytes);
+  if (backlog_[gpu] != backlog) ++epoch_;
+  backlog_[gpu] = backlog;
 }
 
 namespace {

@@ -64,6 +64,10 @@ class CostModel {
     return OffloadNs(gpu, Backlog(gpu) + queued + bytes) + ReloadNs(gpu, bytes);
   }
 
+  // Moves with every change of a price (bandwidth, backlog): a ranking of
+  // candidates by their prices holds while it stays.
+  uint64_t epoch() const { return epoch_; }
+
   // What SetOffloadBacklog set for `gpu` (0 if nothing).
   int64_t Backlog(GpuId gpu) const {
     return gpu >= 0 && static_cast<size_t>(gpu) < backlog_.size()
@@ -76,6 +80,7 @@ class CostModel {
   // every candidate it scores.
   std::vector<LinkBandwidth> bandwidth_;  // zero: not measured, use default
   std::vector<int64_t> backlog_;
+  uint64_t epoch_ = 0;
 };
 
 // c_r(t): the tensor's own compute cost plus that of every evicted component

@@ -71,6 +71,12 @@ class BoundPrecheck {
   double h2d_ns_per_byte_ = 0;
   double backlog_ = 0;
 };
+absl::Status NoneReleasable(const Scope& scope) {
+  return absl::NotFoundError(
+      absl::StrCat("no releasable tensor on GPU ", scope.gpu,
+                   scope.session ? absl::StrCat(" in session ", *scope.session)
+                                 : std::string()));
+}
 }  // namespace
 
 Filter::Filter(FilterOptions options, const CostModel* costs)
@@ -250,6 +256,22 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
     }
     if (batch_depth_ > 0 && best != UINT32_MAX) ++batch_picks_;
   }
+  // The next exact pick of a release, from its ranking; the first scans.
+  if (!sampling && bounded && min_bytes == 0 && batch_depth_ > 0 &&
+      options_.rank_in_batch) {
+    const RankedCandidates::Key key{
+        &table, scope.gpu,          scope.session,
+        now_ns, table.rank_epoch(), costs_ ? costs_->epoch() : 0};
+    if (ranked_.Expected(key)) ranked_.Build(entries, bound_of);
+    if (ranked_.Ready(key)) {
+      const uint32_t pick = ranked_.Pick(
+          entries, bound_of, usable,
+          [&](uint32_t slot) { return Score(table, slot, now_ns); });
+      if (pick == UINT32_MAX) return NoneReleasable(scope);
+      return pick;
+    }
+    ranked_.Expect(key);
+  }
   // Entries are read in order; a tensor is loaded only where its bound can
   // win (every one without a bound, ahead of need).
   const bool precheck = bounded && BoundPrecheck::Applies(options_.heuristic);
@@ -277,12 +299,7 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
     min_bytes = 0;
     scan_all();
   }
-  if (best == UINT32_MAX) {
-    return absl::NotFoundError(absl::StrCat(
-        "no releasable tensor on GPU ", scope.gpu,
-        scope.session ? absl::StrCat(" in session ", *scope.session)
-                      : std::string()));
-  }
+  if (best == UINT32_MAX) return NoneReleasable(scope);
   return best;
 }
 

@@ -7,6 +7,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "policies/heuristic.h"
+#include "policies/ranked_candidates.h"
 #include "policies/tensor_table.h"
 
 namespace deltad::policy {
@@ -32,6 +33,10 @@ struct FilterOptions {
   // the best found (ScoreLowerBound): the same pick, found faster. Off
   // only to check that it is the same.
   bool skip_by_bound = true;
+  // Take the exact picks of a Batch after its first from a ranking
+  // (Batch): the same picks, found faster. Off only to check that it is
+  // the same, and to measure what it saves.
+  bool rank_in_batch = true;
   MegEngineParams megengine;
 };
 
@@ -68,13 +73,22 @@ class Filter {
   // of several tensors at scale then costs one sample's misses instead of one
   // each: the best few of a sample of ceil(sqrt(N)) rather than the best
   // of several samples.
+  //
+  // An exact search in a Batch ranks its scope's candidates at the second
+  // pick (RankedCandidates) and takes the next picks from that ranking, the
+  // same tensors a scan would pick, while the table changes only by those
+  // releases and `now_ns` stays the same; any other change is seen and
+  // ranks anew.
   class Batch {
    public:
     explicit Batch(Filter& filter) : filter_(filter) {
       if (filter_.batch_depth_++ == 0) filter_.batch_sample_ = false;
     }
     ~Batch() {
-      if (--filter_.batch_depth_ == 0) filter_.batch_sample_ = false;
+      if (--filter_.batch_depth_ == 0) {
+        filter_.batch_sample_ = false;
+        filter_.ranked_.Invalidate();
+      }
     }
     Batch(const Batch&) = delete;
     Batch& operator=(const Batch&) = delete;
@@ -106,6 +120,8 @@ class Filter {
   bool batch_sample_ = false;
   size_t batch_picks_ = 0;  // made from sample_ so far
   Scope batch_scope_;
+  // The exact picks of the open Batches.
+  RankedCandidates ranked_;
 };
 
 }  // namespace deltad::policy

@@ -267,6 +267,7 @@ void TensorTable::Account(const Tensor& t, int sign) {
 }
 
 void TensorTable::AddCandidate(uint32_t slot) {
+  ++rank_epoch_;
   Tensor& t = slots_[slot];
   const CandidateEntry entry = CandidateEntry::Of(t, slot);
   CandidateList& g = gpus_[t.gpu].candidates;
@@ -298,6 +299,7 @@ void TensorTable::RemoveCandidate(uint32_t slot) {
 }
 
 void TensorTable::Stamp(uint32_t slot, int64_t now_ns) {
+  ++rank_epoch_;
   Tensor& t = slots_[slot];
   Group& session = sessions_[t.session];
   t.last_access_tick = ++session.clock;
@@ -362,6 +364,7 @@ void TensorTable::JoinComponents(uint32_t slot) {
 }
 
 void TensorTable::LeaveComponents(uint32_t slot) {
+  ++rank_epoch_;  // the neighbours' recompute costs may fall
   if (defer_components_ || components_stale_ || StaleRatherThanReform(slot)) {
     components_stale_ = true;
     return;
@@ -372,7 +375,7 @@ void TensorTable::LeaveComponents(uint32_t slot) {
   });
 }
 
-void TensorTable::ChangeState(uint32_t slot, TensorState to) {
+void TensorTable::ChangeState(uint32_t slot, TensorState to, bool join) {
   Tensor& t = slots_[slot];
   const TensorState from = t.state;
   if (from == to) return;
@@ -388,7 +391,9 @@ void TensorTable::ChangeState(uint32_t slot, TensorState to) {
   }
   Account(t, +1);
   if (to == TensorState::kResident) AddCandidate(slot);
-  if (NeedsRecompute(to) && !NeedsRecompute(from)) JoinComponents(slot);
+  if (join && NeedsRecompute(to) && !NeedsRecompute(from)) {
+    JoinComponents(slot);
+  }
 }
 
 absl::Status TensorTable::Touch(TensorId id, int64_t now_ns) {
@@ -500,6 +505,7 @@ absl::Status TensorTable::SetAdjacentFreeBytes(TensorId id, int64_t bytes) {
         absl::StrCat("tensor ", id, ": negative adjacent free bytes"));
   }
   slots_[*slot].adjacent_free_bytes = bytes;
+  ++rank_epoch_;
   return absl::OkStatus();
 }
 
@@ -513,6 +519,7 @@ absl::Status TensorTable::SetHostCopy(TensorId id, bool copied) {
                      ": only a resident tensor has a copy made ahead"));
   }
   t.flags.host_copy = copied;
+  ++rank_epoch_;
   gpus_[t.gpu].candidates.entries[t.gpu_pos].flags = t.flags;
   sessions_[t.session].candidates.entries[t.session_pos].flags = t.flags;
   return absl::OkStatus();

@@ -106,6 +106,12 @@ class TensorTable {
     auto it = session_gpu_.find(*scope.session);
     return it == session_gpu_.end() ? scope.gpu : it->second;
   }
+  // Moves with every change that can add a candidate or lower a score
+  // (an access, a tensor back on the device, an evicted one rebuilt or
+  // gone, a host copy, ...), but not with a release (a candidate leaving
+  // for kEvicted or kOffloading, which can only raise others' scores) or a
+  // lock: a ranking of candidates (RankedCandidates) holds while it stays.
+  uint64_t rank_epoch() const { return rank_epoch_; }
   // Summed bytes of the tensors in Candidates(scope).
   int64_t CandidateBytes(const Scope& scope) const;
   const Tensor& AtSlot(uint32_t slot) const { return slots_[slot]; }
@@ -159,7 +165,9 @@ class TensorTable {
   // Records an access at `now_ns`, in the tensor and in its candidate
   // entries (the session's clock lives in its group: one lookup for both).
   void Stamp(uint32_t slot, int64_t now_ns);
-  void ChangeState(uint32_t slot, TensorState to);
+  // `join`: whether a tensor that comes to need recompute joins the
+  // evicted components (false for one retired at once).
+  void ChangeState(uint32_t slot, TensorState to, bool join = true);
   void JoinComponents(uint32_t slot);
   void LeaveComponents(uint32_t slot);
   void RebuildComponents() const;
@@ -195,6 +203,7 @@ class TensorTable {
   // leave them stale (StaleRatherThanReform).
   static constexpr size_t kHubNeighbours = 16;
   bool defer_components_ = false;
+  uint64_t rank_epoch_ = 0;
   // LinkParents' parents already listed (a tensor of an optimizer step or a
   // concatenation has hundreds; checking each against the list was
   // quadratic in them).

@@ -20,7 +20,12 @@ absl::Status TensorTable::Free(TensorId id) {
         absl::StrCat("tensor ", id, " was already freed"));
   }
   t.lock_count = 0;
-  ChangeState(*slot, TensorState::kFreed);
+  // No child can need it: it is retired at once. Joining the evicted
+  // components first would merge its neighbours' components only for its
+  // leaving to split them again (a search over them), for every temporary
+  // and every activation the backward pass is done with.
+  const bool retires = t.live_children == 0;
+  ChangeState(*slot, TensorState::kFreed, /*join=*/!retires);
   MaybeRetire(*slot);
   return absl::OkStatus();
 }
@@ -66,6 +71,7 @@ void TensorTable::ForgetSlot(uint32_t slot) {
 }
 
 void TensorTable::RemoveSession(SessionId session) {
+  ++rank_epoch_;
   for (uint32_t slot = 0; slot < slots_.size(); ++slot) {
     Tensor& t = slots_[slot];
     if (t.id == 0 || t.session != session) continue;

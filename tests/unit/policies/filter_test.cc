@@ -68,23 +68,6 @@ void FillMixed(TensorTable& table, int n) {
   for (int i = 1; i <= n; i += 7) Evict(table, static_cast<TensorId>(i));
 }
 
-// What an exact search must pick: the first candidate in list order with
-// the lowest score among those `eligible`, every one scored.
-uint32_t FirstLowestScore(const Filter& filter, const TensorTable& table,
-                          int64_t now_ns, Filter::Eligible eligible) {
-  uint32_t want = UINT32_MAX;
-  double want_score = INFINITY;
-  for (uint32_t slot : table.Candidates(kGpu0)) {
-    if (!eligible(table.AtSlot(slot))) continue;
-    const double score = filter.Score(table, slot, now_ns);
-    if (want == UINT32_MAX || score < want_score) {
-      want = slot;
-      want_score = score;
-    }
-  }
-  return want;
-}
-
 TEST(FilterTest, ExactSearchReturnsTheMinimumScore) {
   TensorTable table;
   FillMixed(table, 200);

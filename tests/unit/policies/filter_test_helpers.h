@@ -5,6 +5,7 @@
 // tensors and the order in which the Filter releases them.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -92,6 +93,23 @@ inline std::vector<TensorId> ReleaseOrder(const TensorTable& table, Heuristic h,
 }
 
 inline const Scope kGpu0 = testing_util::GpuScope(0);
+
+// What an exact search must pick: the first candidate in list order with
+// the lowest score among those `eligible`, every one scored.
+inline uint32_t FirstLowestScore(const Filter& filter, const TensorTable& table,
+                                 int64_t now_ns, Filter::Eligible eligible) {
+  uint32_t want = UINT32_MAX;
+  double want_score = INFINITY;
+  for (uint32_t slot : table.Candidates(kGpu0)) {
+    if (!eligible(table.AtSlot(slot))) continue;
+    const double score = filter.Score(table, slot, now_ns);
+    if (want == UINT32_MAX || score < want_score) {
+      want = slot;
+      want_score = score;
+    }
+  }
+  return want;
+}
 
 }  // namespace deltad::policy
 
