@@ -146,6 +146,9 @@ struct ClientStats {
   int64_t sessions_lost = 0;
   int64_t attach_failures = 0;  // attempts that opened no session
   int64_t rejected_batches = 0;
+  // Calls for room sent again because the daemon answered late (a busy or
+  // stalled daemon), in the same session.
+  int64_t release_calls_sent_again = 0;
   bool connected = false;
   uint64_t session_id = 0;
 };

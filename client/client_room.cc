@@ -64,8 +64,12 @@ absl::StatusOr<bool> Client::MakeRoom(int64_t bytes, int64_t extra) {
         batch = TakeBatchLocked();
         unreported = unreported_bytes_ + raw_bytes_;
       }
+      const int64_t sent_again = link->release_calls_sent_again();
       response =
           link->Release(bytes + extra + unreported, batch, batches_sent_);
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.release_calls_sent_again +=
+          link->release_calls_sent_again() - sent_again;
     }
     if (response.ok()) {
       std::vector<v1::ReleaseOrder> orders(response->release().begin(),

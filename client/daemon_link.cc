@@ -305,6 +305,7 @@ absl::StatusOr<v1::ReleaseResponse> DaemonLink::Release(
         std::chrono::steady_clock::now() >= give_up || !alive_.load()) {
       return FromGrpc(s, "Release");
     }
+    sent_again_.fetch_add(1);
   }
 }
 

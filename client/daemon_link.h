@@ -100,6 +100,9 @@ class DaemonLink {
   void Heartbeat(int64_t unlisted_chunk_bytes = -1);
 
   bool alive() const { return alive_.load(); }
+  // Release calls sent again because the daemon answered past the RPC
+  // timeout (late, not lost: see LinkOptions::release_retry_ms).
+  int64_t release_calls_sent_again() const { return sent_again_.load(); }
   // Whether a write on the stream has waited past the RPC timeout: the
   // daemon stopped reading (stalled), and gRPC's writes have no deadline.
   // A write begun before `resumed_ns` (when this process last ran again
@@ -145,6 +148,7 @@ class DaemonLink {
   std::condition_variable reader_cv_;
   bool reader_done_ = false;  // the stream ended and was finished
   std::atomic<bool> alive_{false};
+  std::atomic<int64_t> sent_again_{0};
   std::atomic<bool> closing_{false};
   std::mutex close_mu_;
   bool closed_ = false;

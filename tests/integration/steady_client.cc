@@ -26,10 +26,10 @@ absl::StatusOr<Report> SteadyClient::Ask(const std::string& command) {
   if (std::sscanf(answer->c_str(),
                   "report connected %d session %llu device_bytes %lld "
                   "tensors %lld lost %lld reconnects %lld steps %lld "
-                  "budget %lld sync_releases %*d chunks %lld",
+                  "budget %lld sync_releases %*d chunks %lld sent_again %lld",
                   &r.connected, &r.session, &r.device_bytes, &r.tensors,
-                  &r.lost, &r.reconnects, &r.steps, &r.budget,
-                  &r.chunks) != 9) {
+                  &r.lost, &r.reconnects, &r.steps, &r.budget, &r.chunks,
+                  &r.sent_again) != 10) {
     return absl::InternalError("unreadable report: " + *answer);
   }
   return r;

@@ -24,6 +24,8 @@ struct Report {
   long long steps = 0;
   long long budget = 0;
   long long chunks = 0;  // device chunk bytes it maps
+  // Calls for room sent again because the daemon answered late.
+  long long sent_again = 0;
 };
 
 struct SteadyClient {

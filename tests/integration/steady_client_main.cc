@@ -134,12 +134,12 @@ int main(int argc, char** argv) {
   int64_t steps = 0;
   auto report = [&] {
     const deltad::client::ClientStats s = c.Stats();
-    Say(absl::StrCat("report connected ", s.connected ? 1 : 0, " session ",
-                     s.session_id, " device_bytes ", s.device_bytes,
-                     " tensors ", live.size(), " lost ", s.sessions_lost,
-                     " reconnects ", s.reconnects, " steps ", steps, " budget ",
-                     s.budget_bytes, " sync_releases ", s.sync_releases,
-                     " chunks ", s.chunk_bytes));
+    Say(absl::StrCat(
+        "report connected ", s.connected ? 1 : 0, " session ", s.session_id,
+        " device_bytes ", s.device_bytes, " tensors ", live.size(), " lost ",
+        s.sessions_lost, " reconnects ", s.reconnects, " steps ", steps,
+        " budget ", s.budget_bytes, " sync_releases ", s.sync_releases,
+        " chunks ", s.chunk_bytes, " sent_again ", s.release_calls_sent_again));
   };
   Say("started");
   bool paused = false;
