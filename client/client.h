@@ -49,6 +49,9 @@ using RecomputeFn = std::function<absl::Status(uint64_t id, void* out)>;
 
 struct ClientOptions {
   LinkOptions link;
+  // Opens each session; empty: DaemonLink::Open (gRPC and the side
+  // socket). Tests put a daemon of their own here.
+  DaemonLink::OpenFn open_link;
   // False: never contact a daemon; the in-process policy decides alone.
   bool use_daemon = true;
   // The budget while no daemon has granted one (never connected, or gone

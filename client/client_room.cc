@@ -295,12 +295,21 @@ absl::StatusOr<void*> Client::AllocateDeviceInRounds(int64_t bytes) {
     // may still be giving theirs back (see ExecutorLoop).
     const int64_t held = device_->chunk_bytes_held();
     const int64_t want = granted ? std::max(budget, held + bytes) : budget;
+    // Chunks that come, but not all at once (other sessions still release
+    // them), are waited for as owed ones are: a gain uses no round until
+    // the wait's deadline, or a large allocation the daemon made room for
+    // would run out of rounds a chunk short.
+    auto gained = [&] {
+      if (device_->chunk_bytes_held() <= held) return false;
+      if (NowNs() < wait_deadline_ns) --round;
+      return true;
+    };
     (void)SyncChunks(link, want);
-    if (device_->chunk_bytes_held() > held) continue;
+    if (gained()) continue;
     if (granted) {
       std::this_thread::sleep_for(std::chrono::milliseconds(2 * (round + 1)));
       (void)SyncChunks(link, want);
-      if (device_->chunk_bytes_held() > held) continue;
+      if (gained()) continue;
     }
     // The chunks are full though the byte counts say there is room: part
     // of them is rounding (a 1 MiB tensor takes a 2 MiB chunk), which the

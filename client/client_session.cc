@@ -97,7 +97,9 @@ int64_t Client::UnlistedChunkBytes(const DaemonLink& link) {
 }
 
 absl::Status Client::TryConnect() {
-  auto link = DaemonLink::Open(
+  const DaemonLink::OpenFn open =
+      options_.open_link ? options_.open_link : DaemonLink::Open;
+  auto link = open(
       options_.link,
       [this](const DaemonLink* from, const v1::Orders& o) {
         OnOrders(from, o);

@@ -1,4 +1,4 @@
-#include "client/daemon_link.h"
+#include "client/grpc_daemon_link.h"
 
 #include <poll.h>
 #include <sys/socket.h>
@@ -62,7 +62,13 @@ absl::StatusOr<int> ResolveGpu(v1::MemoryManager::Stub& stub,
 
 absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
     const LinkOptions& options, OrdersFn on_orders, LostFn on_lost) {
-  std::unique_ptr<DaemonLink> link(new DaemonLink());
+  return GrpcDaemonLink::Open(options, std::move(on_orders),
+                              std::move(on_lost));
+}
+
+absl::StatusOr<std::unique_ptr<DaemonLink>> GrpcDaemonLink::Open(
+    const LinkOptions& options, OrdersFn on_orders, LostFn on_lost) {
+  std::unique_ptr<GrpcDaemonLink> link(new GrpcDaemonLink());
   link->options_ = options;
   link->on_orders_ = std::move(on_orders);
   link->on_lost_ = std::move(on_lost);
@@ -149,7 +155,7 @@ absl::StatusOr<std::unique_ptr<DaemonLink>> DaemonLink::Open(
   return link;
 }
 
-absl::StatusOr<std::vector<side::Grant>> DaemonLink::FetchChunks(
+absl::StatusOr<std::vector<side::Grant>> GrpcDaemonLink::FetchChunks(
     int64_t target_bytes) {
   std::lock_guard<std::mutex> lock(side_mu_);
   if (absl::Status s = common::SendFds(
@@ -162,7 +168,8 @@ absl::StatusOr<std::vector<side::Grant>> DaemonLink::FetchChunks(
   return side::ReceiveGrants(side_.get(), side::kChunk, side::kChunksDone);
 }
 
-absl::Status DaemonLink::ReturnChunks(const std::vector<uint64_t>& chunk_ids) {
+absl::Status GrpcDaemonLink::ReturnChunks(
+    const std::vector<uint64_t>& chunk_ids) {
   const std::string& token = session_.session_token();
   const size_t per_message = side::MaxReturnedPerMessage(token.size());
   if (per_message == 0) {
@@ -194,15 +201,15 @@ absl::Status DaemonLink::ReturnChunks(const std::vector<uint64_t>& chunk_ids) {
   return absl::OkStatus();
 }
 
-DaemonLink::~DaemonLink() { Close(); }
+GrpcDaemonLink::~GrpcDaemonLink() { Close(); }
 
-std::vector<side::Grant> DaemonLink::TakeSlabs() {
+std::vector<side::Grant> GrpcDaemonLink::TakeSlabs() {
   std::vector<side::Grant> out;
   out.swap(slabs_);
   return out;
 }
 
-void DaemonLink::ReadOrders() {
+void GrpcDaemonLink::ReadOrders() {
   v1::Orders orders;
   while (stream_->Read(&orders)) on_orders_(this, orders);
   const grpc::Status status = stream_->Finish();
@@ -226,7 +233,7 @@ void DaemonLink::ReadOrders() {
   on_lost_(this, why);
 }
 
-absl::Status DaemonLink::Send(const v1::EventBatch& batch) {
+absl::Status GrpcDaemonLink::Send(const v1::EventBatch& batch) {
   if (!alive_.load()) return absl::UnavailableError("no daemon connection");
   v1::SessionMessage message;
   *message.mutable_batch() = batch;
@@ -239,7 +246,7 @@ absl::Status DaemonLink::Send(const v1::EventBatch& batch) {
   return absl::OkStatus();
 }
 
-void DaemonLink::Heartbeat(int64_t unlisted_chunk_bytes) {
+void GrpcDaemonLink::Heartbeat(int64_t unlisted_chunk_bytes) {
   if (!alive_.load()) return;
   const int64_t lease_ms = session_.lease_ms();
   const bool due =
@@ -260,13 +267,13 @@ void DaemonLink::Heartbeat(int64_t unlisted_chunk_bytes) {
   if (written && changed) unlisted_sent_ = unlisted_chunk_bytes;
 }
 
-bool DaemonLink::WriteStalled(int64_t resumed_ns) const {
+bool GrpcDaemonLink::WriteStalled(int64_t resumed_ns) const {
   const int64_t since = write_since_ns_.load();
   return since != 0 && common::MonotonicNs() - std::max(since, resumed_ns) >
                            int64_t{options_.rpc_timeout_ms} * 1000000;
 }
 
-void DaemonLink::Cancel(const std::string& why) {
+void GrpcDaemonLink::Cancel(const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(cancel_mu_);
     if (cancelled_for_.empty()) cancelled_for_ = why;
@@ -274,7 +281,7 @@ void DaemonLink::Cancel(const std::string& why) {
   stream_context_.TryCancel();
 }
 
-absl::StatusOr<v1::ReleaseResponse> DaemonLink::Release(
+absl::StatusOr<v1::ReleaseResponse> GrpcDaemonLink::Release(
     int64_t bytes, const v1::EventBatch& batch, uint64_t stream_batches_sent) {
   if (!alive_.load()) return absl::UnavailableError("no daemon connection");
   v1::ReleaseRequest request;
@@ -309,14 +316,14 @@ absl::StatusOr<v1::ReleaseResponse> DaemonLink::Release(
   }
 }
 
-bool DaemonLink::SideClosedByDaemon() const {
+bool GrpcDaemonLink::SideClosedByDaemon() const {
   if (!side_.valid()) return true;
   pollfd p{side_.get(), POLLRDHUP, 0};
   if (::poll(&p, 1, 0) < 0) return false;
   return (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
-void DaemonLink::Close() {
+void GrpcDaemonLink::Close() {
   std::lock_guard<std::mutex> close_lock(close_mu_);
   if (closed_) return;
   closed_ = true;
