@@ -157,6 +157,9 @@ class TensorTable {
 
   absl::StatusOr<uint32_t> SlotFor(TensorId id) const;
   absl::Status ValidateSpec(const TensorSpec& spec) const;
+  // A parent outside the spec's batch: in the table, of the same session,
+  // not freed.
+  absl::Status CheckParentInTable(const TensorSpec& spec, TensorId p) const;
   uint32_t Insert(const TensorSpec& spec, int64_t now_ns);
   void LinkParents(uint32_t slot, absl::Span<const TensorId> parents);
   void Account(const Tensor& t, int sign);
