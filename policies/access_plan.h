@@ -30,6 +30,11 @@ class AccessPlan {
   std::vector<Entry> LookAhead(int64_t window_bytes) const;
 
   bool has_plan() const { return !plan_.empty(); }
+  // How many accesses from the cursor until the plan's next access of `key`
+  // (1: the next one). One the plan expects no more in this iteration comes
+  // in the next, where this one began: the rest of the plan and its first
+  // occurrence. -1 when the plan has no access of it.
+  int64_t AccessesUntilNext(uint64_t key) const;
   size_t cursor() const { return cursor_; }
   size_t plan_size() const { return plan_.size(); }
 
@@ -38,7 +43,13 @@ class AccessPlan {
   static constexpr uint32_t kNone = UINT32_MAX;
   // Per key, its next occurrence in plan_ not yet passed by the cursor;
   // next_[i], the occurrence of plan_[i]'s key after i (kNone: none).
-  absl::flat_hash_map<uint64_t, uint32_t> first_;
+  // Per key, also its first occurrence in plan_ (where the next iteration
+  // uses it again), in the same entry: no larger than one index alone.
+  struct Occurrences {
+    uint32_t next;   // first_ as above
+    uint32_t first;  // in the whole plan
+  };
+  absl::flat_hash_map<uint64_t, Occurrences> first_;
   std::vector<uint32_t> next_;
   std::vector<Entry> recording_;
   size_t cursor_ = 0;  // index in plan_ of the next expected access

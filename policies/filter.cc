@@ -303,4 +303,44 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
   return best;
 }
 
+absl::StatusOr<uint32_t> Filter::SelectByNextUse(const TensorTable& table,
+                                                 const Scope& scope,
+                                                 int64_t now_ns,
+                                                 Eligible eligible,
+                                                 NextUse next_use) {
+  const Heuristic h = options_.heuristic;
+  if (h == Heuristic::kGreedy || h == Heuristic::kMegEngine) {
+    return Select(table, scope, now_ns, eligible);
+  }
+  const absl::Span<const CandidateEntry> entries =
+      table.CandidateEntries(scope);
+  const GpuId gpu = table.ScopeGpu(scope);
+  uint32_t best = UINT32_MAX;
+  double best_score = 0;
+  for (const CandidateEntry& e : entries) {
+    const Tensor& t = table.AtSlot(e.slot);
+    if (t.lock_count != 0 || !eligible(t)) continue;
+    const int64_t d = next_use(t);
+    // Not used at all in the recorded iteration: first of all, in list
+    // order (every score is positive).
+    double s = -1;
+    if (d >= 0) {
+      // A score's staleness is now - last access: the distance stands in.
+      const int64_t at = e.last_access_ns + d;
+      // Its bound first: the neighbourhood walk only where it can win.
+      if (best != UINT32_MAX &&
+          EntryBound(h, e, gpu, at, costs_) >= best_score) {
+        continue;
+      }
+      s = policy::Score(h, options_.megengine, table, e.slot, at, costs_);
+    }
+    if (best == UINT32_MAX || s < best_score) {
+      best = e.slot;
+      best_score = s;
+    }
+  }
+  if (best == UINT32_MAX) return NoneReleasable(scope);
+  return best;
+}
+
 }  // namespace deltad::policy

@@ -56,6 +56,20 @@ class Filter {
   absl::StatusOr<uint32_t> Select(const TensorTable& table, const Scope& scope,
                                   int64_t now_ns, Eligible eligible);
 
+  // How far ahead a tensor is next used, in a recorded iteration's order
+  // (AccessPlan::AccessesUntilNext: accesses from now; -1: not in it).
+  using NextUse = absl::FunctionRef<int64_t(const Tensor&)>;
+  // Select with the future known: each score's staleness (time since the
+  // last use, DELTA's guess of how long until the next) is the distance
+  // to the next use, so that of two tensors alike the one needed last goes
+  // first (Belady's rule within the heuristic's costs), and one the
+  // recorded iteration never used before all. An exact scan. Heuristics
+  // without staleness in their score (greedy, MegEngine) select as Select
+  // does.
+  absl::StatusOr<uint32_t> SelectByNextUse(const TensorTable& table,
+                                           const Scope& scope, int64_t now_ns,
+                                           Eligible eligible, NextUse next_use);
+
   double Score(const TensorTable& table, uint32_t slot, int64_t now_ns) const {
     return policy::Score(options_.heuristic, options_.megengine, table, slot,
                          now_ns, costs_);

@@ -13,6 +13,13 @@ bool AnyTensor(const Tensor& /*t*/) { return true; }
 
 }  // namespace
 
+absl::StatusOr<uint32_t> ReleasePlanner::Pick(const Scope& scope,
+                                              int64_t now_ns,
+                                              Filter::Eligible eligible) {
+  if (!next_use_) return filter_.Select(table_, scope, now_ns, eligible);
+  return filter_.SelectByNextUse(table_, scope, now_ns, eligible, next_use_);
+}
+
 absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Release(
     const Scope& scope, int64_t bytes, int64_t now_ns,
     int64_t host_bytes_available) {
@@ -80,7 +87,7 @@ absl::StatusOr<std::vector<ReleaseOrder>> ReleasePlanner::Plan(
     int64_t queued = 0;  // on the link: offloads of tensors not copied ahead
     absl::Status failure;
     while (freed < bytes) {
-      auto pick = filter_.Select(table_, scope, now_ns, [&](const Tensor& t) {
+      auto pick = Pick(scope, now_ns, [&](const Tensor& t) {
         return eligible(t) && director_.CanRelease(t, host_left);
       });
       if (!pick.ok()) break;
@@ -141,7 +148,7 @@ std::vector<ReleaseOrder> ReleasePlanner::OffloadAhead(
   // Offloads planned in this call queue behind each other on the link.
   const int64_t host_left_at_start = host_left;
   for (int64_t freed = 0; freed < bytes;) {
-    auto pick = filter_.Select(table_, scope, now_ns, [&](const Tensor& t) {
+    auto pick = Pick(scope, now_ns, [&](const Tensor& t) {
       if (!eligible(t) || !director_.CanRelease(t, host_left)) return false;
       auto action = director_.Decide(table_, table_.SlotOfTensor(t), host_left,
                                      host_left_at_start - host_left);

@@ -2,6 +2,8 @@
 #define DELTAD_POLICIES_RELEASE_PLANNER_H_
 
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
@@ -32,6 +34,13 @@ class ReleasePlanner {
 
   ReleasePlanner(TensorTable& table, Filter& filter, const Director& director)
       : table_(table), filter_(filter), director_(director) {}
+
+  // From now on, picks know how far ahead each tensor is next used (a
+  // recorded iteration: Filter::SelectByNextUse); empty: they guess from
+  // staleness, as DELTA does.
+  void SetNextUse(std::function<int64_t(const Tensor&)> next_use) {
+    next_use_ = std::move(next_use);
+  }
 
   // Orders releasing at least `bytes` from `scope`, in the order chosen.
   // All or nothing: when the scope cannot free that much, no state changes
@@ -75,9 +84,14 @@ class ReleasePlanner {
                                                  Eligible eligible,
                                                  int64_t& most);
 
+  // Filter::Select, or SelectByNextUse with next_use_.
+  absl::StatusOr<uint32_t> Pick(const Scope& scope, int64_t now_ns,
+                                Filter::Eligible eligible);
+
   TensorTable& table_;
   Filter& filter_;
   const Director& director_;
+  std::function<int64_t(const Tensor&)> next_use_;
 };
 
 }  // namespace deltad::policy

@@ -162,6 +162,13 @@ std::vector<policy::TensorId> DynamicPolicy::LockInUse(SimContext& ctx) {
 bool DynamicPolicy::Release(SimContext& ctx, int64_t bytes) {
   std::vector<policy::TensorId> locked = LockInUse(ctx);
   policy::ReleasePlanner planner(table_, filter_, director_);
+  // Replaying an iteration seen, the picks know when each tensor is used
+  // next rather than guess it from when it was used last.
+  if (options_.replay_window_fraction > 0 && plan_.has_plan()) {
+    planner.SetNextUse([this](const policy::Tensor& t) {
+      return plan_.AccessesUntilNext(t.stable_key);
+    });
+  }
   policy::Scope scope;
   scope.gpu = 0;
   auto orders = planner.Release(scope, bytes, ctx.now_ns(), ctx.host_free());

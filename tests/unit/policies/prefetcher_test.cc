@@ -398,6 +398,34 @@ TEST_F(AccessPlanTest, RecordingDoesNotChangeThePlanUntilTheIterationEnds) {
   EXPECT_THAT(Keys(plan_.LookAhead(1000)), ElementsAre(kD, kC));
 }
 
+TEST_F(AccessPlanTest,
+       AccessesUntilNextCountFromTheCursorAndWrapToTheNextIteration) {
+  EXPECT_EQ(plan_.AccessesUntilNext(kA), 1);
+  EXPECT_EQ(plan_.AccessesUntilNext(kD), 4);
+  EXPECT_EQ(plan_.AccessesUntilNext(99), -1);  // not in the plan
+  plan_.Record(kA, 10);
+  plan_.Record(kB, 20);
+  EXPECT_EQ(plan_.AccessesUntilNext(kC), 1);
+  EXPECT_EQ(plan_.AccessesUntilNext(kD), 2);
+  // A's use in this iteration is past: the next one is the next
+  // iteration's first access, after C and D.
+  EXPECT_EQ(plan_.AccessesUntilNext(kA), 3);
+  EXPECT_EQ(plan_.AccessesUntilNext(kB), 4);
+}
+
+TEST(AccessPlanRepeatTest, AccessesUntilNextFindTheNextOfSeveralUses) {
+  AccessPlan plan;
+  for (uint64_t key : {1, 2, 1, 3}) plan.Record(key, 10);
+  plan.EndIteration();
+  EXPECT_EQ(plan.AccessesUntilNext(1), 1);
+  plan.Record(1, 10);
+  EXPECT_EQ(plan.AccessesUntilNext(1), 2);  // its second use
+  plan.Record(2, 10);
+  plan.Record(1, 10);
+  EXPECT_EQ(plan.AccessesUntilNext(1), 2);  // after 3, the next iteration
+  EXPECT_EQ(plan.AccessesUntilNext(3), 1);
+}
+
 TEST(AccessPlanRepeatTest, RepeatedKeysAdvanceToTheNextOccurrence) {
   // A B A C: a tensor used in forward and again in backward.
   AccessPlan plan;

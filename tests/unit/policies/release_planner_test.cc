@@ -196,6 +196,37 @@ TEST_F(ReleasePlannerOrderTest, OrdersFollowTheLruFiltersOrder) {
   EXPECT_THAT(Ids(*orders), ElementsAre(3, 1, 2, 4));
 }
 
+// Knowing the next uses (a recorded iteration), delta releases by the
+// distance to the next use where it guessed from staleness: of equal
+// tensors, the one needed last first; one the record never used before
+// all. Staleness alone would take 3, 1, 2, 4.
+TEST_F(ReleasePlannerOrderTest, WithNextUsesKnownTheOneNeededLastGoesFirst) {
+  // m * distance: 1: 100*5, 2: 400*1, 3: 50*100, 4: not in the record.
+  planner_.SetNextUse([](const Tensor& t) -> int64_t {
+    switch (t.id) {
+      case 1:
+        return 5;
+      case 2:
+        return 1;
+      case 3:
+        return 100;
+      default:
+        return -1;
+    }
+  });
+  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(850);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(4, 3, 1, 2));
+  // Unset, the guess from staleness is back.
+  for (TensorId id = 1; id <= 4; ++id) {
+    ASSERT_TRUE(table_.CancelRelease(id).ok());
+  }
+  planner_.SetNextUse(nullptr);
+  orders = Release(850);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  EXPECT_THAT(Ids(*orders), ElementsAre(2, 1, 3, 4));
+}
+
 TEST_F(ReleasePlannerTest, EachReleaseIsSeenByTheNextDecision) {
   // P (stalest) and its child T, both 1000 bytes (c_s = 2000 ns). P's own
   // cost 1000 makes F(P) = 0.5: evicted. T's own cost 1500 would give 0.75,
