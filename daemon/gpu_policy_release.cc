@@ -107,25 +107,6 @@ absl::StatusOr<policy::ReleaseOrder> GpuPolicy::ReleaseOne(SessionId requester,
   const policy::Scope scope = victims.size() == 1
                                   ? policy::Scope{gpu_, victims.begin()->first}
                                   : policy::Scope{gpu_, std::nullopt};
-  // A session whose prefetches replay its last iteration has a record of
-  // what it uses next: its own release goes by that rather than by
-  // staleness (policy::Filter::SelectByNextUse), an exact scan, so only
-  // where the Filter searches exactly anyway. A tensor without a stable
-  // key counts as an iteration away; one the record never used, first.
-  if (const policy::FilterOptions& f = filter_.options();
-      victims.size() == 1 &&
-      (!f.sampled ||
-       static_cast<int64_t>(table_.CandidateEntries(scope).size()) <
-           f.exact_below)) {
-    if (const policy::AccessPlan* plan =
-            sessions_.at(victims.begin()->first).order->plan();
-        plan != nullptr) {
-      planner.SetNextUse([plan](const Tensor& t) {
-        return t.stable_key == 0 ? static_cast<int64_t>(plan->plan_size())
-                                 : plan->AccessesUntilNext(t.stable_key);
-      });
-    }
-  }
   absl::StatusOr<std::vector<policy::ReleaseOrder>> orders =
       planner.Release(scope, 1, now_ns, most_host, [&](const Tensor& t) {
         auto v = victims.find(t.session);

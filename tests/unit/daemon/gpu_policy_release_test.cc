@@ -453,57 +453,6 @@ TEST_F(PrefetchOrderTest, AfterAFasterQueuePrefetchesFollowTheQueue) {
   EXPECT_THAT(Plan(kA)[kA].prefetch_tensor_ids(), ElementsAre(3, 2));
 }
 
-// Four 100-byte tensors read 1, 2, 3, 4 in three iterations, the replay
-// faster or not; then 1 and 2 are read again, and the session asks for
-// room for one more tensor's worth past the GPU.
-class NextUseReleaseTest : public GpuPolicyTest {
- protected:
-  std::vector<uint64_t> ReleasedAfter(int64_t replay_ms, int64_t queue_ms) {
-    Make(1000);
-    AddSession(kA, 1000);
-    v1::EventBatch made;
-    for (uint64_t id = 1; id <= 4; ++id) {
-      AddCreated(made, id, 100, Cost::kCostly);
-      made.mutable_created(static_cast<int>(id) - 1)->set_stable_key(id);
-    }
-    EXPECT_TRUE(Apply(kA, made).ok());
-    int64_t clock = 0;
-    for (int64_t ms : {int64_t{10}, replay_ms, queue_ms}) {
-      EXPECT_TRUE(Apply(kA, Events({{kAccessed, 1},
-                                    {kAccessed, 2},
-                                    {kAccessed, 3},
-                                    {kAccessed, 4}}))
-                      .ok());
-      clock += ms * 1000000;
-      EXPECT_TRUE(policy_->EndIteration(kA, clock).ok());
-    }
-    EXPECT_TRUE(Apply(kA, Events({{kAccessed, 1}})).ok());
-    EXPECT_TRUE(Apply(kA, Events({{kAccessed, 2}})).ok());
-    auto orders = MakeRoom(kA, 700);
-    std::vector<uint64_t> ids;
-    EXPECT_TRUE(orders.ok()) << orders.status();
-    if (!orders.ok() || !orders->contains(kA)) return ids;
-    for (const v1::ReleaseOrder& o : orders->at(kA)) {
-      ids.push_back(o.tensor_id());
-    }
-    return ids;
-  }
-};
-
-TEST_F(NextUseReleaseTest,
-       ASessionReplayingItsLastIterationReleasesWhatItNeedsLast) {
-  // Its next uses: 3, 4, then the next iteration's 1 and 2: 2 is needed
-  // last, though it was read last.
-  EXPECT_THAT(ReleasedAfter(/*replay_ms=*/100, /*queue_ms=*/120),
-              ElementsAre(2));
-}
-
-TEST_F(NextUseReleaseTest, ASessionOnTheQueueReleasesTheStalest) {
-  // No record followed: 3 and 4, read longest ago, go first.
-  EXPECT_THAT(ReleasedAfter(/*replay_ms=*/120, /*queue_ms=*/100),
-              ElementsAre(3));
-}
-
 TEST_F(GpuPolicyTest, EndIterationOfAnUnknownSessionIsNotFound) {
   Make(1000);
   EXPECT_EQ(policy_->EndIteration(kA, 1).status().code(),
