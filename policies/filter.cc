@@ -71,6 +71,7 @@ class BoundPrecheck {
   double h2d_ns_per_byte_ = 0;
   double backlog_ = 0;
 };
+
 absl::Status NoneReleasable(const Scope& scope) {
   return absl::NotFoundError(
       absl::StrCat("no releasable tensor on GPU ", scope.gpu,
@@ -262,15 +263,13 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
     const RankedCandidates::Key key{
         &table, scope.gpu,          scope.session,
         now_ns, table.rank_epoch(), costs_ ? costs_->epoch() : 0};
-    if (ranked_.Expected(key)) ranked_.Build(entries, bound_of);
-    if (ranked_.Ready(key)) {
+    if (ranked_.Use(key, entries, bound_of)) {
       const uint32_t pick = ranked_.Pick(
           entries, bound_of, usable,
           [&](uint32_t slot) { return Score(table, slot, now_ns); });
       if (pick == UINT32_MAX) return NoneReleasable(scope);
       return pick;
     }
-    ranked_.Expect(key);
   }
   // Entries are read in order; a tensor is loaded only where its bound can
   // win (every one without a bound, ahead of need).

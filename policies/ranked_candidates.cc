@@ -15,6 +15,18 @@ struct Above {
 };
 }  // namespace
 
+bool RankedCandidates::Use(const Key& key,
+                           absl::Span<const CandidateEntry> entries,
+                           Bound bound) {
+  if (key_ != key) {
+    key_ = key;
+    built_ = false;
+    return false;
+  }
+  if (!built_) Build(entries, bound);
+  return true;
+}
+
 void RankedCandidates::Build(absl::Span<const CandidateEntry> entries,
                              Bound bound) {
   heap_.clear();

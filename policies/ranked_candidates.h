@@ -38,16 +38,12 @@ class RankedCandidates {
   using Usable = absl::FunctionRef<bool(uint32_t slot)>;
   using Score = absl::FunctionRef<double(uint32_t slot)>;
 
-  // Whether the heap was built for `key`. When it was not, the caller
-  // scans as without a ranking and calls Expect(key): a release of one
-  // tensor then pays for no heap, and the second pick builds it.
-  bool Ready(const Key& key) const { return built_ && key_ == key; }
-  bool Expected(const Key& key) const { return !built_ && key_ == key; }
-  void Expect(const Key& key) {
-    key_ = key;
-    built_ = false;
-  }
-  void Build(absl::Span<const CandidateEntry> entries, Bound bound);
+  // Whether this pick may come from the ranking: true from the second
+  // pick with the same `key` on (the ranking built from `entries` at the
+  // first of them); false for a first, which the caller makes by a scan,
+  // so that a release of one tensor pays for no heap.
+  bool Use(const Key& key, absl::Span<const CandidateEntry> entries,
+           Bound bound);
   void Invalidate() {
     built_ = false;
     key_ = Key{};
@@ -75,6 +71,8 @@ class RankedCandidates {
     uint32_t slot;
     uint32_t pos;
   };
+
+  void Build(absl::Span<const CandidateEntry> entries, Bound bound);
   // How many of the list's last entries a pick remembers: a removal
   // between two picks moves one of them (see Pick).
   static constexpr size_t kTail = 16;

@@ -393,7 +393,7 @@ void TensorTable::LeaveComponents(uint32_t slot) {
   });
 }
 
-void TensorTable::ChangeState(uint32_t slot, TensorState to, bool join) {
+void TensorTable::ChangeState(uint32_t slot, TensorState to) {
   Tensor& t = slots_[slot];
   const TensorState from = t.state;
   if (from == to) return;
@@ -409,7 +409,13 @@ void TensorTable::ChangeState(uint32_t slot, TensorState to, bool join) {
   }
   Account(t, +1);
   if (to == TensorState::kResident) AddCandidate(slot);
-  if (join && NeedsRecompute(to) && !NeedsRecompute(from)) {
+  // Freed with no child to need it, a tensor is retired at once (Free):
+  // joining the evicted components first would merge its neighbours'
+  // components only for its leaving to split them again (a search over
+  // them), for every temporary and every activation the backward pass is
+  // done with.
+  const bool retires = to == TensorState::kFreed && t.live_children == 0;
+  if (NeedsRecompute(to) && !NeedsRecompute(from) && !retires) {
     JoinComponents(slot);
   }
 }

@@ -168,9 +168,7 @@ class TensorTable {
   // Records an access at `now_ns`, in the tensor and in its candidate
   // entries (the session's clock lives in its group: one lookup for both).
   void Stamp(uint32_t slot, int64_t now_ns);
-  // `join`: whether a tensor that comes to need recompute joins the
-  // evicted components (false for one retired at once).
-  void ChangeState(uint32_t slot, TensorState to, bool join = true);
+  void ChangeState(uint32_t slot, TensorState to);
   void JoinComponents(uint32_t slot);
   void LeaveComponents(uint32_t slot);
   void RebuildComponents() const;

@@ -20,12 +20,7 @@ absl::Status TensorTable::Free(TensorId id) {
         absl::StrCat("tensor ", id, " was already freed"));
   }
   t.lock_count = 0;
-  // No child can need it: it is retired at once. Joining the evicted
-  // components first would merge its neighbours' components only for its
-  // leaving to split them again (a search over them), for every temporary
-  // and every activation the backward pass is done with.
-  const bool retires = t.live_children == 0;
-  ChangeState(*slot, TensorState::kFreed, /*join=*/!retires);
+  ChangeState(*slot, TensorState::kFreed);
   MaybeRetire(*slot);
   return absl::OkStatus();
 }

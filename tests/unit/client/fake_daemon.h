@@ -33,26 +33,21 @@ struct FakeDaemonOptions {
   // Chunks each call may grant past the budget (the budget's own come at
   // once); 0: none past it.
   int chunks_per_fetch_past_budget = 1;
-  // Every Release answers that room was found (others released for this
-  // session) and orders nothing.
 };
 
 // What the daemon saw, for the test's checks.
 struct FakeDaemonCounts {
   std::atomic<int64_t> fetches{0};
-  std::atomic<int64_t> releases{0};
   std::atomic<int64_t> chunks_granted{0};
-  std::atomic<int64_t> chunks_returned{0};
 };
 
+// Every Release answers that room was found (others released for this
+// session) and orders nothing: no order ever comes on its stream.
 class FakeDaemonLink final : public DaemonLink {
  public:
   FakeDaemonLink(const FakeDaemonOptions& options, FakeDaemonCounts* counts,
-                 OrdersFn on_orders, LostFn on_lost)
-      : options_(options),
-        counts_(counts),
-        on_orders_(std::move(on_orders)),
-        on_lost_(std::move(on_lost)) {
+                 LostFn on_lost)
+      : options_(options), counts_(counts), on_lost_(std::move(on_lost)) {
     session_.set_session_token("fake-token");
     session_.set_session_id(1);
     session_.set_granted_budget_bytes(options.budget_bytes);
@@ -94,7 +89,6 @@ class FakeDaemonLink final : public DaemonLink {
   absl::Status ReturnChunks(const std::vector<uint64_t>& ids) override {
     std::lock_guard<std::mutex> lock(mu_);
     held_ -= static_cast<int64_t>(ids.size()) * options_.chunk_bytes;
-    counts_->chunks_returned += static_cast<int64_t>(ids.size());
     return absl::OkStatus();
   }
   absl::Status Send(const v1::EventBatch&) override {
@@ -103,7 +97,6 @@ class FakeDaemonLink final : public DaemonLink {
   }
   absl::StatusOr<v1::ReleaseResponse> Release(int64_t, const v1::EventBatch&,
                                               uint64_t) override {
-    ++counts_->releases;
     v1::ReleaseResponse r;
     r.set_room_available(true);
     return r;
@@ -134,7 +127,6 @@ class FakeDaemonLink final : public DaemonLink {
 
   const FakeDaemonOptions options_;
   FakeDaemonCounts* counts_;
-  OrdersFn on_orders_;
   LostFn on_lost_;
   v1::OpenSessionResponse session_;
   std::atomic<bool> alive_{true};
@@ -147,11 +139,11 @@ class FakeDaemonLink final : public DaemonLink {
 // The opener for ClientOptions::open_link. `counts` must outlive the client.
 inline DaemonLink::OpenFn FakeDaemon(FakeDaemonOptions options,
                                      FakeDaemonCounts* counts) {
-  return [options, counts](const LinkOptions&, DaemonLink::OrdersFn on_orders,
+  return [options, counts](const LinkOptions&, DaemonLink::OrdersFn,
                            DaemonLink::LostFn on_lost)
              -> absl::StatusOr<std::unique_ptr<DaemonLink>> {
-    return std::make_unique<FakeDaemonLink>(
-        options, counts, std::move(on_orders), std::move(on_lost));
+    return std::make_unique<FakeDaemonLink>(options, counts,
+                                            std::move(on_lost));
   };
 }
 
