@@ -46,7 +46,7 @@ int64_t SumAdjacentComponents(const TensorTable& table, const Lists&... lists) {
   const EvictedComponents& uf = table.components();
   absl::InlinedVector<uint32_t, 8> roots;
   int64_t sum = 0;
-  auto add = [&](const std::vector<uint32_t>& list) {
+  auto add = [&](absl::Span<const uint32_t> list) {
     for (uint32_t n : list) {
       if (!uf.Contains(n)) continue;
       const uint32_t r = uf.ComponentOf(n);

@@ -260,9 +260,8 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
   // The next exact pick of a release, from its ranking; the first scans.
   if (!sampling && bounded && min_bytes == 0 && batch_depth_ > 0 &&
       options_.rank_in_batch) {
-    const RankedCandidates::Key key{
-        &table, scope.gpu,          scope.session,
-        now_ns, table.rank_epoch(), costs_ ? costs_->epoch() : 0};
+    const RankedCandidates::Key key =
+        RankKey(table, scope, now_ns, /*by_next_use=*/false);
     if (ranked_.Use(key, entries, bound_of)) {
       const uint32_t pick = ranked_.Pick(
           entries, bound_of, usable,
@@ -302,6 +301,14 @@ absl::StatusOr<uint32_t> Filter::Select(const TensorTable& table,
   return best;
 }
 
+RankedCandidates::Key Filter::RankKey(const TensorTable& table,
+                                      const Scope& scope, int64_t now_ns,
+                                      bool by_next_use) const {
+  return {&table,     scope.gpu,          scope.session,
+          now_ns,     table.rank_epoch(), costs_ ? costs_->epoch() : 0,
+          by_next_use};
+}
+
 absl::StatusOr<uint32_t> Filter::SelectByNextUse(const TensorTable& table,
                                                  const Scope& scope,
                                                  int64_t now_ns,
@@ -314,6 +321,34 @@ absl::StatusOr<uint32_t> Filter::SelectByNextUse(const TensorTable& table,
   const absl::Span<const CandidateEntry> entries =
       table.CandidateEntries(scope);
   const GpuId gpu = table.ScopeGpu(scope);
+  // The next picks of a release from a ranking, as Select's exact ones: a
+  // release moves no cursor of the recorded order (no access comes in
+  // between), so each tensor's distance stays what it was.
+  if (batch_depth_ > 0 && options_.rank_in_batch) {
+    const RankedCandidates::Key key =
+        RankKey(table, scope, now_ns, /*by_next_use=*/true);
+    auto bound_of = [&](const CandidateEntry& e) {
+      const int64_t d = next_use(table.AtSlot(e.slot));
+      return d < 0 ? -1.0 : EntryBound(h, e, gpu, e.last_access_ns + d, costs_);
+    };
+    if (ranked_.Use(key, entries, bound_of)) {
+      const uint32_t pick = ranked_.Pick(
+          entries, bound_of,
+          [&](uint32_t slot) {
+            const Tensor& t = table.AtSlot(slot);
+            return t.lock_count == 0 && eligible(t);
+          },
+          [&](uint32_t slot) {
+            const Tensor& t = table.AtSlot(slot);
+            const int64_t d = next_use(t);
+            return d < 0 ? -1.0
+                         : policy::Score(h, options_.megengine, table, slot,
+                                         t.last_access_ns + d, costs_);
+          });
+      if (pick == UINT32_MAX) return NoneReleasable(scope);
+      return pick;
+    }
+  }
   uint32_t best = UINT32_MAX;
   double best_score = 0;
   for (const CandidateEntry& e : entries) {

@@ -112,6 +112,9 @@ class Filter {
   };
 
  private:
+  // What a ranking of `scope`'s candidates made now stays valid for.
+  RankedCandidates::Key RankKey(const TensorTable& table, const Scope& scope,
+                                int64_t now_ns, bool by_next_use) const;
   uint64_t NextRandom() {
     // splitmix64: tiny, fast, and the same sequence on every platform.
     uint64_t z = (rng_state_ += 0x9e3779b97f4a7c15ULL);

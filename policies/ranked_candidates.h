@@ -32,6 +32,9 @@ class RankedCandidates {
     int64_t now_ns = 0;
     uint64_t table_epoch = 0;
     uint64_t prices_epoch = 0;
+    // Scores by the distance to each tensor's next use
+    // (Filter::SelectByNextUse), not by the time since its last.
+    bool by_next_use = false;
     bool operator==(const Key&) const = default;
   };
   using Bound = absl::FunctionRef<double(const CandidateEntry&)>;

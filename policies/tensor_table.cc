@@ -240,7 +240,7 @@ uint32_t TensorTable::Insert(const TensorSpec& spec, int64_t now_ns) {
     slots_.emplace_back();
   }
   Tensor& t = slots_[slot];
-  t = Tensor{};
+  t.Reset();
   t.id = spec.id;
   t.session = spec.session;
   t.gpu = spec.gpu;

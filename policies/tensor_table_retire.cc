@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "policies/huge_page_allocator.h"
 #include "policies/tensor_table.h"
@@ -26,8 +27,10 @@ absl::Status TensorTable::Free(TensorId id) {
 }
 
 void TensorTable::MaybeRetire(uint32_t slot) {
+  const Tensor& first = slots_[slot];
+  if (first.state != TensorState::kFreed || first.live_children != 0) return;
   // Iterative: retiring a child can make freed ancestors retirable in turn.
-  std::vector<uint32_t> work{slot};
+  absl::InlinedVector<uint32_t, 8> work{slot};
   while (!work.empty()) {
     const uint32_t s = work.back();
     work.pop_back();
@@ -62,7 +65,7 @@ void TensorTable::ForgetSlot(uint32_t slot) {
     if (it != by_key_.end() && it->second == slot) by_key_.erase(it);
   }
   index_.erase(t.id);
-  t = Tensor{};
+  t.Reset();
 }
 
 void TensorTable::RemoveSession(SessionId session) {

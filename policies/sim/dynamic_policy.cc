@@ -70,7 +70,9 @@ void DynamicPolicy::ReplayAccessOrder(const Program& program,
 void DynamicPolicy::OnCreate(SimContext& ctx, int32_t s) {
   const Program& program = ctx.program();
   const Storage& st = program.storages[s];
-  policy::TensorSpec spec;
+  // One spec reused: its parents' vector allocates once, not per tensor.
+  policy::TensorSpec& spec = spec_;
+  spec.parents.clear();
   spec.id = next_id_++;
   spec.session = kSession;
   spec.gpu = 0;

@@ -117,6 +117,7 @@ class DynamicPolicy final : public SimPolicy {
   std::optional<policy::Prefetcher> prefetcher_;
   policy::AccessPlan plan_;
   std::vector<policy::TensorId> ids_;  // storage -> tensor id (0: none)
+  policy::TensorSpec spec_;            // OnCreate's, reused
   policy::TensorId next_id_ = 1;
   bool first_iteration_ = true;
   absl::Status mirror_status_;

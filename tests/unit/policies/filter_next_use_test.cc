@@ -84,6 +84,35 @@ TEST(FilterNextUseTest, PicksTheLowestScoreWithTheDistanceForStaleness) {
   }
 }
 
+// In a Batch the picks after the first come from a ranking by each
+// tensor's distance: they are still what a scan of every candidate picks
+// as releases raise the neighbours' recompute costs, eligibility changes
+// both ways from pick to pick, and some picks are refused.
+TEST(FilterNextUseTest, PicksOfABatchAreWhatAScanPicks) {
+  for (Heuristic h : {Heuristic::kDelta, Heuristic::kLru, Heuristic::kDtr,
+                      Heuristic::kDtrEq, Heuristic::kDeltaCost}) {
+    TensorTable table;
+    Fill(table, 400);
+    Filter filter(Options(h));
+    Filter::Batch batch(filter);
+    for (int round = 0; round < 150; ++round) {
+      auto eligible = [round](const Tensor& t) {
+        return round % 3 == 0 || t.id % 2 == (round % 3 == 1 ? 1u : 0u);
+      };
+      absl::StatusOr<uint32_t> pick =
+          filter.SelectByNextUse(table, kGpu0, kNow, eligible, DistanceOf);
+      ASSERT_TRUE(pick.ok()) << pick.status();
+      ASSERT_EQ(*pick, Expected(filter, table, eligible))
+          << HeuristicName(h) << " round " << round;
+      // Every fifth pick is refused by its caller: it must come up again.
+      if (round % 5 != 4) {
+        ASSERT_TRUE(
+            table.SetState(table.AtSlot(*pick).id, TensorState::kEvicted).ok());
+      }
+    }
+  }
+}
+
 // Greedy and MegEngine have no staleness to stand in for: they pick as
 // Select does.
 TEST(FilterNextUseTest, ScoresWithoutStalenessPickAsSelectDoes) {
