@@ -104,6 +104,14 @@ def deltad_did(stats):
             f"{stats.stall_ns / 1e6:.0f} ms stalled]")
 
 
+def warm_up_libraries(device):
+    """Has cuBLAS take its per-thread workspaces, which it keeps, before
+    any run (deltad.budget.warm_up_libraries): the first run of the
+    process would read them as memory it left allocated."""
+    benchlib.import_deltad().budget.warm_up_libraries(device)
+    torch.cuda.synchronize(device)
+
+
 def free_memory(cuda):
     gc.collect()
     if cuda:
@@ -213,6 +221,36 @@ class Bench:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
+    def _global_swap(self):
+        """Whether deltad's allocator serves every allocation of this
+        process itself (its global swap: PyTorch 2.0-2.7, or
+        DELTAD_ALLOCATOR_ROUTING=global), where PyTorch keeps no memory
+        statistics and asking for them raises."""
+        return (self.allocator_child and self.deltad is not None and
+                self.deltad.allocator.mode() == "global")
+
+    def allocated(self):
+        if not self.cuda:
+            return 0
+        if self._global_swap():
+            return self.deltad.allocator.stats().allocated_bytes
+        return torch.cuda.memory_allocated(self.device)
+
+    def reset_peak(self):
+        if not self.cuda:
+            return
+        if self._global_swap():
+            self.deltad.allocator.reset_peak()
+        else:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_held(self):
+        """The most the run's allocator held: PyTorch's reserved memory, or
+        deltad's device memory under its global swap."""
+        if self._global_swap():
+            return self.deltad.allocator.stats().peak_device_bytes
+        return torch.cuda.max_memory_reserved(self.device)
+
     def run_in_child(self, work, batch, warmup, steps):
         """deltad's mode in a process of its own under deltad's allocator
         (--deltad_allocator; see torch_child.py)."""
@@ -260,15 +298,21 @@ class Bench:
         model = work.model
         for p in model.parameters():
             p.grad = None
-        free_memory(self.cuda)
-        before = torch.cuda.memory_allocated(self.device) if self.cuda \
-            else 0
-        self.set_limit(mode)
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            warm_up_libraries(self.device)
+        if mode == "deltad" and self.deltad is not None:
+            # Each run starts as a process of its own would: a search's
+            # runs under pressure must not make a later run record module
+            # calls from its first iteration.
+            self.deltad.torch.forget(model)
+        free_memory(self.cuda)
+        before = self.allocated()
+        self.set_limit(mode)
+        self.reset_peak()
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
         checkpointed = mode == "checkpoint"
         manager = None
+        out = loss = None
         try:
             inputs, targets = work.make_batch(batch, self.device)
             with self.mode_context(mode, model) as manager:
@@ -298,18 +342,18 @@ class Bench:
                 result.deltad = manager.stats()  # up to the failure
         finally:
             if self.cuda:
-                result.torch_peak = torch.cuda.max_memory_reserved(
-                    self.device)
+                result.torch_peak = self.peak_held()
             for p in model.parameters():
                 p.grad = None
-            # Drop the batch and whatever a failed step left (the
-            # exception's frames are gone once we leave the handler).
-            inputs = targets = optimizer = None
+            # Drop the batch and whatever a failed step left: a loss whose
+            # backward failed still holds its graph (the exception's frames
+            # are gone once we leave the handler).
+            inputs = targets = optimizer = out = loss = None
             free_memory(self.cuda)
         if self.cuda:
             # The modes share the process: memory a run leaves behind
             # would make every later run fail (it once did).
-            left = torch.cuda.memory_allocated(self.device) - before
+            left = self.allocated() - before
             if left > 1 << 20:
                 self.errors.append(
                     f"{work.name} {mode} at {batch}: left {size(left)} "

@@ -125,9 +125,14 @@ class FakeTorch:
                 log.append(("record_stream", tensor.data_ptr(), stream.name))
         return Tensor
 
+    fail_pinned = 0  # pinned allocations still to fail
+
     def empty(self, *args, pin_memory=False, device=None, **kwargs):
         self.log.append(("empty", "pinned" if pin_memory else "device",
                          self.cuda.current.name))
+        if pin_memory and self.fail_pinned:
+            self.fail_pinned -= 1
+            raise RuntimeError("CUDA error: out of memory (pinned, stand-in)")
         return torch.empty(*args, **kwargs)
 
 
@@ -200,7 +205,9 @@ class StreamOrderTest(unittest.TestCase):
         self.assertTrue(torch.equal(out, torch.arange(1024,
                                                       dtype=torch.float32)))
 
-    def test_a_prefetched_group_that_dies_unread_keeps_its_bytes(self):
+    def prefetch_a(self):
+        """Saves a, then b, which pushes a out; backward unpacks b and
+        prefetches a. Returns a's SavedTensor and its reload's event."""
         a = torch.arange(1024, dtype=torch.float32)
         sa = self.save(a)
         del a
@@ -209,16 +216,47 @@ class StreamOrderTest(unittest.TestCase):
         self.cuda.events[0].done = True
         self.store._poll_copies()
         self.store.budget = 1 << 30
-        # Backward unpacks b and prefetches a, which then dies unread.
         self.store.unpack(sb)
         self.assertEqual(self.store.counters.prefetches, 1)
-        reload_event = self.cuda.events[-1]
-        del sa
+        return sa, self.cuda.events[-1]
+
+    def test_a_prefetched_group_that_dies_unread_keeps_its_bytes(self):
+        sa, reload_event = self.prefetch_a()
+        del sa  # dies unread
         self.assertEqual(len(self.store.in_flight), 1)
         self.assertIs(self.store.in_flight[0][0], reload_event)
         reload_event.done = True
         self.store._poll_copies()
         self.assertEqual(self.store.in_flight, [])
+
+    def test_a_prefetched_group_dying_after_the_block_is_waited_for(self):
+        sa, reload_event = self.prefetch_a()
+        self.store.close()
+        # The block ended with a's copy in flight; a dies unread later.
+        del sa
+        # Nothing would poll a list now: the compute stream waits for the
+        # copy into a's bytes before they can be reused there.
+        self.assertEqual(self.store.in_flight, [])
+        self.assertIn(("wait_event", "compute", reload_event.stream.name),
+                      self.cuda.log)
+
+    def test_a_failed_pinned_allocation_leaves_the_group_as_it_was(self):
+        a = torch.arange(1024, dtype=torch.float32)
+        sa = self.save(a)
+        (group,) = self.store.groups.values()
+        metas, versions = group.metas, group.versions
+        saved._torch.fail_pinned = 1
+        with self.assertRaises(RuntimeError):
+            self.store._release(group)
+        self.assertEqual((group.metas, group.versions), (metas, versions))
+        self.assertEqual(group.state, saved.RESIDENT)
+        del a
+        # Released for good later, it comes back as autograd saved it.
+        self.assertTrue(self.store._release(group))
+        self.cuda.events[-1].done = True
+        out = self.store.unpack(sa)
+        self.assertTrue(torch.equal(out, torch.arange(1024,
+                                                      dtype=torch.float32)))
 
     def test_past_the_cap_the_oldest_copies_are_waited_for(self):
         self.cuda.waits_allowed = True

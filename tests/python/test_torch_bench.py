@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
+import weakref
 import unittest
 
 import torch
@@ -185,6 +187,101 @@ class TorchBenchArgumentsTest(unittest.TestCase):
         r = run("--device", "cuda", timeout=60)
         self.assertEqual(r.returncode, 77, r.stderr)
         self.assertIn("CUDA is not available", r.stderr)
+
+
+class FailedStepTest(unittest.TestCase):
+    """A step whose backward runs out of memory leaves nothing of its graph
+    behind when the bench cleans up after it (the loss kept it alive, and
+    the next run of the process read it as memory left allocated)."""
+
+    def test_a_failed_backward_leaves_no_activation_alive(self):
+        sys.path.insert(0, os.path.dirname(SCRIPT))
+        import torch_run
+
+        class Activation(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, grad):
+                raise RuntimeError("CUDA out of memory (stand-in)")
+
+        alive = []
+
+        class Work:
+            name = "stand-in"
+            model = torch.nn.Linear(4, 4)
+
+            def make_batch(self, batch, device):
+                return torch.randn(batch, 4), None
+
+            def forward(self, model, inputs, checkpointed):
+                saved = model(inputs)  # what Activation saves
+                alive.append(weakref.ref(saved))
+                return Activation.apply(saved)
+
+            def loss(self, out, targets):
+                return out.sum()
+
+        args = types.SimpleNamespace(device="cpu", memory_limit_gib=1,
+                                     host_gib=1, socket=None)
+        bench = torch_run.Bench(args, None, None)
+        seen = []
+        real = torch_run.free_memory
+
+        def checked(cuda):
+            seen.append(sum(ref() is not None for ref in alive))
+            real(cuda)
+
+        torch_run.free_memory = checked
+        try:
+            r = bench.run(Work(), "none", 8, 0, 1)
+        finally:
+            torch_run.free_memory = real
+        self.assertFalse(r.ok)
+        self.assertTrue(r.oom, r.error)
+        # The first call is before the run; the one after it saw no output
+        # of the failed step alive.
+        self.assertEqual(seen[-1], 0)
+
+
+class GlobalSwapStatisticsTest(unittest.TestCase):
+    """Under deltad's global swap (PyTorch 2.0-2.7, or
+    DELTAD_ALLOCATOR_ROUTING=global) PyTorch keeps no memory statistics
+    and asking for them raises: the allocator's child run reads deltad's
+    instead."""
+
+    def test_the_child_reads_deltads_statistics_under_the_global_swap(self):
+        sys.path.insert(0, os.path.dirname(SCRIPT))
+        import torch_run
+        calls = []
+
+        class Allocator:
+            @staticmethod
+            def mode():
+                return "global"
+
+            @staticmethod
+            def stats():
+                return types.SimpleNamespace(allocated_bytes=123,
+                                             peak_device_bytes=456)
+
+            @staticmethod
+            def reset_peak():
+                calls.append("reset_peak")
+
+        deltad = types.SimpleNamespace(allocator=Allocator,
+                                       DeltadError=RuntimeError)
+        args = types.SimpleNamespace(device="cpu", memory_limit_gib=1,
+                                     host_gib=1, socket=None)
+        bench = torch_run.Bench(args, deltad, None, allocator_child=True)
+        bench.cuda = True  # as on a GPU; nothing here may ask PyTorch
+        self.assertEqual(bench.allocated(), 123)
+        bench.reset_peak()
+        self.assertEqual(calls, ["reset_peak"])
+        self.assertEqual(bench.peak_held(), 456)
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def engine_stand_in():
         device=torch.device("cuda", 0), reserve=1 << 20,
         store=types.SimpleNamespace(
             budget=0, released_last_iteration=False, budget_used=None,
-            budget_if_same=None),
+            budget_if_same=None, pytorch_allocator=False, in_flight_cap=0),
         policy="offload", plan=types.SimpleNamespace(pressure=False))
 
 
@@ -132,6 +132,13 @@ class CudaBudgetFromThePeakTest(unittest.TestCase):
             on_iteration(stand_in)
             self.assertEqual(store.budget, first - (32 << 20))
             self.assertIsNone(store.budget_if_same)
+            # The same peak again, with up to 16 MiB freed under copies
+            # still running, which the peak does not count: 32 + 16 MiB
+            # less than the last iteration's bytes.
+            store.pytorch_allocator = True
+            store.in_flight_cap = 16 << 20
+            on_iteration(stand_in)
+            self.assertEqual(store.budget, first - (32 << 20) - (48 << 20))
         finally:
             (torch.cuda.memory_allocated, torch.cuda.max_memory_allocated,
              torch.cuda.reset_peak_memory_stats, allocator.mode) = saved
@@ -167,6 +174,13 @@ class SavedBudgetRuleTest(unittest.TestCase):
         self.assertEqual(self.next(1000, 1200, False), 1300)  # the default
         # Held less than its bytes, but the peak left less than the margin.
         self.assertEqual(self.next(1300, 1600, False), 1200)
+
+    def test_memory_the_peak_cannot_show_is_kept_clear_of(self):
+        # As where the store released, with 50 freed under copies still
+        # running that PyTorch's peak does not count.
+        self.assertEqual(deltad.budget._next_saved_budget(
+            self.B, self.OTHERS, self.RESERVE, 1100, 1700, True, unseen=50),
+            850)
 
     def test_never_below_zero(self):
         self.assertEqual(self.next(100, 3000, True), 0)

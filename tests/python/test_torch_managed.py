@@ -231,6 +231,21 @@ class ManagedTrainingTest(unittest.TestCase):
         self.assertEqual(recorded[0], 0)
         self.assertGreater(recorded[1], 0)
 
+    def test_forget_drops_what_earlier_blocks_learned(self):
+        model = small_mlp()
+        with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                  budget_bytes=1 << 20):
+            model(torch.randn(128, 256)).sum().backward()
+        deltad.torch.forget(model)
+        # The next block starts as the first did: nothing recorded in its
+        # first iteration although the last block had to release.
+        with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                  budget_bytes=1 << 20) as manager:
+            model(torch.randn(128, 256)).sum().backward()
+        self.assertEqual(manager.stats().recorded_calls, 0)
+        self.assertGreater(manager.stats().offloads, 0)
+        deltad.torch.forget()  # the blocks given no model: nothing to raise
+
     def test_a_graph_unpacked_after_the_block_still_works(self):
         model, x, expected = mlp_and_its_gradients()
         with deltad.torch.managed(model, socket=None, min_bytes=1,

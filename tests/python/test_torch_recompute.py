@@ -138,5 +138,77 @@ class RecomputeCostTest(unittest.TestCase):
             self.assertEqual(engine._director(group), "offload")
 
 
+class _Table(torch.nn.Module):
+    """Returns a view of its own buffer, as a position table does."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("pe", torch.randn(64, 32))
+
+    def forward(self, x):
+        return self.pe[:x.shape[0]]
+
+
+class _WithTable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(32, 32)
+        self.table = _Table()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = torch.relu(self.first(x))  # saved: the table's argument is
+        return self.lin(h * self.table(h))  # one deltad can rebuild
+
+
+class RecomputeOfBuffersTest(unittest.TestCase):
+    """A module that returns (a view of) its own buffer made no activation:
+    nothing of it is recorded, and no iteration's call is kept alive by the
+    buffer, which lives as long as the model."""
+
+    def test_a_view_of_a_buffer_is_not_recorded(self):
+        import weakref
+        model = _WithTable()
+        for _ in range(3):
+            with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                      budget_bytes=1 << 12,
+                                      policy="recompute"):
+                model(torch.randn(48, 32)).sum().backward()
+        on_buffer = [f for f in list(weakref.finalize._registry)
+                     if f.peek() is not None and
+                     f.peek()[0] is model.table.pe]
+        self.assertEqual(on_buffer, [])
+
+
+class RecomputeAutocastTest(unittest.TestCase):
+    """A call recorded with CUDA autocast off is rebuilt with it disabled
+    explicitly: autograd's threads run backward (where rebuilds happen)
+    with the autocast state of the thread that called backward()."""
+
+    def test_autocast_off_is_entered_disabled_where_cuda_exists(self):
+        import deltad.recompute as recompute
+        entered = []
+
+        class FakeTorch:
+            class cuda:  # noqa: N801 (torch's name)
+                @staticmethod
+                def is_available():
+                    return True
+
+            @staticmethod
+            def autocast(device, dtype=None, enabled=True):
+                entered.append((device, dtype, enabled))
+                return recompute._NullContext()
+
+        before = recompute._torch
+        recompute._torch = FakeTorch
+        try:
+            with recompute._autocast_cuda(torch.float16, False):
+                pass
+        finally:
+            recompute._torch = before
+        self.assertEqual(entered, [("cuda", torch.float16, False)])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -55,7 +55,7 @@ _SEGMENT_SLACK = 2 * (20 << 20)
 _warmed_up = set()  # devices whose libraries took their workspaces
 
 
-def _warm_up_libraries(device):
+def warm_up_libraries(device):
     """cuBLAS and cuBLASLt take their workspaces (through PyTorch's
     allocator: 32 MiB with CUBLAS_WORKSPACE_CONFIG=:4096:8) at their first
     use, inside the first forward, after the first budget for saved
@@ -72,7 +72,8 @@ def _warm_up_libraries(device):
         _torch.mm(out, a).sum().backward()  # cuBLAS, on both threads
 
 
-def _next_saved_budget(budget, others, reserve, last, peak, released):
+def _next_saved_budget(budget, others, reserve, last, peak, released,
+                       unseen=0):
     """The bytes saved activations may hold in the next iteration (CUDA),
     if it is like the last one (the caller checks that before it gives
     more than the first guess, budget - others - reserve).
@@ -82,7 +83,11 @@ def _next_saved_budget(budget, others, reserve, last, peak, released):
     reserve: the first guess at what temporaries need beside them. last:
     the last iteration's bytes for saved activations and peak: the most
     PyTorch held in it (None: not measured); released: whether the store
-    released in it (then those bytes bound it).
+    released in it (then those bytes bound it). unseen: memory the peak
+    cannot show, kept out of the next iteration's reach: under PyTorch's
+    allocator a block freed under a copy still running (record_stream)
+    leaves its count at once but is no room until the copy has run, up to
+    the store's cap on such bytes.
 
     Temporaries are what they are: what an iteration left of the budget
     (less a margin of 1/16 for the allocator's fragmentation) goes to
@@ -92,7 +97,7 @@ def _next_saved_budget(budget, others, reserve, last, peak, released):
     default = budget - others - reserve
     if last is None or peak is None:
         return max(default, 0)
-    margin = budget // 16
+    margin = budget // 16 + unseen
     if released and peak < others + last - margin:
         # Its saved activations reached `last` beside the others: this
         # peak is not the whole iteration's (something restarted PyTorch's

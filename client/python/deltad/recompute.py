@@ -172,6 +172,13 @@ class Recorder:
                 _torch.strided or out.device != self.device or
                 out.numel() * out.element_size() < self.min_bytes):
             return
+        # The module's own parameter or buffer, or a view of one (a
+        # position table sliced to the sequence): no activation, nothing to
+        # rebuild; and a finalizer on it would keep every iteration's call.
+        base = out if out._base is None else out._base
+        if isinstance(base, _torch.nn.Parameter) or any(
+                base is b for b in module.buffers(recurse=False)):
+            return
         storage = _storage(out)
         key = storage.data_ptr()
         changed = None  # the argument it changed in place and returned
@@ -348,9 +355,13 @@ class Recorder:
 
 
 def _autocast_cuda(dtype, enabled):
-    if not enabled:
+    # Disabled explicitly too: autograd's threads run backward with the
+    # autocast state of the thread that called backward(), so a call
+    # recorded outside autocast would otherwise be rebuilt under it. (A
+    # CPU-only PyTorch warns at any CUDA autocast: nothing to disable.)
+    if not enabled and not _torch.cuda.is_available():
         return _NullContext()
-    return _torch.autocast("cuda", dtype=dtype, enabled=True)
+    return _torch.autocast("cuda", dtype=dtype, enabled=enabled)
 
 
 class _NullContext:

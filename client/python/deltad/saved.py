@@ -314,6 +314,14 @@ class SavedStore(Restoring, _core.Core):
         # Under deltad's allocator the store keeps the reference: PyTorch's
         # pluggable allocator drops record_stream, and a MemPool routed
         # for every thread defers such frees until routing ends.
+        elif self.closed:
+            # After its block nothing polls, and the store can die with its
+            # list (a prefetched group dying unread once the block ended):
+            # the compute stream, whose pool the bytes return to, waits for
+            # this copy instead, so no later work there reuses them under
+            # it.
+            _torch.cuda.current_stream(self.device).wait_event(event)
+            return
         self.in_flight.append((event, tensor, nbytes))
         self.in_flight_bytes += nbytes
         if self.in_flight_bytes > self.in_flight_cap:
@@ -467,14 +475,17 @@ class SavedStore(Restoring, _core.Core):
                 return False  # kept: no host memory left for it
             how = "evict"
         members = [t for t in group.tensors if t is not None]
-        group.metas = [None if t is None else
-                       (t.shape, t.stride(), t.storage_offset(), t.dtype)
-                       for t in group.tensors]
+        # Set on the group only once its bytes are copied or it is evicted:
+        # the pinned allocation below can fail, and the group then stays
+        # resident as it was.
+        metas = [None if t is None else
+                 (t.shape, t.stride(), t.storage_offset(), t.dtype)
+                 for t in group.tensors]
         # The restored members have new version counters: keep what each
         # member's version was (as its SavedTensor counts), so that a
         # member changed in place before this still raises in unpack.
         shift = group.versions
-        group.versions = [
+        versions = [
             None if t is None else
             t._version - (shift[i] if shift and i < len(shift) else 0)
             for i, t in enumerate(group.tensors)]
@@ -492,6 +503,7 @@ class SavedStore(Restoring, _core.Core):
                 host = _torch.empty_like(flat)
                 host.copy_(flat)
                 c.host_waits += 1  # a CPU copy blocks
+            group.metas, group.versions = metas, versions
             group.host = host
             group.state = OFFLOADED
             c.offloads += 1
@@ -500,6 +512,7 @@ class SavedStore(Restoring, _core.Core):
             self.host_held += self._host_size(group)
         else:
             sources = self.recompute.sources_of(group)
+            group.metas, group.versions = metas, versions
             for source in sources:
                 source.dependents += 1
             group.evicted_sources = sources

@@ -42,7 +42,7 @@ from deltad import allocator as _allocator
 from deltad.allocator import disabled
 from deltad.budget import (
     _HOST_DEFAULT, _SEGMENT_SLACK, _measure_bandwidth, _next_saved_budget,
-    _warm_up_libraries)
+    warm_up_libraries)
 from deltad.client import DEFAULT_SOCKET, Client, ClientStats, DeltadError
 from deltad.recompute import Recorder
 from deltad.saved import SavedStore, _storage
@@ -152,7 +152,7 @@ class _Engine:
         # peak statistics count (CUDA; see _on_iteration)
         self.plan = plan
         if self.cuda:
-            _warm_up_libraries(device)
+            warm_up_libraries(device)
         self.bandwidth = link_bytes_per_second or _measure_bandwidth(
             device, budget_bytes)
         self.recorder = Recorder(device, min_bytes, max_depth)
@@ -262,7 +262,8 @@ class _Engine:
             store = self.store
             learned = _next_saved_budget(
                 budget, others, self.reserve, store.budget_used, peak,
-                store.released_last_iteration)
+                store.released_last_iteration,
+                store.in_flight_cap if store.pytorch_allocator else 0)
             first_guess = max(budget - others - self.reserve, 0)
             # More than the first guess only once this iteration shows it
             # is like the last (the same batch: see _pack_over_budget).
@@ -438,6 +439,21 @@ def close_sessions():
     _sessions.clear()
 
 
+def forget(model=None):
+    """Drops what managed blocks learned of `model` (None: of the blocks
+    given no model): whether it had to release memory, which makes its
+    later blocks record module calls for recompute from their first
+    iteration, backward's unpack order for prefetches, and the idle engine
+    kept for its next block. For a model whose batch or budget changed for
+    good, and for runs that must not inherit each other's state (a
+    benchmark's). A block of it still open keeps what it has."""
+    global _any_model_plan
+    if model is None:
+        _any_model_plan = _Plan()
+    else:
+        _plans.pop(model, None)
+
+
 class managed:
     """Keeps the activations autograd saves inside the block within a
     budget.
@@ -595,4 +611,5 @@ def _size(nbytes):
 
 
 __all__ = ["managed", "Manager", "ManagerStats", "DeltadError",
-           "OutOfMemoryError", "record_trace", "disabled", "close_sessions"]
+           "OutOfMemoryError", "record_trace", "disabled", "close_sessions",
+           "forget"]
