@@ -16,10 +16,13 @@ absl::Status CostModel::SetBandwidth(GpuId gpu, LinkBandwidth bw) {
   }
   if (!(bw.d2h_bytes_per_s > 0) || !(bw.h2d_bytes_per_s > 0) ||
       !std::isfinite(bw.d2h_bytes_per_s) ||
-      !std::isfinite(bw.h2d_bytes_per_s)) {
+      !std::isfinite(bw.h2d_bytes_per_s) || bw.copy_latency_ns < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "GPU ", gpu, ": bandwidth must be positive and finite, got d2h=",
-        bw.d2h_bytes_per_s, " h2d=", bw.h2d_bytes_per_s, " bytes/s"));
+        "GPU ", gpu,
+        ": bandwidth must be positive and finite and latency not negative, "
+        "got d2h=",
+        bw.d2h_bytes_per_s, " h2d=", bw.h2d_bytes_per_s, " bytes/s, latency ",
+        bw.copy_latency_ns, " ns"));
   }
   if (static_cast<size_t>(gpu) >= bandwidth_.size()) {
     bandwidth_.resize(gpu + 1, LinkBandwidth{});

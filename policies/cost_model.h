@@ -14,6 +14,11 @@ namespace deltad::policy {
 struct LinkBandwidth {
   double d2h_bytes_per_s = 0;
   double h2d_bytes_per_s = 0;
+  // What a copy costs besides its bytes (issuing it, the link's latency).
+  // Without it a tensor of a few bytes whose copy has landed is priced at
+  // nothing, and the Filter takes it first though it frees nothing. 0
+  // where not measured.
+  int64_t copy_latency_ns = 0;
 };
 
 // Times of the three ways to get a tensor's bytes back: copy out and in
@@ -26,7 +31,7 @@ class CostModel {
   static constexpr LinkBandwidth kDefaultBandwidth{11.2e9, 11.2e9};
 
   absl::Status SetBandwidth(GpuId gpu, LinkBandwidth bw);
-  LinkBandwidth Bandwidth(GpuId gpu) const {
+  const LinkBandwidth& Bandwidth(GpuId gpu) const {
     if (gpu < 0 || static_cast<size_t>(gpu) >= bandwidth_.size() ||
         bandwidth_[gpu].d2h_bytes_per_s <= 0) {
       return kDefaultBandwidth;
@@ -43,12 +48,16 @@ class CostModel {
   // Inline, as SwapNs: a sampled decision prices a swap for each of its
   // sqrt(N) candidates.
   int64_t OffloadNs(GpuId gpu, int64_t bytes) const {
-    return static_cast<int64_t>(1e9 * static_cast<double>(bytes) /
-                                Bandwidth(gpu).d2h_bytes_per_s);
+    const LinkBandwidth& bw = Bandwidth(gpu);
+    return bw.copy_latency_ns +
+           static_cast<int64_t>(1e9 * static_cast<double>(bytes) /
+                                bw.d2h_bytes_per_s);
   }
   int64_t ReloadNs(GpuId gpu, int64_t bytes) const {
-    return static_cast<int64_t>(1e9 * static_cast<double>(bytes) /
-                                Bandwidth(gpu).h2d_bytes_per_s);
+    const LinkBandwidth& bw = Bandwidth(gpu);
+    return bw.copy_latency_ns +
+           static_cast<int64_t>(1e9 * static_cast<double>(bytes) /
+                                bw.h2d_bytes_per_s);
   }
   // c_s(t): offload now (after the backlog and `queued` more bytes that
   // the caller is about to add) and reload later; a tensor whose bytes are

@@ -62,21 +62,24 @@ absl::StatusOr<ReleaseAction> Director::Decide(const TensorTable& table,
   }
   if (!offloadable) return ReleaseAction::kEvict;
   if (!evictable) return ReleaseAction::kOffload;
+  if (options_.restore_may_recompute && t.flags.host_copy) {
+    return ReleaseAction::kOffload;
+  }
   return DecisionScore(table, slot, queued) <= 1.0 ? ReleaseAction::kEvict
                                                    : ReleaseAction::kOffload;
 }
 
-RestoreAction Director::ChooseRestore(const TensorTable& table,
-                                      uint32_t slot) const {
+RestoreAction Director::ChooseRestore(const TensorTable& table, uint32_t slot,
+                                      int64_t reload_ns) const {
   const Tensor& t = table.AtSlot(slot);
   // evict_pinned says the bytes must not be rebuilt (e.g. a recompute that
   // would not reproduce them); the host copy is the only faithful one.
   if (t.flags.uncomputable || t.flags.evict_pinned) {
     return RestoreAction::kReload;
   }
-  return RecomputeNs(table, slot) < costs_.ReloadNs(t.gpu, t.bytes)
-             ? RestoreAction::kRecompute
-             : RestoreAction::kReload;
+  if (reload_ns < 0) reload_ns = costs_.ReloadNs(t.gpu, t.bytes);
+  return RecomputeNs(table, slot) < reload_ns ? RestoreAction::kRecompute
+                                              : RestoreAction::kReload;
 }
 
 }  // namespace deltad::policy

@@ -37,6 +37,7 @@ class BoundPrecheck {
     const LinkBandwidth bw = costs->Bandwidth(gpu);
     d2h_ns_per_byte_ = 1e9 / bw.d2h_bytes_per_s;
     h2d_ns_per_byte_ = 1e9 / bw.h2d_bytes_per_s;
+    latency_ = static_cast<double>(bw.copy_latency_ns);
     backlog_ = static_cast<double>(costs->Backlog(gpu));
   }
 
@@ -53,10 +54,11 @@ class BoundPrecheck {
       numerator =
           heuristic_internal::RecomputePrice(e.flags, e.compute_cost_ns);
       if (priced_ && !e.flags.offload_pinned) {
-        const double reload = m * h2d_ns_per_byte_;
-        const double swap = e.flags.host_copy
-                                ? reload
-                                : (backlog_ + m) * d2h_ns_per_byte_ + reload;
+        const double reload = latency_ + m * h2d_ns_per_byte_;
+        const double swap =
+            e.flags.host_copy
+                ? reload
+                : latency_ + (backlog_ + m) * d2h_ns_per_byte_ + reload;
         numerator = std::min(numerator, swap * (1 - 1e-6) - 2);
       }
     }
@@ -69,6 +71,7 @@ class BoundPrecheck {
   bool priced_;
   double d2h_ns_per_byte_ = 0;
   double h2d_ns_per_byte_ = 0;
+  double latency_ = 0;
   double backlog_ = 0;
 };
 

@@ -247,7 +247,8 @@ class StaticCheckpointPolicy final : public SimPolicy {
     return any;
   }
 
-  Restore ChooseRestore(SimContext& /*ctx*/, int32_t /*s*/) override {
+  Restore ChooseRestore(SimContext& /*ctx*/, int32_t /*s*/,
+                        int64_t /*reload_ns*/) override {
     return Restore::kRecompute;  // it never offloads; nothing to reload
   }
 

@@ -14,12 +14,18 @@ policy::Watermarks MakeWatermarks(double high, double low) {
   return w.ok() ? *w : *policy::Watermarks::Create();
 }
 
+// What a copy costs beside its bytes, measured on an H200 (gpu_bench,
+// docs/BENCHMARKS.md, 2026-11-30): bare cudaMemcpyAsync of 1 MiB took
+// 27.0 us (D2H) and 27.4 us (H2D), against 19.0 and 18.9 us at the
+// bandwidth of 256 MiB copies.
+constexpr int64_t kCopyLatencyNs = 8000;
+
 }  // namespace
 
 DynamicPolicy::DynamicPolicy(DynamicPolicyOptions options)
     : options_(std::move(options)),
       filter_(options_.filter, &costs_),
-      director_(costs_),
+      director_(costs_, {.restore_may_recompute = options_.director_restore}),
       watermarks_(
           MakeWatermarks(options_.high_watermark, options_.low_watermark)) {
   policy::PrefetchOptions p;
@@ -39,9 +45,12 @@ void DynamicPolicy::Check(const absl::Status& status) {
 void DynamicPolicy::BeginIteration(SimContext& ctx) {
   if (ids_.empty()) {
     ids_.assign(ctx.program().storages.size(), 0);
-    // The simulated device's link, as the daemon would measure it.
+    // The simulated device's link, as the daemon would measure it, and a
+    // copy's cost beyond its bytes as measured on a GPU (the simulated link
+    // itself carries copies at its bandwidth alone).
     (void)costs_.SetBandwidth(
-        0, {ctx.device().d2h_bytes_per_s, ctx.device().h2d_bytes_per_s});
+        0, {ctx.device().d2h_bytes_per_s, ctx.device().h2d_bytes_per_s,
+            kCopyLatencyNs});
   }
   if (!first_iteration_ && options_.replay_window_fraction > 0) {
     plan_.EndIteration();
@@ -302,10 +311,11 @@ void DynamicPolicy::AfterStep(SimContext& ctx, int32_t step) {
   }
 }
 
-Restore DynamicPolicy::ChooseRestore(SimContext& /*ctx*/, int32_t s) {
+Restore DynamicPolicy::ChooseRestore(SimContext& /*ctx*/, int32_t s,
+                                     int64_t reload_ns) {
   const policy::TensorId id = IdOf(s);
   if (!options_.director_restore || id == 0) return Restore::kReload;
-  return director_.ChooseRestore(table_, table_.SlotOf(id)) ==
+  return director_.ChooseRestore(table_, table_.SlotOf(id), reload_ns) ==
                  policy::RestoreAction::kRecompute
              ? Restore::kRecompute
              : Restore::kReload;

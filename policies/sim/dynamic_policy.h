@@ -69,7 +69,7 @@ class DynamicPolicy final : public SimPolicy {
   void OnStateChange(SimContext& ctx, int32_t s, StorageState from,
                      StorageState to) override;
   bool MakeRoom(SimContext& ctx, int64_t bytes) override;
-  Restore ChooseRestore(SimContext& ctx, int32_t s) override;
+  Restore ChooseRestore(SimContext& ctx, int32_t s, int64_t reload_ns) override;
 
   // With replay_window_fraction > 0: the access order of an iteration seen
   // elsewhere (storages, in order) becomes the plan its first iteration

@@ -211,6 +211,12 @@ bool Engine::Allocate(int64_t id, int64_t bytes) {
       StallUntil(d2h_.queue.front().end_ns);
       continue;
     }
+    // Prefetches still copying in hold memory no policy can release until
+    // they land: the next one lands, and is then a candidate.
+    if (reloads_in_flight_ > 0 && !h2d_->queue.empty()) {
+      StallUntil(h2d_->queue.front().end_ns);
+      continue;
+    }
     const bool fragmented =
         allocator_->capacity() - allocator_->used() >= bytes;
     if (fragmented && policy_.FreesRanges() && FreeRangeFor(bytes)) continue;

@@ -27,6 +27,14 @@ bool Engine::Materialize(int32_t s, int depth) {
       for (const auto& tr : h2d_->queue) {
         if (tr.storage == s && tr.generation == generation_[s]) end = tr.end_ns;
       }
+      // A prefetch that lands too late: rebuilding may be sooner than
+      // waiting for it (its link time is spent either way).
+      if (end > now_ && program_.Recomputable(s) &&
+          policy_.ChooseRestore(*this, s, end - now_) == Restore::kRecompute) {
+        CancelReload(s);
+        host_used_ -= program_.storages[s].bytes;
+        return Recompute(s, depth);
+      }
       StallUntil(end);
       if (state_[s] == StorageState::kResident) return true;
       Fail(absl::StrCat("reload of ", program_.storages[s].name, " was lost"));
@@ -34,7 +42,7 @@ bool Engine::Materialize(int32_t s, int depth) {
     }
     case StorageState::kOffloaded: {
       if (program_.Recomputable(s) &&
-          policy_.ChooseRestore(*this, s) == Restore::kRecompute) {
+          policy_.ChooseRestore(*this, s, -1) == Restore::kRecompute) {
         host_used_ -= program_.storages[s].bytes;
         return Recompute(s, depth);
       }
@@ -43,14 +51,20 @@ bool Engine::Materialize(int32_t s, int depth) {
       const bool ok = Allocate(s, bytes);
       Unlock(s);
       if (!ok) return false;
-      const int64_t start = std::max(now_, h2d_->free_at);
-      h2d_->free_at = start + CopyNs(bytes, device_.h2d_bytes_per_s);
+      // An empty storage has nothing to copy: it waits for no transfer
+      // queued on the link.
+      int64_t end = now_;
+      if (bytes > 0) {
+        end = std::max(now_, h2d_->free_at) +
+              CopyNs(bytes, device_.h2d_bytes_per_s);
+        h2d_->free_at = end;
+      }
       ++generation_[s];
       host_used_ -= bytes;
       result_.h2d_bytes += bytes;
       ++result_.reloads;
       SetState(s, StorageState::kReloading);
-      StallUntil(h2d_->free_at);
+      StallUntil(end);
       SetState(s, StorageState::kResident);
       return true;
     }

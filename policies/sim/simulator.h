@@ -164,8 +164,11 @@ class SimPolicy {
   // the rest), as the memory manager under the policy would. False for a
   // run with no memory manager.
   virtual bool FreesRanges() const { return true; }
-  // An offloaded storage is needed now.
-  virtual Restore ChooseRestore(SimContext& /*ctx*/, int32_t /*s*/) {
+  // An offloaded storage is needed now. `reload_ns`: how long until its
+  // bytes would be back, when a copy of them is on its way already (a
+  // prefetch); -1 when none is, and the policy prices the reload itself.
+  virtual Restore ChooseRestore(SimContext& /*ctx*/, int32_t /*s*/,
+                                int64_t /*reload_ns*/) {
     return Restore::kReload;
   }
   // Whether the policy's own bookkeeping stayed in step with the simulation:

@@ -203,9 +203,10 @@ bool SteadyStatePolicy::MakeRoom(SimContext& ctx, int64_t bytes) {
   return delta_->MakeRoom(ctx, bytes);
 }
 
-Restore SteadyStatePolicy::ChooseRestore(SimContext& ctx, int32_t s) {
-  return planned() ? plan_->ChooseRestore(ctx, s)
-                   : delta_->ChooseRestore(ctx, s);
+Restore SteadyStatePolicy::ChooseRestore(SimContext& ctx, int32_t s,
+                                         int64_t reload_ns) {
+  return planned() ? plan_->ChooseRestore(ctx, s, reload_ns)
+                   : delta_->ChooseRestore(ctx, s, reload_ns);
 }
 
 absl::Status SteadyStatePolicy::Consistency() const {

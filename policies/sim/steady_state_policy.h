@@ -46,7 +46,7 @@ class SteadyStatePolicy final : public SimPolicy {
   void OnStateChange(SimContext& ctx, int32_t s, StorageState from,
                      StorageState to) override;
   bool MakeRoom(SimContext& ctx, int64_t bytes) override;
-  Restore ChooseRestore(SimContext& ctx, int32_t s) override;
+  Restore ChooseRestore(SimContext& ctx, int32_t s, int64_t reload_ns) override;
   absl::Status Consistency() const override;
   int64_t planning_ns() const override { return planning_ns_; }
 

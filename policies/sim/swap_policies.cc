@@ -224,7 +224,8 @@ class StaticSwapPolicy final : public SimPolicy {
     return any;
   }
 
-  Restore ChooseRestore(SimContext& /*ctx*/, int32_t /*s*/) override {
+  Restore ChooseRestore(SimContext& /*ctx*/, int32_t /*s*/,
+                        int64_t /*reload_ns*/) override {
     return Restore::kReload;
   }
 

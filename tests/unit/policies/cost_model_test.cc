@@ -112,6 +112,34 @@ TEST(CostModel, OffloadAndReloadTimesAreBytesOverBandwidth) {
   EXPECT_EQ(costs.ReloadNs(0, 112'000), 10'000);
 }
 
+TEST(CostModel, ACopysLatencyIsAddedOnceEachWay) {
+  CostModel costs;
+  ASSERT_TRUE(IsOk(costs.SetBandwidth(1, {.d2h_bytes_per_s = 1e9,
+                                          .h2d_bytes_per_s = 4e9,
+                                          .copy_latency_ns = 8000})));
+  EXPECT_EQ(costs.OffloadNs(1, 1000), 9000);
+  EXPECT_EQ(costs.ReloadNs(1, 1000), 8250);
+  // A few bytes are not free to move: no tensor is priced at nothing.
+  EXPECT_EQ(costs.ReloadNs(1, 8), 8002);
+  Tensor t;
+  t.gpu = 1;
+  t.bytes = 1000;
+  EXPECT_EQ(costs.SwapNs(t), 9000 + 8250);
+  t.flags.host_copy = true;
+  EXPECT_EQ(costs.SwapNs(t), 8250);
+}
+
+TEST(CostModel, SetBandwidthRejectsANegativeLatency) {
+  CostModel costs;
+  const absl::Status s = costs.SetBandwidth(
+      0,
+      {.d2h_bytes_per_s = 1e9, .h2d_bytes_per_s = 1e9, .copy_latency_ns = -1});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find("latency -1 ns"), std::string::npos)
+      << s;
+  ExpectBandwidth(costs, 0, 11.2e9, 11.2e9);
+}
+
 TEST(CostModel, SwapNsCountsBothDirectionsOnTheTensorsGpu) {
   CostModel costs;
   ASSERT_TRUE(IsOk(

@@ -150,6 +150,24 @@ TEST_F(DirectorTest, ATensorCopiedAheadIsPricedAtItsReloadAlone) {
   EXPECT_EQ(*Decide(1, /*host=*/0), ReleaseAction::kEvict);
 }
 
+TEST_F(DirectorTest, ALandedCopyIsOffloadedWhereARestoreMayRebuildIt) {
+  // c_r = 100 ns against a reload of 1000 (F = 0.1): F evicts it. Where
+  // its restore may still rebuild it, offloading frees as much at once
+  // and can cost no more later.
+  Add(Spec(1, kBytes, 100));
+  ASSERT_TRUE(table_.SetHostCopy(1, true).ok());
+  EXPECT_EQ(*Decide(1), ReleaseAction::kEvict);
+  const Director rebuilding(costs_, {.restore_may_recompute = true});
+  EXPECT_EQ(*rebuilding.Decide(table_, table_.SlotOf(1), kPlenty),
+            ReleaseAction::kOffload);
+  // Without a copy on the host, or without host room, F decides.
+  Add(Spec(2, kBytes, 100));
+  EXPECT_EQ(*rebuilding.Decide(table_, table_.SlotOf(2), kPlenty),
+            ReleaseAction::kEvict);
+  EXPECT_EQ(*rebuilding.Decide(table_, table_.SlotOf(1), /*host=*/0),
+            ReleaseAction::kEvict);
+}
+
 TEST_F(DirectorTest, BothPinnedCannotBeReleased) {
   Add(Spec(7, kBytes, 0, {}, Flags(true, true, false)));
   absl::StatusOr<ReleaseAction> a = Decide(7);
@@ -300,6 +318,27 @@ TEST_F(DirectorTest, RestoreComparesWithReloadOnlyNotTheRoundTrip) {
   // A slower reload link makes recomputing worth it.
   ASSERT_TRUE(costs_.SetBandwidth(0, {kOneGBps, kOneGBps / 2}).ok());
   EXPECT_EQ(Restore(1), RestoreAction::kRecompute);
+}
+
+TEST_F(DirectorTest, RestoreComparesWithAReloadAlreadyUnderWay) {
+  // 1500 ns to recompute, 1000 to reload: a reload. A prefetch already
+  // copying it in that ends in 2000 ns: rebuilding is sooner; in 500 ns:
+  // waiting is.
+  Add(Spec(1, kBytes, 1500));
+  const uint32_t slot = table_.SlotOf(1);
+  EXPECT_EQ(Restore(1), RestoreAction::kReload);
+  EXPECT_EQ(director_.ChooseRestore(table_, slot, 2000),
+            RestoreAction::kRecompute);
+  EXPECT_EQ(director_.ChooseRestore(table_, slot, 500), RestoreAction::kReload);
+}
+
+TEST_F(DirectorTest, ACopysLatencyIsPartOfItsPrice) {
+  // 1000 bytes at 1 GB/s and 500 ns a copy: 1500 ns each way.
+  ASSERT_TRUE(costs_.SetBandwidth(0, {kOneGBps, kOneGBps, 500}).ok());
+  Add(Spec(1, kBytes, 2900));
+  EXPECT_DOUBLE_EQ(F(1), 2900.0 / 3000.0);
+  EXPECT_EQ(*Decide(1), ReleaseAction::kEvict);
+  EXPECT_EQ(Restore(1), RestoreAction::kReload);  // 2900 against 1500
 }
 
 TEST_F(DirectorTest, RestoreReloadsEvictPinnedEvenWhenRecomputeIsCheaper) {

@@ -167,25 +167,27 @@ TEST(FilterTest, ExactDeltaCostSearchPicksTheLowestScoreWhateverPricesTheSwap) {
     const Tensor* t = table.Find(id);
     if (!t->flags.evict_pinned && !t->flags.uncomputable) Evict(table, id);
   }
-  for (int64_t backlog : {0, 1000, 3000}) {
-    CostModel costs;
-    ASSERT_TRUE(costs.SetBandwidth(0, {4e9, 4e9}).ok());
-    costs.SetOffloadBacklog(0, backlog);
-    Filter filter(Options(Heuristic::kDeltaCost), &costs);
-    std::vector<TensorId> taken;
-    auto eligible = [&taken](const Tensor& t) {
-      return std::find(taken.begin(), taken.end(), t.id) == taken.end();
-    };
-    for (int round = 0; round < 60; ++round) {
-      constexpr int64_t kNow = 40;
-      absl::StatusOr<uint32_t> pick =
-          filter.Select(table, kGpu0, kNow, eligible);
-      ASSERT_TRUE(pick.ok()) << pick.status();
-      const uint32_t want = FirstLowestScore(filter, table, kNow, eligible);
-      ASSERT_EQ(*pick, want) << "backlog " << backlog << " round " << round;
-      taken.push_back(table.AtSlot(*pick).id);
+  for (int64_t backlog : {0, 1000, 3000})
+    for (int64_t latency : {0, 400, 4000}) {
+      CostModel costs;
+      ASSERT_TRUE(costs.SetBandwidth(0, {4e9, 4e9, latency}).ok());
+      costs.SetOffloadBacklog(0, backlog);
+      Filter filter(Options(Heuristic::kDeltaCost), &costs);
+      std::vector<TensorId> taken;
+      auto eligible = [&taken](const Tensor& t) {
+        return std::find(taken.begin(), taken.end(), t.id) == taken.end();
+      };
+      for (int round = 0; round < 60; ++round) {
+        constexpr int64_t kNow = 40;
+        absl::StatusOr<uint32_t> pick =
+            filter.Select(table, kGpu0, kNow, eligible);
+        ASSERT_TRUE(pick.ok()) << pick.status();
+        const uint32_t want = FirstLowestScore(filter, table, kNow, eligible);
+        ASSERT_EQ(*pick, want) << "backlog " << backlog << " latency "
+                               << latency << " round " << round;
+        taken.push_back(table.AtSlot(*pick).id);
+      }
     }
-  }
 }
 
 // The same with sampling: for a seed, the search that skips by the bound

@@ -18,34 +18,8 @@ using testing_util::Compiled;
 using testing_util::RunPolicy;
 using testing_util::TestDevice;
 
-// A policy whose steps a test scripts; it releases nothing by itself.
-class Scripted final : public SimPolicy {
- public:
-  std::function<void(SimContext&, int32_t)> after_step;
-  std::string name() const override { return "scripted"; }
-  void AfterStep(SimContext& ctx, int32_t step) override {
-    if (after_step) after_step(ctx, step);
-  }
-  bool MakeRoom(SimContext&, int64_t) override { return false; }
-};
-
-// 4 layers of 1000-byte activations (or `bytes`), 1000 ns a step, 1 byte
-// per ns each way: a copy of 1000 bytes takes one step. Storage of a0: the
-// chain's first output.
-struct Chain {
-  explicit Chain(int64_t bytes = 1000)
-      : program(Compiled(ChainTrace(4, bytes, 1000))) {}
-  Program program;
-  int32_t a0 = program.steps[0].creates[0];
-  SimResult Go(Scripted& policy, int64_t host_bytes = int64_t{1} << 40) {
-    SimOptions o;
-    o.budget_bytes = int64_t{1} << 30;
-    o.host_bytes = host_bytes;
-    auto r = Simulate(program, TestDevice(), policy, o);
-    EXPECT_TRUE(r.ok()) << r.status();
-    return r.ok() ? *r : SimResult{};
-  }
-};
+using Chain = testing_util::ScriptedChain;
+using testing_util::Scripted;
 
 TEST(CopyAhead, ALandedCopyIsOffloadedAtOnceWithoutAnotherCopy) {
   Chain run;
@@ -141,7 +115,8 @@ TEST(CopyAhead, CopiesMadeAheadGiveWayToAnOffloadThatNeedsTheHostRoom) {
       EXPECT_EQ(ctx.host_free(), 1000);  // a0's copy
     }
   };
-  const SimResult r = run.Go(policy, /*host_bytes=*/2000);
+  const SimResult r =
+      run.Go(policy, /*budget=*/int64_t{1} << 30, /*host_bytes=*/2000);
   ASSERT_TRUE(r.fits) << r.failure;
   EXPECT_EQ(r.copies_ahead, 2);
   EXPECT_EQ(r.offloads, 1);
@@ -163,7 +138,8 @@ TEST(CopyAhead, ACopiedStorageFreedByTheProgramLeavesNoHostBytes) {
       copied_input = ctx.CopyAhead(x);
     }
   };
-  const SimResult r = run.Go(policy, /*host_bytes=*/1000);
+  const SimResult r =
+      run.Go(policy, /*budget=*/int64_t{1} << 30, /*host_bytes=*/1000);
   ASSERT_TRUE(r.fits) << r.failure;
   EXPECT_TRUE(copied_input);
   EXPECT_EQ(r.copies_ahead, 2);

@@ -2,6 +2,8 @@
 #define DELTAD_TESTS_UNIT_SIM_SIMULATOR_TEST_HELPERS_H_
 
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -81,6 +83,45 @@ inline Program Compiled(const Trace& t) {
   EXPECT_TRUE(p.ok()) << p.status();
   return std::move(*p);
 }
+
+// A policy whose steps, releases and restores a test scripts; by itself it
+// releases nothing and reloads what it must restore.
+class Scripted final : public SimPolicy {
+ public:
+  std::function<void(SimContext&, int32_t)> after_step;
+  std::function<bool(SimContext&, int64_t)> make_room;
+  std::function<Restore(int64_t reload_ns)> restore;
+  std::string name() const override { return "scripted"; }
+  void AfterStep(SimContext& ctx, int32_t step) override {
+    if (after_step) after_step(ctx, step);
+  }
+  bool MakeRoom(SimContext& ctx, int64_t bytes) override {
+    return make_room && make_room(ctx, bytes);
+  }
+  Restore ChooseRestore(SimContext&, int32_t, int64_t reload_ns) override {
+    return restore ? restore(reload_ns) : Restore::kReload;
+  }
+};
+
+// 4 layers of 1000-byte activations (or `bytes`), 1000 ns a step, 1 byte
+// per ns each way: a copy of 1000 bytes takes one step. Forward steps 0-3
+// make a0-a3; backward steps 4-7 read a3..a0 and make g3..g0. a0 is last
+// read in the forward pass by step 1, and again by step 7.
+struct ScriptedChain {
+  explicit ScriptedChain(int64_t bytes = 1000)
+      : program(Compiled(ChainTrace(4, bytes, 1000))) {}
+  Program program;
+  int32_t a0 = program.steps[0].creates[0];
+  SimResult Go(SimPolicy& policy, int64_t budget = int64_t{1} << 30,
+               int64_t host_bytes = int64_t{1} << 40) {
+    SimOptions o;
+    o.budget_bytes = budget;
+    o.host_bytes = host_bytes;
+    auto r = Simulate(program, TestDevice(), policy, o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : SimResult{};
+  }
+};
 
 }  // namespace deltad::sim::testing_util
 

@@ -180,8 +180,9 @@ class Recorder final : public SimPolicy {
     ++make_room_calls;
     return inner_->MakeRoom(ctx, bytes);
   }
-  Restore ChooseRestore(SimContext& ctx, int32_t s) override {
-    return inner_->ChooseRestore(ctx, s);
+  Restore ChooseRestore(SimContext& ctx, int32_t s,
+                        int64_t reload_ns) override {
+    return inner_->ChooseRestore(ctx, s, reload_ns);
   }
 
   std::vector<Event> offloaded;
