@@ -16,9 +16,6 @@ enum class RestoreAction { kReload, kRecompute };
 absl::string_view ReleaseActionName(ReleaseAction a);
 absl::string_view RestoreActionName(RestoreAction a);
 
-// Algorithm 3 of DELTA: how to release a chosen tensor, and (DELTA §5.5) how
-// to bring an offloaded one back. Holds a reference to the cost model, which
-// must outlive it. Stateless otherwise; thread compatible.
 struct DirectorOptions {
   // Whoever restores an offloaded tensor may rebuild it instead of copying
   // it back (ChooseRestore decides at its next use). Then a tensor whose
@@ -30,6 +27,9 @@ struct DirectorOptions {
   bool restore_may_recompute = false;
 };
 
+// Algorithm 3 of DELTA: how to release a chosen tensor, and (DELTA §5.5) how
+// to bring an offloaded one back. Holds a reference to the cost model, which
+// must outlive it. Stateless otherwise; thread compatible.
 class Director {
  public:
   explicit Director(const CostModel& costs, DirectorOptions options = {})

@@ -28,7 +28,9 @@ bool Engine::Materialize(int32_t s, int depth) {
         if (tr.storage == s && tr.generation == generation_[s]) end = tr.end_ns;
       }
       // A prefetch that lands too late: rebuilding may be sooner than
-      // waiting for it (its link time is spent either way).
+      // waiting for it (its link time is spent either way; its memory is
+      // freed at once, as FreeRangeFor frees a prefetch's, where a memory
+      // manager would keep it until the copy lands).
       if (end > now_ && program_.Recomputable(s) &&
           policy_.ChooseRestore(*this, s, end - now_) == Restore::kRecompute) {
         CancelReload(s);
