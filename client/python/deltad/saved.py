@@ -311,9 +311,6 @@ class SavedStore(Restoring, _core.Core):
             # found in that allocation, hence the cap here too.)
             _torch.Tensor.record_stream(tensor, self.copy_stream)
             tensor = None
-        # Under deltad's allocator the store keeps the reference: PyTorch's
-        # pluggable allocator drops record_stream, and a MemPool routed
-        # for every thread defers such frees until routing ends.
         elif self.closed:
             # After its block nothing polls, and the store can die with its
             # list (a prefetched group dying unread once the block ended):
@@ -322,6 +319,9 @@ class SavedStore(Restoring, _core.Core):
             # it.
             _torch.cuda.current_stream(self.device).wait_event(event)
             return
+        # Under deltad's allocator the store keeps the reference: PyTorch's
+        # pluggable allocator drops record_stream, and a MemPool routed
+        # for every thread defers such frees until routing ends.
         self.in_flight.append((event, tensor, nbytes))
         self.in_flight_bytes += nbytes
         if self.in_flight_bytes > self.in_flight_cap:
