@@ -107,9 +107,9 @@ def deltad_did(stats):
 def warm_up_libraries(device):
     """Has cuBLAS take its per-thread workspaces, which it keeps, before
     any run (deltad.budget.warm_up_libraries): the first run of the
-    process would read them as memory it left allocated."""
+    process would read them as memory it left allocated. (free_memory,
+    which follows, waits for the device.)"""
     benchlib.import_deltad().budget.warm_up_libraries(device)
-    torch.cuda.synchronize(device)
 
 
 def free_memory(cuda):
