@@ -232,10 +232,14 @@ bool Engine::RunIteration() {
     // Every step to come takes at least its op time: a measured iteration
     // whose time so far and the op time still to come reach the limit
     // cannot end before it.
-    if (options_.give_up_at_ns > 0 && iteration_ + 1 == options_.iterations &&
+    const int64_t give_up_at_ns =
+        options_.shared_give_up_at_ns != nullptr
+            ? options_.shared_give_up_at_ns->load(std::memory_order_relaxed)
+            : options_.give_up_at_ns;
+    if (give_up_at_ns > 0 && iteration_ + 1 == options_.iterations &&
         step_ + 1 < static_cast<int32_t>(program_.steps.size()) &&
         now_ - iteration_start_ + (program_.compute_ns - op_time_done) >=
-            options_.give_up_at_ns) {
+            give_up_at_ns) {
       gave_up_ = true;
       Fail(absl::StrCat("gave up at ", now_, " ns (give_up_at_ns)"));
       return false;
@@ -267,6 +271,7 @@ SimResult Engine::Run() {
       result_.gave_up = gave_up_;
       result_.failure = failure_;
       result_.planning_ns = policy_.planning_ns();
+      result_.planning_cpu_ns = policy_.planning_cpu_ns();
       return result_;
     }
     result_.makespan_ns = now_ - iteration_start_;
@@ -275,6 +280,7 @@ SimResult Engine::Run() {
   result_.total_makespan_ns = now_;  // the clock starts at 0
   result_.iterations = options_.iterations;
   result_.planning_ns = policy_.planning_ns();
+  result_.planning_cpu_ns = policy_.planning_cpu_ns();
   return result_;
 }
 

@@ -1,6 +1,7 @@
 #ifndef DELTAD_POLICIES_SIM_SIMULATOR_H_
 #define DELTAD_POLICIES_SIM_SIMULATOR_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -45,6 +46,9 @@ struct SimOptions {
   // planner comparing candidates needs no more of one that can no longer
   // beat the best so far.
   int64_t give_up_at_ns = 0;
+  // When set, read at every step in place of give_up_at_ns: runs on other
+  // threads lower it as they find faster plans.
+  const std::atomic<int64_t>* shared_give_up_at_ns = nullptr;
 };
 
 struct SimResult {
@@ -61,8 +65,11 @@ struct SimResult {
   int64_t total_makespan_ns = 0;
   int iterations = 0;  // run to the end
   // The policy's own planning, wall time on the simulating machine (it
-  // would run beside training, off its critical path).
+  // would run beside training, off its critical path), and the CPU time of
+  // the threads it planned on (more than the wall time where they ran at
+  // once).
   int64_t planning_ns = 0;
+  int64_t planning_cpu_ns = 0;
   int64_t compute_ns = 0;  // ideal: the sum of op times
   int64_t recompute_ns = 0;
   int64_t stall_ns = 0;  // compute waiting for copies or memory
@@ -175,8 +182,9 @@ class SimPolicy {
   // the first disagreement it saw, a bug; OK when none. Simulate fails a run
   // whose policy reports one.
   virtual absl::Status Consistency() const { return absl::OkStatus(); }
-  // Wall time the policy spent planning (SimResult::planning_ns).
+  // Wall and CPU time the policy spent planning (SimResult::planning_ns).
   virtual int64_t planning_ns() const { return 0; }
+  virtual int64_t planning_cpu_ns() const { return 0; }
 };
 
 // Runs `program` on `device` under `options.budget_bytes` with `policy`.

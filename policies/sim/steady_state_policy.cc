@@ -1,9 +1,15 @@
 #include "policies/sim/steady_state_policy.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <ctime>
+#include <iterator>
 #include <limits>
 #include <string>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "policies/sim/dynamic_policy.h"
 #include "policies/sim/policy_registry.h"
@@ -38,27 +44,47 @@ constexpr int kReplayIterations = 2;
 
 // The makespan of the last of kReplayIterations iterations of `ctx`'s
 // program under `policy`, with the run's own options; -1 when it does not
-// fit or cannot finish before `beat_ns` (> 0): it is not the plan then,
-// and the replay stops there.
-int64_t Replay(SimContext& ctx, SimPolicy& policy, int64_t beat_ns) {
+// fit or gave up: it can no longer end before `give_up_at_ns`, which the
+// replays on other threads lower as they finish (it is not the plan then,
+// and the replay stops there).
+int64_t Replay(SimContext& ctx, SimPolicy& policy,
+               const std::atomic<int64_t>& give_up_at_ns) {
   SimOptions o = ctx.options();
   o.iterations = kReplayIterations;
-  o.give_up_at_ns = beat_ns;
+  o.shared_give_up_at_ns = &give_up_at_ns;
   absl::StatusOr<SimResult> r =
       Simulate(ctx.program(), ctx.device(), policy, o);
   return r.ok() && r->fits ? r->makespan_ns : -1;
 }
 
+int64_t ThreadCpuNs() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return int64_t{t.tv_sec} * 1'000'000'000 + t.tv_nsec;
+}
+
 }  // namespace
 
-SteadyStatePolicy::SteadyStatePolicy()
-    : delta_(std::make_unique<DynamicPolicy>(*DynamicPolicyPreset("delta"))) {}
+SteadyStatePolicy::SteadyStatePolicy(int planner_threads)
+    : delta_(std::make_unique<DynamicPolicy>(*DynamicPolicyPreset("delta"))),
+      planner_threads_(planner_threads > 0
+                           ? planner_threads
+                           : static_cast<int>(std::max(
+                                 1u, std::thread::hardware_concurrency()))) {}
 SteadyStatePolicy::~SteadyStatePolicy() = default;
 
 void SteadyStatePolicy::BeginIteration(SimContext& ctx) {
   ++iteration_;
   position_ = 0;
-  const bool plan_now = iteration_ == 2 && !decided_;
+  // While `delta` runs iterations in the ideal time no plan can do better:
+  // planning waits for the first iteration that was slower (the first, on
+  // most programs that need releases; on one of the bench's random graphs
+  // a later one).
+  const int64_t now = ctx.now_ns();
+  const bool last_was_ideal =
+      iteration_ > 1 && now - iteration_start_ns_ <= ctx.program().compute_ns;
+  iteration_start_ns_ = now;
+  const bool plan_now = iteration_ > 1 && !decided_ && !last_was_ideal;
   if (plan_now) Plan(ctx);
   delta_->BeginIteration(ctx);
   if (plan_now && replaying_) {
@@ -100,28 +126,58 @@ void SteadyStatePolicy::Adopt(SimContext& ctx) {
 void SteadyStatePolicy::Plan(SimContext& ctx) {
   decided_ = true;
   const auto start = std::chrono::steady_clock::now();
-  // `delta`'s own replay is the bound the candidates must beat: a replay
-  // stops as soon as it cannot. It is replayed even where it ran the first
-  // iteration in the ideal time: on one of the bench's random graphs its
-  // later iterations were slower, and a plan beat them.
+  // `delta`'s own replay first: the bound the candidates must beat. It is
+  // replayed even where it ran the first iteration in the ideal time: on
+  // one of the bench's random graphs its later iterations were slower, and
+  // a plan beat them.
+  std::vector<const char*> names = {"delta"};
+  names.insert(names.end(), std::begin(kCandidates), std::end(kCandidates));
+  std::vector<int64_t> makespans(names.size(), -1);
+  // The replays are independent: each thread takes the next in order. A
+  // replay that finishes lowers the shared limit to just past its makespan,
+  // and the others give up once they cannot end at or below it; a tie runs
+  // to its end. So the plan chosen, the fastest with ties to the first in
+  // order, is the same on any number of threads.
+  std::atomic<int64_t> give_up_at{0};  // 0: no limit yet
+  std::atomic<size_t> next{0};
+  std::atomic<int> replayed{0};
+  std::atomic<int64_t> cpu_ns{0};
+  const int64_t ideal = ctx.program().compute_ns;
+  auto work = [&] {
+    const int64_t cpu_start = ThreadCpuNs();
+    for (size_t i = next++; i < names.size(); i = next++) {
+      // Nothing beats an iteration with no stall and no recompute, and the
+      // replays not started yet would lose a tie with it.
+      const int64_t limit = give_up_at.load();
+      if (limit > 0 && limit <= ideal + 1) break;
+      absl::StatusOr<std::unique_ptr<SimPolicy>> policy = MakePolicy(names[i]);
+      if (!policy.ok()) continue;
+      ++replayed;
+      makespans[i] = Replay(ctx, **policy, give_up_at);
+      if (makespans[i] < 0) continue;
+      int64_t now = give_up_at.load();
+      while ((now == 0 || makespans[i] + 1 < now) &&
+             !give_up_at.compare_exchange_weak(now, makespans[i] + 1)) {
+      }
+    }
+    cpu_ns += ThreadCpuNs() - cpu_start;
+  };
+  const int helpers =
+      std::min(planner_threads_, static_cast<int>(names.size())) - 1;
+  std::vector<std::thread> threads;
+  threads.reserve(helpers);
+  for (int t = 0; t < helpers; ++t) threads.emplace_back(work);
+  work();
+  for (std::thread& t : threads) t.join();
+  replayed_ += replayed.load();
+  planning_cpu_ns_ += cpu_ns.load();
+
   std::string best_name = "delta";
   int64_t best = std::numeric_limits<int64_t>::max();
-  if (absl::StatusOr<std::unique_ptr<SimPolicy>> delta = MakePolicy("delta");
-      delta.ok()) {
-    ++replayed_;
-    const int64_t makespan = Replay(ctx, **delta, 0);
-    if (makespan >= 0) best = makespan;
-  }
-  for (const char* name : kCandidates) {
-    // Nothing beats an iteration with no stall and no recompute.
-    if (best <= ctx.program().compute_ns) break;
-    absl::StatusOr<std::unique_ptr<SimPolicy>> candidate = MakePolicy(name);
-    if (!candidate.ok()) continue;
-    ++replayed_;
-    const int64_t makespan = Replay(ctx, **candidate, best);
-    if (makespan >= 0 && makespan < best) {
-      best = makespan;
-      best_name = name;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (makespans[i] >= 0 && makespans[i] < best) {
+      best = makespans[i];
+      best_name = names[i];
     }
   }
   if (best_name == "delta-replay") {

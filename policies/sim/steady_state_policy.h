@@ -14,8 +14,10 @@ namespace deltad::sim {
 
 // Training repeats itself: after one iteration the whole access sequence is
 // known. `delta-steady` runs the dynamic `delta` policy for the first
-// iteration while it records the storages accessed, in order. From the
-// second on it plans: it replays the recorded iteration twice in the
+// iteration while it records the storages accessed, in order. It plans at
+// the start of the first iteration after one slower than its ideal time
+// (the second, wherever `delta` stalled or recomputed in the first): it
+// replays the recorded iteration twice in the
 // simulator under `delta` and under each candidate (delta-replay: `delta`
 // prefetching in the order its last iteration read; DELTA as published,
 // DTR, and the static planners offload-greedy, window and lms) with the
@@ -24,8 +26,10 @@ namespace deltad::sim {
 // delta-replay, `delta` itself turns to prefetching in the recorded order,
 // keeping all it learnt.
 // Planning happens once, at the start of the second iteration, and reports
-// its wall time (planning_ns); in a real process it would run beside
-// training, off its critical path.
+// its wall and CPU time (planning_ns, planning_cpu_ns); in a real process
+// it would run beside training, off its critical path. The replays are
+// independent and run on up to `planner_threads` threads at once (0: one
+// per core); the plan chosen does not depend on how many.
 //
 // While a plan runs, every access is checked against the recording; the
 // first one that differs (another shape, data-dependent control flow)
@@ -34,7 +38,7 @@ namespace deltad::sim {
 // so its table is always current.
 class SteadyStatePolicy final : public SimPolicy {
  public:
-  SteadyStatePolicy();
+  explicit SteadyStatePolicy(int planner_threads = 0);
   ~SteadyStatePolicy() override;
 
   std::string name() const override { return "delta-steady"; }
@@ -49,12 +53,14 @@ class SteadyStatePolicy final : public SimPolicy {
   Restore ChooseRestore(SimContext& ctx, int32_t s, int64_t reload_ns) override;
   absl::Status Consistency() const override;
   int64_t planning_ns() const override { return planning_ns_; }
+  int64_t planning_cpu_ns() const override { return planning_cpu_ns_; }
 
   // The plan followed now ("delta" before one is chosen or once abandoned).
   const std::string& following() const { return following_; }
   int abandoned() const { return abandoned_; }
   // How many plans were replayed, `delta`'s included: the search ends at
-  // the first that runs the recorded iteration in its ideal time.
+  // the first that runs the recorded iteration in its ideal time (on one
+  // thread; replays already running on others finish or give up).
   int replayed() const { return replayed_; }
 
  private:
@@ -70,11 +76,14 @@ class SteadyStatePolicy final : public SimPolicy {
   // `delta` prefetches in the recorded order (following delta-replay).
   bool replaying_ = false;
   int iteration_ = 0;
+  int64_t iteration_start_ns_ = 0;
   bool decided_ = false;
   // The accesses of the first iteration, then the position in them.
   std::vector<int32_t> recorded_;
   size_t position_ = 0;
+  int planner_threads_;
   int64_t planning_ns_ = 0;
+  int64_t planning_cpu_ns_ = 0;
   int abandoned_ = 0;
   int replayed_ = 0;
 };

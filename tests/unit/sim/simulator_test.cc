@@ -1,5 +1,6 @@
 #include "policies/sim/simulator.h"
 
+#include <atomic>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -104,6 +105,50 @@ TEST(Simulator, ARunGivesUpOnceItCanNoLongerEndBeforeTheLimit) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->fits);
   EXPECT_EQ(r->total_makespan_ns, 2 * p.compute_ns);
+}
+
+// Stands in for a replay on another thread that finishes first: lowers the
+// shared limit after the run's second step.
+class LowersTheLimit final : public SimPolicy {
+ public:
+  explicit LowersTheLimit(std::atomic<int64_t>& limit) : limit_(limit) {}
+  std::string name() const override { return "lowers-the-limit"; }
+  void AfterStep(SimContext& /*ctx*/, int32_t step) override {
+    if (step == 1) limit_ = 1;
+  }
+  bool MakeRoom(SimContext& /*ctx*/, int64_t /*bytes*/) override {
+    return false;
+  }
+
+ private:
+  std::atomic<int64_t>& limit_;
+};
+
+// Planners replaying candidates on several threads share one limit, which
+// each lowers as it finishes: a run reads it at every step, in place of
+// its own.
+TEST(Simulator, ARunGivesUpAtASharedLimitLoweredWhileItRuns) {
+  const Program p = Compiled(ChainTrace(8, 1000, 1000));
+  ASSERT_GT(p.steps.size(), 3u);
+  auto none = MakePolicy("none");
+  ASSERT_TRUE(none.ok());
+  std::atomic<int64_t> limit{p.compute_ns + 1};
+  SimOptions o;
+  o.budget_bytes = p.peak_bytes;
+  o.give_up_at_ns = 1;  // not read: the shared limit is
+  o.shared_give_up_at_ns = &limit;
+  auto r = Simulate(p, TestDevice(), **none, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->fits);
+  EXPECT_EQ(r->makespan_ns, p.compute_ns);
+  LowersTheLimit lowers(limit);
+  r = Simulate(p, TestDevice(), lowers, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->gave_up);
+  EXPECT_THAT(r->failure,
+              HasSubstr(absl::StrCat(
+                  "gave up at ", p.steps[0].time_ns + p.steps[1].time_ns,
+                  " ns")));
 }
 
 TEST(Simulator, RejectsBadOptions) {

@@ -93,24 +93,47 @@ TEST(SteadyStatePolicy, FromTheSecondIterationFollowsTheFastestReplay) {
 TEST(SteadyStatePolicy, APlanThatRunsInTheIdealTimeEndsTheSearch) {
   // U-Net at batch 32 with Adam at half its peak: the static offload plan
   // hides every copy (docs/BENCHMARKS.md), and the candidates after the
-  // first plan that reaches the ideal time are not replayed.
+  // first plan that reaches the ideal time are not replayed (on one
+  // thread: on more, those already running finish).
   const Net net = AdamAtHalf("unet");
-  SteadyStatePolicy steady;
+  SteadyStatePolicy steady(1);
   SimResult r = net.Run(steady, 2);
   ASSERT_TRUE(r.fits) << r.failure;
   EXPECT_EQ(r.makespan_ns, net.program.compute_ns);
   EXPECT_GT(steady.replayed(), 0);
   EXPECT_LT(steady.replayed(), 6);
-  // With the whole peak, delta's own iterations are ideal: its replay is
-  // the only one, and there is nothing to follow but delta.
+}
+
+TEST(SteadyStatePolicy, IterationsInTheIdealTimeLeaveNothingToPlan) {
+  // With the whole peak, delta's iterations are ideal: nothing is
+  // replayed, and there is nothing to follow but delta.
   Net roomy;
   roomy.options.budget_bytes = roomy.program.peak_bytes;
   SteadyStatePolicy unplanned;
-  r = roomy.Run(unplanned, 2);
+  const SimResult r = roomy.Run(unplanned, 3);
   ASSERT_TRUE(r.fits) << r.failure;
-  EXPECT_EQ(r.total_makespan_ns, 2 * roomy.program.compute_ns);
-  EXPECT_EQ(unplanned.replayed(), 1);
+  EXPECT_EQ(r.total_makespan_ns, 3 * roomy.program.compute_ns);
+  EXPECT_EQ(unplanned.replayed(), 0);
+  EXPECT_EQ(r.planning_ns, 0);
   EXPECT_EQ(unplanned.following(), "delta");
+}
+
+// The replays run on several threads at once; which finishes first
+// changes which give up early, never the plan chosen or the run.
+TEST(SteadyStatePolicy, ThePlanChosenIsTheSameOnAnyNumberOfThreads) {
+  std::vector<Net> nets = {Net(), AdamAtHalf("resnet50"), AdamAtHalf("unet")};
+  for (const Net& net : nets) {
+    SteadyStatePolicy one(1);
+    const SimResult a = net.Run(one, 3);
+    for (int threads : {2, 7}) {
+      SteadyStatePolicy several(threads);
+      const SimResult b = net.Run(several, 3);
+      EXPECT_EQ(several.following(), one.following()) << threads;
+      EXPECT_EQ(b.total_makespan_ns, a.total_makespan_ns) << threads;
+      EXPECT_EQ(b.fits, a.fits);
+      EXPECT_GT(b.planning_cpu_ns, 0);
+    }
+  }
 }
 
 // ResNet-50 with Adam at half its peak: the plan chosen (DELTA as
@@ -139,6 +162,7 @@ class AccessesOnly final : public SimContext {
   const Program& program() const override { return net_.program; }
   const DeviceProfile& device() const override { return net_.device; }
   int64_t now_ns() const override { return now_ns_; }
+  void set_now_ns(int64_t now_ns) { now_ns_ = now_ns; }
   int32_t step() const override { return 0; }
   int iteration() const override { return 0; }
   StorageState state(int32_t) const override { return StorageState::kAbsent; }
@@ -160,16 +184,19 @@ class AccessesOnly final : public SimContext {
 
  private:
   const Net& net_;
-  const int64_t now_ns_;
+  int64_t now_ns_;
   std::vector<int32_t> none_;
 };
 
 TEST(SteadyStatePolicy, AnAccessOffTheRecordingAbandonsThePlanAtOnce) {
   Net net;
-  AccessesOnly ctx(net, net.Run(**MakePolicy("delta"), 1).makespan_ns);
+  AccessesOnly ctx(net, 0);
   SteadyStatePolicy steady;
   steady.BeginIteration(ctx);
   for (int32_t s : {3, 4, 5, 6}) steady.OnAccess(ctx, s);
+  // The first iteration took as long as delta's, more than the ideal.
+  ctx.set_now_ns(net.Run(**MakePolicy("delta"), 1).makespan_ns);
+  ASSERT_GT(ctx.now_ns(), net.program.compute_ns);
   steady.BeginIteration(ctx);  // plans on the program
   ASSERT_NE(steady.following(), "delta");
   steady.OnAccess(ctx, 3);
