@@ -86,10 +86,9 @@ absl::StatusOr<std::string> SteadyStateSection(
       if (steady != results.end() && steady->second.fits) {
         const double share = static_cast<double>(steady->second.planning_ns) /
                              static_cast<double>(steady->second.makespan_ns);
-        planning = absl::StrFormat("%.1f ms (%.1f%%), CPU %.1f ms",
-                                   steady->second.planning_ns / 1e6,
-                                   100 * share,
-                                   steady->second.planning_cpu_ns / 1e6);
+        planning = absl::StrFormat(
+            "%.1f ms (%.1f%%), CPU %.1f ms", steady->second.planning_ns / 1e6,
+            100 * share, steady->second.planning_cpu_ns / 1e6);
         ++plans;
         plans_met += share <= kPlanningShare ? 1 : 0;
         worst_share = std::max(worst_share, share);

@@ -145,10 +145,9 @@ TEST(Simulator, ARunGivesUpAtASharedLimitLoweredWhileItRuns) {
   r = Simulate(p, TestDevice(), lowers, o);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->gave_up);
-  EXPECT_THAT(r->failure,
-              HasSubstr(absl::StrCat(
-                  "gave up at ", p.steps[0].time_ns + p.steps[1].time_ns,
-                  " ns")));
+  EXPECT_THAT(r->failure, HasSubstr(absl::StrCat(
+                              "gave up at ",
+                              p.steps[0].time_ns + p.steps[1].time_ns, " ns")));
 }
 
 TEST(Simulator, RejectsBadOptions) {
