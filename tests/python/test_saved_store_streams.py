@@ -295,6 +295,36 @@ class StreamOrderTest(unittest.TestCase):
         self.assertEqual(self.store.in_flight_bytes, 0)
         del sa, sb
 
+    def test_a_group_read_on_another_stream_is_recorded_on_it(self):
+        # A forward pass that ran a part on a stream of its own: backward
+        # runs that part's nodes there too, and the group prefetched on
+        # the compute stream is read on the side stream. PyTorch's
+        # allocator must keep its block from reuse until the side stream
+        # has read it.
+        self.store.pytorch_allocator = True
+        sa, reload_event = self.prefetch_a()
+        side = FakeStream("side", self.cuda.log)
+        reload_event.done = True
+        self.cuda.current = side
+        out = self.store.unpack(sa)
+        self.cuda.current = self.cuda.compute
+        self.assertIn(("wait_event", "side", "copy"), self.cuda.log)
+        self.assertIn(("record_stream", out.data_ptr(), "side"),
+                      self.cuda.log)
+        # Read on the stream it was restored on: nothing to record.
+        self.cuda.log.clear()
+        sc = self.save(torch.full((1024,), 7.0))
+        self.store.budget = 1024
+        sd = self.save(torch.ones(1024))
+        self.cuda.events[-1].done = True
+        self.store._poll_copies()
+        self.store.budget = 1 << 30
+        self.store.unpack(sd)
+        self.cuda.events[-1].done = True
+        self.store.unpack(sc)
+        self.assertFalse([e for e in self.cuda.log
+                          if e[0] == "record_stream" and e[2] != "copy"])
+
     def test_a_prefetch_that_runs_out_of_memory_leaves_the_group_offloaded(
             self):
         saves = [self.save(torch.full((1024,), float(i))) for i in range(3)]

@@ -57,7 +57,8 @@ typedef struct {
  * fields are saved.py's (see _Group's description there). */
 typedef struct {
   PyObject_HEAD PyObject *store, *key, *state, *tensors, *origins, *metas,
-      *host, *flat, *event, *call, *retained, *evicted_sources, *versions;
+      *host, *flat, *event, *stream, *call, *retained, *evicted_sources,
+      *versions;
   Py_ssize_t nbytes, position, live, dependents;
   char used, rebuilt;
 } Group;

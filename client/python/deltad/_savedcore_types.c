@@ -103,6 +103,7 @@ static int group_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(g->host);
   Py_VISIT(g->flat);
   Py_VISIT(g->event);
+  Py_VISIT(g->stream);
   Py_VISIT(g->call);
   Py_VISIT(g->retained);
   Py_VISIT(g->evicted_sources);
@@ -121,6 +122,7 @@ static int group_clear(PyObject* self) {
   Py_CLEAR(g->host);
   Py_CLEAR(g->flat);
   Py_CLEAR(g->event);
+  Py_CLEAR(g->stream);
   Py_CLEAR(g->call);
   Py_CLEAR(g->retained);
   Py_CLEAR(g->evicted_sources);
@@ -134,14 +136,27 @@ static void group_dealloc(PyObject* self) {
   free_self(self);
 }
 
-static PyMemberDef group_members[] = {
-    OBJ(Group, store),    OBJ(Group, key),          OBJ(Group, state),
-    OBJ(Group, tensors),  OBJ(Group, origins),      OBJ(Group, metas),
-    OBJ(Group, host),     OBJ(Group, flat),         OBJ(Group, event),
-    OBJ(Group, call),     OBJ(Group, retained),     OBJ(Group, evicted_sources),
-    OBJ(Group, versions), SSIZE(Group, nbytes),     SSIZE(Group, position),
-    SSIZE(Group, live),   SSIZE(Group, dependents), BOOL(Group, used),
-    BOOL(Group, rebuilt), {NULL, 0, 0, 0, NULL}};
+static PyMemberDef group_members[] = {OBJ(Group, store),
+                                      OBJ(Group, key),
+                                      OBJ(Group, state),
+                                      OBJ(Group, tensors),
+                                      OBJ(Group, origins),
+                                      OBJ(Group, metas),
+                                      OBJ(Group, host),
+                                      OBJ(Group, flat),
+                                      OBJ(Group, event),
+                                      OBJ(Group, stream),
+                                      OBJ(Group, call),
+                                      OBJ(Group, retained),
+                                      OBJ(Group, evicted_sources),
+                                      OBJ(Group, versions),
+                                      SSIZE(Group, nbytes),
+                                      SSIZE(Group, position),
+                                      SSIZE(Group, live),
+                                      SSIZE(Group, dependents),
+                                      BOOL(Group, used),
+                                      BOOL(Group, rebuilt),
+                                      {NULL, 0, 0, 0, NULL}};
 
 static PyType_Slot group_slots[] = {
     {Py_tp_doc, "One storage's bytes and the saved tensors that view them."},

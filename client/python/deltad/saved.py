@@ -50,7 +50,8 @@ from deltad.saved_restore import (  # noqa: F401 (_storage: theirs too)
 #   see keep_member in _savedcore_store.c), live, metas ((size,
 #   stride, offset, dtype) while released), host (the host copy while
 #   offloaded), flat (the restored storage, until members are rebuilt),
-#   event (CUDA: the copy that fills `flat` or `host`), call (the module
+#   event (CUDA: the copy that fills `flat` or `host`), stream (CUDA: the
+#   stream `flat` was allocated on, until members are rebuilt), call (the module
 #   call that produced it, if known), dependents (evicted groups whose
 #   recompute reads this), retained (keeps the bytes for dependents when
 #   unused), used (unpacked: backward is reading it), rebuilt (members are

@@ -70,6 +70,7 @@ class Restoring:
                 event = _torch.cuda.Event()
                 event.record(self.copy_stream)
                 group.event = event
+                group.stream = current
             else:
                 flat = _torch.empty_like(host)
                 flat.copy_(host)
@@ -119,8 +120,17 @@ class Restoring:
         if flat is None:
             return
         if group.event is not None:
-            _torch.cuda.current_stream(self.device).wait_event(group.event)
+            current = _torch.cuda.current_stream(self.device)
+            current.wait_event(group.event)
             group.event = None
+            if current != group.stream and self.pytorch_allocator:
+                # Restored for a node of another stream (a forward pass
+                # that ran parts on streams of its own): the allocator
+                # must not reuse the block once freed until this stream
+                # has read it. (deltad's allocator drops record_stream:
+                # docs/PYTORCH.md, "Several streams".)
+                _torch.Tensor.record_stream(flat, current)
+            group.stream = None
         released = group.versions
         shift = [0] * len(group.metas)
         for i, meta in enumerate(group.metas):
