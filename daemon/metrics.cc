@@ -99,7 +99,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                             "daemon's bytes unread past the keepalive), "
                             "grpc_max_threads (a call gRPC refused for want "
                             "of a free thread), max_message_bytes (a request "
-                            "past it).")
+                            "past it), grpc_ended_unseen (a call gRPC ended "
+                            "before the daemon saw it: a message past 4 times "
+                            "max_message_bytes, its memory quota, or its "
+                            "client cancelled it first).")
                         .Register(r);
     for (const auto& [refusal, limit] :
          {std::pair{Refusal::kInvalidRequest, "invalid_request"},
@@ -116,7 +119,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                     "max_grpc_connections_per_uid"},
           std::pair{Refusal::kUnreadConnection, "unread_connection"},
           std::pair{Refusal::kGrpcThreads, "grpc_max_threads"},
-          std::pair{Refusal::kMessageBytes, "max_message_bytes"}}) {
+          std::pair{Refusal::kMessageBytes, "max_message_bytes"},
+          std::pair{Refusal::kGrpcEndedUnseen, "grpc_ended_unseen"}}) {
       m->refusals_[static_cast<size_t>(refusal)] =
           &refused.Add({{"limit", limit}});
     }

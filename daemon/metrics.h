@@ -63,6 +63,9 @@ enum class Refusal {
                   // want of a free thread (daemon/thread_refusals.h)
   kMessageBytes,  // "max_message_bytes": a request past it (up to gRPC's own
                   // backstop, request_limits.h)
+  kGrpcEndedUnseen,  // "grpc_ended_unseen": a call gRPC ended before the
+                     // daemon saw it (past the backstop, its memory quota;
+                     // daemon/grpc_call_census.h)
 };
 
 // The daemon's Prometheus metrics. Call sites use the typed methods and never
@@ -155,7 +158,7 @@ class Metrics {
   prometheus::Gauge* host_free_ = nullptr;
   prometheus::Gauge* host_granted_ = nullptr;
   prometheus::Gauge* heap_in_use_ = nullptr;
-  std::array<prometheus::Counter*, 13> refusals_{};       // indexed by Refusal
+  std::array<prometheus::Counter*, 14> refusals_{};       // indexed by Refusal
   std::array<prometheus::Counter*, 3> sessions_ended_{};  // by SessionEnd
   std::array<prometheus::Counter*, 3> lease_events_{};    // by LeaseEvent
 };

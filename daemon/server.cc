@@ -217,7 +217,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   // not gRPC's: gRPC listens on nothing.
   // Requests past max_message_bytes reach the daemon, which refuses them
   // naming the limit and counts them (gRPC's own refusal is seen by no hook
-  // of its C++ API); gRPC refuses what is past the backstop.
+  // of its C++ API); gRPC refuses what is past the backstop, counted only
+  // as a call that ended unseen (GrpcCallCensus).
   const int64_t max_message = config.limits().max_message_bytes();
   constexpr int64_t kMostGrpcTakes = std::numeric_limits<int>::max();
   builder.SetMaxReceiveMessageSize(static_cast<int>(
@@ -231,6 +232,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   interceptors.push_back(std::make_unique<ThreadRefusals>(
       config.limits().grpc_max_threads(),
       [refusals] { refusals->AddRefusal(Refusal::kGrpcThreads); }));
+  s->census_ = std::make_unique<GrpcCallCensus>(
+      [refusals](int64_t calls) {
+        for (int64_t i = 0; i < calls; ++i) {
+          refusals->AddRefusal(Refusal::kGrpcEndedUnseen);
+        }
+      },
+      std::chrono::seconds(1));
+  interceptors.push_back(GrpcCallCensus::Counter());
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.RegisterService(s->service_.get());
   s->grpc_ = builder.BuildAndStart();

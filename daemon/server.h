@@ -6,6 +6,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/backend/device_backend.h"
+#include "daemon/grpc_call_census.h"
 #include "daemon/grpc_listener.h"
 #include "daemon/host_pool.h"
 #include "daemon/memory_manager_service.h"
@@ -70,6 +71,7 @@ class Server {
   std::unique_ptr<MetricsServer> metrics_server_;
   std::unique_ptr<Node> node_;
   std::unique_ptr<MemoryManagerService> service_;
+  std::unique_ptr<GrpcCallCensus> census_;
   std::unique_ptr<grpc::Server> grpc_;
   std::unique_ptr<GrpcListener> listener_;  // goes before grpc_
   std::unique_ptr<SideChannel> side_;

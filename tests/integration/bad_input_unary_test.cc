@@ -1,9 +1,11 @@
 // Bad input on the unary calls (OpenSession, CloseSession, Release):
 // unknown and forged tokens, bad GPU indexes, negative, absurd and
 // oversized sizes, each refused with its own status.
+#include <chrono>
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -247,7 +249,8 @@ TEST_F(BadInputTest, MessageOverMaxMessageBytesIsResourceExhausted) {
   ExpectServing("an oversized OpenSession");
   EXPECT_EQ(Status().sessions_size(), 0);
   // Past gRPC's own backstop (4 times the limit) gRPC refuses it before the
-  // daemon sees it: the same code, gRPC's message, and no count.
+  // daemon sees it: the same code, gRPC's message, counted as a call gRPC
+  // ended unseen (below).
   request.set_label(std::string(5 * kMaxMessageBytes, 'L'));
   s = Open(request);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
@@ -274,10 +277,25 @@ TEST_F(BadInputTest, MessageOverMaxMessageBytesIsResourceExhausted) {
   // The process can open again.
   MustOpen(peer_->token(), 0);
   // Both refusals the daemon saw are counted.
-  const std::string metrics =
-      Http(MetricsPort(daemon_->Output()), "GET", "/metrics").second;
+  const int port = MetricsPort(daemon_->Output());
+  std::string metrics = Http(port, "GET", "/metrics").second;
   EXPECT_THAT(metrics,
               HasSubstr("deltad_refused_total{limit=\"max_message_bytes\"} 2"));
+  // The one gRPC refused, once the daemon's census has it for certain (a
+  // sample a second, the least of the last five), and nothing else: the
+  // calls and the stream the daemon answered are not counted.
+  const std::string unseen =
+      "deltad_refused_total{limit=\"grpc_ended_unseen\"} ";
+  const auto until =
+      std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (metrics.find(unseen + "1") == std::string::npos &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    metrics = Http(port, "GET", "/metrics").second;
+  }
+  EXPECT_THAT(metrics, HasSubstr(unseen + "1\n"));
+  EXPECT_THAT(daemon_->Output(),
+              HasSubstr("gRPC ended 1 call(s) before the daemon saw them"));
 }
 
 // Not bad input, but the fixture fits: a release asked by one process is
