@@ -152,6 +152,9 @@ Scrape ParseMetrics(const std::string& text) {
       s.sum += value;
     } else if (name == "deltad_heap_in_use_bytes") {
       s.heap_in_use = value;
+    } else if (name == "deltad_refused_total" &&
+               LabelValue(labels, "limit") == "grpc_ended_unseen") {
+      s.ended_unseen = value;
     } else if (name == "deltad_orders_total") {
       const std::string kind = LabelValue(labels, "kind");
       if (kind == "offload") s.offloads += value;

@@ -36,6 +36,9 @@ struct Scrape {
   double budgets = 0;
   double prefetches = 0;
   double heap_in_use = -1;  // deltad_heap_in_use_bytes; -1: not scraped
+  // deltad_refused_total{limit="grpc_ended_unseen"}: calls gRPC ended
+  // before the daemon saw them; none where every client behaves.
+  double ended_unseen = 0;
 };
 
 Scrape ParseMetrics(const std::string& text);

@@ -253,6 +253,15 @@ void WriteTable(std::ostringstream& md, const SoakSettings& settings,
       absl::StrCat(outcome.past_budget_runs, " / ",
                    outcome.past_budget_allocations),
       "-", "-");
+  // Every client here behaves: a call counted as ended unseen would be one
+  // the daemon's census took for refused while it waited to be served.
+  double ended_unseen = 0;
+  for (const Sample& s : samples) {
+    ended_unseen = std::max(ended_unseen, s.scrape.ended_unseen);
+  }
+  row("calls gRPC ended before the daemon saw them "
+      "(`grpc_ended_unseen`)",
+      absl::StrFormat("%.0f", ended_unseen), "0", Verdict(ended_unseen == 0));
   int status_missed = 0;
   for (const Sample& s : samples) status_missed += s.sessions < 0 ? 1 : 0;
   row("NodeStatus samples that got no answer within 5 s",
