@@ -32,7 +32,8 @@ struct Row {
   std::string device;
   double ratio = 0;
   SimResult result;
-  int64_t swap_lb_ns = 0;  // the offloading paper's LB at this budget
+  int64_t swap_lb_ns = 0;   // the offloading paper's LB at this budget
+  int64_t mixed_lb_ns = 0;  // any schedule's (LowerBounds::mixed_ns)
 };
 
 // The slowdown as a table cell, `-` when the run did not fit.
