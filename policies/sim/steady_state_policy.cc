@@ -132,38 +132,47 @@ void SteadyStatePolicy::Plan(SimContext& ctx) {
   // a plan beat them.
   std::vector<const char*> names = {"delta"};
   names.insert(names.end(), std::begin(kCandidates), std::end(kCandidates));
-  std::vector<int64_t> makespans(names.size(), -1);
-  // The replays are independent: each thread takes the next in order. A
-  // replay that finishes lowers the shared limit to just past its makespan,
-  // and the others give up once they cannot end at or below it; a tie runs
-  // to its end. So the plan chosen, the fastest with ties to the first in
-  // order, is the same on any number of threads.
-  std::atomic<int64_t> give_up_at{0};  // 0: no limit yet
+  const size_t n = names.size();
+  std::vector<int64_t> makespans(n, -1);
+  // The replays are independent and run on several threads, each taking
+  // the next in order; the plan chosen is the one replaying them one after
+  // another would choose. There, each replay gives up once it cannot end
+  // at or below the fastest before it in order (a tie runs to its end),
+  // and the search ends at the first that runs in the ideal time, nothing
+  // beating that. Here each replay has its own limit, which every replay
+  // before it lowers as it finishes; a replay after the first in the
+  // ideal time is not started, or not counted.
+  std::vector<std::atomic<int64_t>> give_up_at(n);  // 0: no limit yet
+  for (auto& limit : give_up_at) limit = 0;
+  std::atomic<size_t> first_ideal{n};
   std::atomic<size_t> next{0};
   std::atomic<int> replayed{0};
   std::atomic<int64_t> cpu_ns{0};
   const int64_t ideal = ctx.program().compute_ns;
   auto work = [&] {
     const int64_t cpu_start = ThreadCpuNs();
-    for (size_t i = next++; i < names.size(); i = next++) {
-      // Nothing beats an iteration with no stall and no recompute, and the
-      // replays not started yet would lose a tie with it.
-      const int64_t limit = give_up_at.load();
-      if (limit > 0 && limit <= ideal + 1) break;
+    for (size_t i = next++; i < n && i < first_ideal.load(); i = next++) {
       absl::StatusOr<std::unique_ptr<SimPolicy>> policy = MakePolicy(names[i]);
       if (!policy.ok()) continue;
       ++replayed;
-      makespans[i] = Replay(ctx, **policy, give_up_at);
+      makespans[i] = Replay(ctx, **policy, give_up_at[i]);
       if (makespans[i] < 0) continue;
-      int64_t now = give_up_at.load();
-      while ((now == 0 || makespans[i] + 1 < now) &&
-             !give_up_at.compare_exchange_weak(now, makespans[i] + 1)) {
+      for (size_t later = i + 1; later < n; ++later) {
+        int64_t now = give_up_at[later].load();
+        while (
+            (now == 0 || makespans[i] + 1 < now) &&
+            !give_up_at[later].compare_exchange_weak(now, makespans[i] + 1)) {
+        }
+      }
+      if (makespans[i] <= ideal) {
+        size_t now = first_ideal.load();
+        while (i < now && !first_ideal.compare_exchange_weak(now, i)) {
+        }
       }
     }
     cpu_ns += ThreadCpuNs() - cpu_start;
   };
-  const int helpers =
-      std::min(planner_threads_, static_cast<int>(names.size())) - 1;
+  const int helpers = std::min(planner_threads_, static_cast<int>(n)) - 1;
   std::vector<std::thread> threads;
   threads.reserve(helpers);
   for (int t = 0; t < helpers; ++t) threads.emplace_back(work);
@@ -174,7 +183,7 @@ void SteadyStatePolicy::Plan(SimContext& ctx) {
 
   std::string best_name = "delta";
   int64_t best = std::numeric_limits<int64_t>::max();
-  for (size_t i = 0; i < names.size(); ++i) {
+  for (size_t i = 0; i < n && i <= first_ideal.load(); ++i) {
     if (makespans[i] >= 0 && makespans[i] < best) {
       best = makespans[i];
       best_name = names[i];
