@@ -149,6 +149,21 @@ absl::Status CudaChunkMapper::Unmap(uintptr_t at, int64_t bytes) {
   const CudaDriver& d = context_.driver();
   ScopedContext scope(context_);
   if (!scope.status().ok()) return scope.status();
+  // Unlike cudaFree, cuMemUnmap does not wait for the work queued on the
+  // device, and PyTorch frees a block (to its cache, or to this allocator
+  // under the global swap) while kernels that use it may still run: an
+  // unmap under them is an illegal access, which ends the context. The
+  // context (PyTorch's: the device's primary one) is synchronized first,
+  // as PyTorch's own expandable segments do before unmapping. Unmaps are
+  // rare: an emptied page or run is kept for the next allocation.
+  if (absl::Status s = CudaCheck(
+          d, d.cuCtxSynchronize(),
+          absl::StrCat("cuCtxSynchronize before unmapping ", bytes,
+                       " bytes at 0x", absl::Hex(at), " on CUDA device ",
+                       ordinal()));
+      !s.ok()) {
+    return s;
+  }
   return CudaCheck(d, d.cuMemUnmap(at, static_cast<size_t>(bytes)),
                    absl::StrCat("cuMemUnmap of ", bytes, " bytes at 0x",
                                 absl::Hex(at), " on CUDA device ", ordinal()));

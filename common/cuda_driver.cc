@@ -103,6 +103,7 @@ absl::StatusOr<const CudaDriver*> Load() {
   DELTAD_RESOLVE(cuDevicePrimaryCtxRelease, 11000)
   DELTAD_RESOLVE(cuCtxSetCurrent, 4000)
   DELTAD_RESOLVE(cuCtxGetCurrent, 4000)
+  DELTAD_RESOLVE(cuCtxSynchronize, 2000)
   DELTAD_RESOLVE(cuMemGetInfo, 3020)
   DELTAD_RESOLVE(cuMemGetAllocationGranularity, 10020)
   DELTAD_RESOLVE(cuMemCreate, 10020)

@@ -53,6 +53,7 @@ struct CudaDriver {
   PFN_cuDevicePrimaryCtxRelease_v11000 cuDevicePrimaryCtxRelease = nullptr;
   PFN_cuCtxSetCurrent_v4000 cuCtxSetCurrent = nullptr;
   PFN_cuCtxGetCurrent_v4000 cuCtxGetCurrent = nullptr;
+  PFN_cuCtxSynchronize_v2000 cuCtxSynchronize = nullptr;
   PFN_cuMemGetInfo_v3020 cuMemGetInfo = nullptr;
 
   // Virtual memory management.

@@ -4,9 +4,12 @@ routing per PyTorch version on stand-ins, and the C entry points PyTorch
 would call (deltad_torch_malloc / free) through ctypes on the chunk-backed
 simulated device."""
 
+import contextlib
 import ctypes
 import os
+import sys
 import threading
+import time
 import types
 import unittest
 from unittest import mock
@@ -103,6 +106,94 @@ class RefusalTest(unittest.TestCase):
         # Once it is up, and for a pool, PyTorch says which it is.
         torch.cuda.current_device = lambda: 1
         self.assertEqual(allocator._device_index(torch, None, "mempool"), 1)
+
+
+class MemPoolInstallTest(unittest.TestCase):
+    """install() on a PyTorch with pools (a stand-in), served by a client
+    on the chunk-backed simulated device."""
+
+    def setUp(self):
+        self.client = deltad.Client(socket=None, budget_bytes=8 * MiB,
+                                    device="sim-chunks",
+                                    device_memory_bytes=64 * MiB)
+        torch = fake_torch("2.9.0")
+        torch.cuda.is_available = lambda: True
+        current = [0]
+        made_on = []
+
+        @contextlib.contextmanager
+        def device(index):
+            before, current[0] = current[0], index
+            try:
+                yield
+            finally:
+                current[0] = before
+
+        class MemPool:
+            def __init__(self, allocator_handle):
+                made_on.append(current[0])
+                self.id = (1, len(made_on))
+
+        class Pluggable:
+            def __init__(self, *args):
+                pass
+
+            def allocator(self):
+                return None
+
+        torch.cuda.device = device
+        torch.cuda.MemPool = MemPool
+        torch.cuda.memory.CUDAPluggableAllocator = Pluggable
+        self.routed = []
+        torch._C._cuda_beginAllocateToPool = (
+            lambda index, pool: self.routed.append(index))
+        self.torch = torch
+        self.made_on = made_on
+
+    def tearDown(self):
+        with mock.patch.dict(sys.modules, {"torch": self.torch}):
+            allocator.uninstall()
+        self.client.close()
+
+    def install(self, device, env=None):
+        with mock.patch.dict(sys.modules, {"torch": self.torch}), \
+                mock.patch.dict(os.environ, env or {}):
+            return allocator.install(client=self.client, device=device,
+                                     routing="mempool")
+
+    def test_the_pool_is_made_on_the_device_it_serves(self):
+        # CUDA's current device is 0: a pool made there and routed for
+        # device 1 would leave device 1 to a pool of its own over
+        # cudaMalloc, outside the budget.
+        self.install(1)
+        self.assertEqual(self.made_on, [1])
+        self.assertEqual(self.routed, [1])
+        self.assertEqual(allocator.mode(), "mempool")
+
+    def test_expandable_segments_are_refused_with_what_to_do(self):
+        with self.assertRaises(RuntimeError) as e:
+            self.install(0, {"PYTORCH_CUDA_ALLOC_CONF":
+                             "max_split_size_mb:128,expandable_segments:True"})
+        self.assertIn("expandable_segments", str(e.exception))
+        self.assertIn("PYTORCH_CUDA_ALLOC_CONF", str(e.exception))
+        self.assertIsNone(allocator.mode())
+        self.assertFalse(allocator.stats().attached)
+        # Turned off, it is no obstacle.
+        self.install(0, {"PYTORCH_CUDA_ALLOC_CONF":
+                         "expandable_segments:False"})
+        self.assertEqual(allocator.mode(), "mempool")
+
+    def test_the_routing_ends_when_the_interpreter_exits(self):
+        ended = []
+        self.torch._C._cuda_endAllocateToPool = (
+            lambda index, pool: ended.append(index))
+        self.install(0)
+        # What atexit calls: some releases' MemPool destructor asserts that
+        # nothing routes to the pool any more.
+        with mock.patch.dict(sys.modules, {"torch": self.torch}):
+            allocator._uninstall_at_exit()
+        self.assertEqual(ended, [0])
+        self.assertIsNone(allocator.mode())
 
 
 class RoutingTest(unittest.TestCase):
@@ -317,6 +408,22 @@ class EntryPointsTest(unittest.TestCase):
         self.assertEqual(allocator._reclaimers, [])
         for q in held:
             self.free(q, 2 * MiB)
+
+    def test_an_interrupt_in_a_reclaimer_reaches_the_main_thread(self):
+        # Raised into C (the callback) it would be printed and lost.
+        class Interrupted:
+            def reclaim(self, nbytes):
+                raise KeyboardInterrupt
+
+        holder = Interrupted()
+        allocator.add_reclaimer(holder.reclaim)
+        try:
+            with self.assertRaises(KeyboardInterrupt):
+                self.assertEqual(allocator._reclaim(MiB, None), 0)
+                for _ in range(1000):  # it comes at the next check
+                    time.sleep(0.001)
+        finally:
+            allocator.remove_reclaimer(holder.reclaim)
 
     def test_threads_allocate_and_free_at_once(self):
         errors = []

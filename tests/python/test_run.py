@@ -195,6 +195,48 @@ class CudaGlobalSwapTest(CudaScriptCase):
         self.assertGreater(int(line.group(1)), 0)
         self.assertGreater(int(line.group(2)), 0)
 
+class DeviceTest(unittest.TestCase):
+    """The GPU deltad serves, chosen before the script picks it."""
+
+    def test_a_launchers_local_rank_picks_the_gpu(self):
+        import types
+        from unittest import mock
+
+        from deltad import run as deltad_run
+        torch_ = types.SimpleNamespace(cuda=types.SimpleNamespace(
+            device_count=lambda: 4))
+        for local_rank, index in (("2", 2), (None, 0), ("7", 0), ("x", 0)):
+            env = {} if local_rank is None else {"LOCAL_RANK": local_rank}
+            with mock.patch.dict(os.environ, env, clear=False):
+                if local_rank is None:
+                    os.environ.pop("LOCAL_RANK", None)
+                self.assertEqual(deltad_run._cuda_device(torch_), index,
+                                 local_rank)
+
+
+class DisabledTest(unittest.TestCase):
+
+    def test_disabled_it_runs_the_script_without_loading_deltads_torch(self):
+        # Where deltad's extension cannot load, DELTAD_DISABLE=1 is the way
+        # out: deltad.torch is not imported at all then.
+        from unittest import mock
+
+        from deltad import run as deltad_run
+        with tempfile.TemporaryDirectory() as d:
+            script = os.path.join(d, "s.py")
+            out = os.path.join(d, "ran")
+            with open(script, "w") as f:
+                f.write(f"open({out!r}, 'w').write('yes')\n")
+            saved_argv, saved_path0 = sys.argv[:], sys.path[0]
+            try:
+                with mock.patch.dict(sys.modules, {"deltad.torch": None}), \
+                        mock.patch.dict(os.environ, {"DELTAD_DISABLE": "1"}):
+                    self.assertEqual(deltad_run.main([script]), 0)
+            finally:
+                sys.argv[:], sys.path[0] = saved_argv, saved_path0
+            with open(out) as f:
+                self.assertEqual(f.read(), "yes")
+
 
 if __name__ == "__main__":
     unittest.main()

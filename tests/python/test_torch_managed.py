@@ -519,7 +519,7 @@ class RunInstallsTheAllocatorBeforeCudaTest(unittest.TestCase):
         allocator.install = install
         deltad.torch.managed = managed
         # The child process that reads the GPU's memory: not run here.
-        run._gpu_memory = lambda: 80 << 30
+        run._gpu_memory = lambda index: 80 << 30
         with tempfile.TemporaryDirectory() as d:
             script = os.path.join(d, "train.py")
             with open(script, "w") as f:

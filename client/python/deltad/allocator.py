@@ -252,9 +252,16 @@ def install(client=None, budget_bytes=0, socket=DEFAULT_SOCKET, device=None,
                     # Cached, unused blocks of PyTorch's own pool: given
                     # back, so that the GPU holds deltad's budget only.
                     torch.cuda.empty_cache()
-                installation.pool = torch.cuda.MemPool(allocator.allocator())
+                _refuse_expandable_segments()
+                # A pool belongs to the device current when it is made; a
+                # route to another device would make that one a pool of
+                # its own, over cudaMalloc.
+                with torch.cuda.device(index):
+                    installation.pool = torch.cuda.MemPool(
+                        allocator.allocator())
                 torch._C._cuda_beginAllocateToPool(index,
                                                    installation.pool.id)
+                _end_routing_at_exit()
             else:
                 torch.cuda.memory.change_current_allocator(allocator)
         except Exception:
@@ -265,6 +272,43 @@ def install(client=None, budget_bytes=0, socket=DEFAULT_SOCKET, device=None,
         _active = installation
         _arm_reclaim()  # (off under a MemPool)
         return client
+
+
+def _refuse_expandable_segments():
+    """RuntimeError when PYTORCH_CUDA_ALLOC_CONF asks for expandable
+    segments, which PyTorch's pools over a pluggable allocator do not
+    support (some releases raise at their first allocation)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    for item in conf.replace(";", ",").split(","):
+        key, _, value = item.partition(":")
+        if (key.strip() == "expandable_segments"
+                and value.strip().lower() in ("true", "1")):
+            raise RuntimeError(
+                "deltad.allocator.install(): PYTORCH_CUDA_ALLOC_CONF asks "
+                "for expandable_segments, which PyTorch's memory pools over "
+                "deltad's allocator do not support. Drop it from "
+                "PYTORCH_CUDA_ALLOC_CONF (deltad maps its memory in chunks "
+                "already), or set DELTAD_DISABLE=1.")
+
+
+_exit_hook = None
+
+
+def _end_routing_at_exit():
+    """Ends the pool's routing when the interpreter exits (_lock held): a
+    pool still in use then trips an assertion in some PyTorch releases'
+    MemPool destructor, which aborts the process."""
+    global _exit_hook
+    if _exit_hook is None:
+        import atexit
+        _exit_hook = atexit.register(_uninstall_at_exit)
+
+
+def _uninstall_at_exit():
+    try:
+        uninstall()
+    except Exception:  # noqa: BLE001 (at exit: say it, exit as the script)
+        traceback.print_exc()
 
 
 def uninstall():
@@ -369,6 +413,12 @@ def _reclaim(nbytes, _ctx):
             continue
         try:
             freed += max(int(method(nbytes - freed)), 0)
+        except KeyboardInterrupt:
+            # Raised into C it would be printed and lost: the main thread
+            # gets it back once the allocation has returned.
+            import _thread
+            _thread.interrupt_main()
+            break
         except Exception:  # noqa: BLE001 (raising into C would abort)
             traceback.print_exc()
         if freed >= nbytes:

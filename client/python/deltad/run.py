@@ -74,14 +74,26 @@ def _arguments(argv):
     return args
 
 
-def _gpu_memory():
-    """The current GPU's memory in bytes, read in a child process so that
-    CUDA stays uninitialized in this one (the child inherits
-    CUDA_VISIBLE_DEVICES, and this process has not picked a device)."""
+def _cuda_device(torch):
+    """The GPU this process trains on: LOCAL_RANK's where a launcher
+    (torchrun, one process per GPU) set it and that GPU is visible, else
+    the first. The script calls torch.cuda.set_device(local_rank) only
+    after deltad is in place, and device_count() starts no CUDA."""
+    rank = os.environ.get("LOCAL_RANK", "").strip()
+    if not rank.isdigit():
+        return 0
+    index = int(rank)
+    return index if index < torch.cuda.device_count() else 0
+
+
+def _gpu_memory(index):
+    """GPU `index`'s memory in bytes, read in a child process so that CUDA
+    stays uninitialized in this one (the child inherits
+    CUDA_VISIBLE_DEVICES)."""
     import subprocess
     out = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.cuda."
-         "get_device_properties(0).total_memory)"],
+         f"get_device_properties({int(index)}).total_memory)"],
         check=True, capture_output=True, text=True)
     return int(out.stdout.split()[-1])
 
@@ -92,31 +104,34 @@ def main(argv=None):
     # As `python script.py` has it: the script's folder first, in place of
     # the current one that `-m` put there.
     sys.path[0] = os.path.dirname(os.path.abspath(args.script))
-    import deltad.torch
     from deltad import allocator
 
-    if deltad.torch.disabled():
+    # Before deltad.torch, whose import loads deltad's extension: off, the
+    # script runs as it is even where that cannot load.
+    if allocator.disabled():
         runpy.run_path(args.script, run_name="__main__")
         return 0
+    import deltad.torch
     import torch
 
     socket = args.socket or None
     cuda = torch.cuda.is_available()
+    index = _cuda_device(torch) if cuda else None
     budget = args.budget
     if budget is None:
         if cuda and not args.no_allocator:
             # Read by another process: get_device_properties (and
             # current_device) initialize CUDA here, and PyTorch 2.0-2.7
             # can then no longer swap its allocator (install() raises).
-            budget = _gpu_memory()
+            budget = _gpu_memory(index)
         else:
-            budget = (torch.cuda.get_device_properties(
-                torch.cuda.current_device()).total_memory if cuda
-                else 1 << 30)
+            budget = (torch.cuda.get_device_properties(index).total_memory
+                      if cuda else 1 << 30)
     if cuda and not args.no_allocator:
-        allocator.install(budget_bytes=budget, socket=socket)
+        allocator.install(budget_bytes=budget, socket=socket, device=index)
     with deltad.torch.managed(None, budget_bytes=budget, socket=socket,
                               min_bytes=args.min_bytes,
+                              device=f"cuda:{index}" if cuda else None,
                               label=os.path.basename(args.script)) as m:
         try:
             runpy.run_path(args.script, run_name="__main__")
