@@ -156,11 +156,11 @@ absl::Status CudaChunkMapper::Unmap(uintptr_t at, int64_t bytes) {
   // context (PyTorch's: the device's primary one) is synchronized first,
   // as PyTorch's own expandable segments do before unmapping. Unmaps are
   // rare: an emptied page or run is kept for the next allocation.
-  if (absl::Status s = CudaCheck(
-          d, d.cuCtxSynchronize(),
-          absl::StrCat("cuCtxSynchronize before unmapping ", bytes,
-                       " bytes at 0x", absl::Hex(at), " on CUDA device ",
-                       ordinal()));
+  if (absl::Status s =
+          CudaCheck(d, d.cuCtxSynchronize(),
+                    absl::StrCat("cuCtxSynchronize before unmapping ", bytes,
+                                 " bytes at 0x", absl::Hex(at),
+                                 " on CUDA device ", ordinal()));
       !s.ok()) {
     return s;
   }
