@@ -51,9 +51,9 @@ _last_ns = weakref.WeakKeyDictionary()
 class Call:
     """One run of a module's forward, as recompute runs it again."""
 
-    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng",
-                 "autocast", "own_ns", "events", "depth", "out_meta",
-                 "out_nbytes", "out_version")
+    __slots__ = ("module", "forward", "args", "kwargs", "cpu_rng",
+                 "cuda_rng", "autocast", "own_ns", "events", "depth",
+                 "out_meta", "out_nbytes", "out_version")
 
     def cost_ns(self):
         """This run's time plus that of the calls it reruns for its
@@ -145,6 +145,10 @@ class Recorder:
             before = [(t, t._version)
                       for t in _tensors_in((args, kwargs), [])]
             call = Call()
+            # Rerun without the module's hooks: the arguments recorded are
+            # those its forward pre-hooks gave, and the output the one its
+            # forward hooks were given (__call__ would apply them again).
+            call.forward = forward
             call.cpu_rng = _torch.get_rng_state()
             call.cuda_rng = (_torch.cuda.get_rng_state(recorder.device)
                              if recorder.cuda else None)
@@ -272,11 +276,18 @@ class Recorder:
         call = group.call
         if call is None:
             return False
-        for t in group.tensors:
+        shift = group.versions
+        for i, t in enumerate(group.tensors):
             # Saved after an in-place op on the call's output (a ReLU with
             # inplace=True after the BatchNorm that produced it): rerunning
-            # the call would rebuild the bytes from before that op.
-            if t is not None and t._version != call.out_version:
+            # the call would rebuild the bytes from before that op. (The
+            # members of a restored group are new views, whose versions
+            # count anew: less what they were at the restore.)
+            if t is None:
+                continue
+            version = t._version - (shift[i] if shift and i < len(shift)
+                                    else 0)
+            if version != call.out_version:
                 return False
         stack = [call]
         while stack:
@@ -331,7 +342,7 @@ class Recorder:
                     _torch.autocast("cpu", dtype=cpu_dtype,
                                     enabled=cpu_on), \
                     _autocast_cuda(gpu_dtype, gpu_on):
-                return module(*args, **kwargs)
+                return call.forward(*args, **kwargs)
         finally:
             self.local.recomputing = False
             _torch.set_rng_state(cpu_rng)
@@ -350,8 +361,15 @@ class Recorder:
         else:
             flat = self.store.storage_of(source[1])
         # A copy: the module may work in place on its argument, and the
-        # saved bytes must stay as they were.
-        return _view(flat, source[2]).clone()
+        # saved bytes must stay as they were. With its strides: clone()
+        # makes a view with gaps (a strided slice) or repeats (expand)
+        # contiguous, and a kernel may then take another path; such a view
+        # gets a copy of its whole storage instead.
+        view = _view(flat, source[2])
+        copy = view.clone()
+        if copy.stride() != view.stride():
+            copy = _view(flat.clone(), source[2])
+        return copy
 
 
 def _autocast_cuda(dtype, enabled):
