@@ -225,9 +225,19 @@ class Cases:
             s[:, 0].zero_()
             return s
 
-        for options in (None, FITS, OFFLOAD, RECOMPUTE):
+        def parameter_changed(x):
+            # A parameter the store hands back as it is (an optimizer step
+            # between two backwards over one graph, as a GAN's may be).
+            s = lin(lin(x))  # the second saves the weight, for the first
+            with torch.no_grad():
+                lin.weight.add_(0)
+            return s
+
+        # (Tensors under min_bytes are handed back as they are too.)
+        everything_small = dict(FITS, min_bytes=1 << 20)
+        for options in (None, FITS, OFFLOAD, RECOMPUTE, everything_small):
             for forward in (output_changed, base_of_a_saved_view_changed,
-                            changed_through_another_view):
+                            changed_through_another_view, parameter_changed):
                 block = (contextlib.nullcontext() if options is None
                          else _managed(lin, **options))
                 with self.subTest(options=options, case=forward.__name__):

@@ -20,12 +20,13 @@
 
 #include "_savedcore.h"
 
-PyTypeObject *CountersType, *GroupType, *SavedType, *CoreType;
+PyTypeObject *CountersType, *GroupType, *SavedType, *KeptType, *CoreType;
 PyObject *RESIDENT, *OFFLOADED, *EVICTED;
 PyObject *s_version, *s_is_cuda, *s_get_device, *s_layout, *s_numel,
     *s_element_size, *s_requires_grad, *s_is_leaf, *s_base, *s_data_ptr,
     *s_nbytes, *s_calls, *s_acquire, *s_release, *s_new_iteration,
-    *s_pack_over_budget, *s_unpack_slow, *s_check_version, *s_drop, *s_detach;
+    *s_pack_over_budget, *s_unpack_slow, *s_check_version, *s_drop, *s_detach,
+    *s_kept_changed;
 
 /* ---- Core's object protocol. */
 
@@ -209,11 +210,13 @@ PyMODINIT_FUNC PyInit__savedcore(void) {
       intern(&s_pack_over_budget, "_pack_over_budget") < 0 ||
       intern(&s_unpack_slow, "_unpack_slow") < 0 ||
       intern(&s_check_version, "_check_version") < 0 ||
-      intern(&s_drop, "_drop") < 0 || intern(&s_detach, "detach") < 0)
+      intern(&s_drop, "_drop") < 0 || intern(&s_detach, "detach") < 0 ||
+      intern(&s_kept_changed, "_kept_changed") < 0)
     goto error;
   if (add_type(m, &CountersType, &counters_spec, "Counters") < 0 ||
       add_type(m, &GroupType, &group_spec, "Group") < 0 ||
       add_type(m, &SavedType, &saved_spec, "SavedTensor") < 0 ||
+      add_type(m, &KeptType, &kept_spec, "Kept") < 0 ||
       add_type(m, &CoreType, &core_spec, "Core") < 0)
     goto error;
   Py_INCREF(RESIDENT);

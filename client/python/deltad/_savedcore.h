@@ -14,13 +14,14 @@
 #include <string.h>
 #include <structmember.h>
 
-extern PyTypeObject *CountersType, *GroupType, *SavedType, *CoreType;
+extern PyTypeObject *CountersType, *GroupType, *SavedType, *KeptType, *CoreType;
 extern PyObject *RESIDENT, *OFFLOADED, *EVICTED;
 /* Interned names. */
 extern PyObject *s_version, *s_is_cuda, *s_get_device, *s_layout, *s_numel,
     *s_element_size, *s_requires_grad, *s_is_leaf, *s_base, *s_data_ptr,
     *s_nbytes, *s_calls, *s_acquire, *s_release, *s_new_iteration,
-    *s_pack_over_budget, *s_unpack_slow, *s_check_version, *s_drop, *s_detach;
+    *s_pack_over_budget, *s_unpack_slow, *s_check_version, *s_drop, *s_detach,
+    *s_kept_changed;
 
 static inline int is_none(PyObject* o) { return o == NULL || o == Py_None; }
 
@@ -85,8 +86,18 @@ typedef struct {
   long long version;
 } Saved;
 
+/* Kept: a saved tensor the store hands back as it is (a parameter, a
+ * small tensor), with its version when saved: without hooks autograd
+ * raises when such a tensor was changed in place since, and so must the
+ * unpack hook. */
+typedef struct {
+  PyObject_HEAD PyObject* tensor;
+  long long version;
+} Kept;
+
 /* _savedcore_types.c */
-extern PyType_Spec counters_spec, group_spec, saved_spec;
+extern PyType_Spec counters_spec, group_spec, saved_spec, kept_spec;
+PyObject* kept_create(PyObject* tensor, long long version);
 Group* group_create(PyObject* store, PyObject* key, Py_ssize_t nbytes,
                     Py_ssize_t position, PyObject* call);
 PyObject* saved_create(Group* group, Py_ssize_t index, long long version);

@@ -513,16 +513,56 @@ static PyObject* core_hook_pack(PyObject* self, PyObject* tensor) {
   Py_DECREF(storage);
   Py_DECREF(key);
   return saved;
-as_it_is:
-  /* Detached for the reason keep_member gives. */
-  r = autograd_made(tensor);
+as_it_is:;
+  /* Without hooks autograd raises at unpack for a saved tensor changed in
+   * place since; handed back as it is, its version is kept to check.
+   * Only for tensors that need grad (parameters, activations): autograd
+   * does not check a BatchNorm's running statistics, which the next
+   * forward (and a rebuild's restore) update in place. */
+  r = get_truth(tensor, s_requires_grad);
   if (r < 0) return NULL;
-  if (r) return PyObject_CallMethodObjArgs(tensor, s_detach, NULL);
-  Py_INCREF(tensor);
-  return tensor;
+  if (!r) {
+    Py_INCREF(tensor);
+    return tensor;
+  }
+  /* Detached for the reason keep_member gives (an alias: the same version
+   * counter). */
+  r = get_truth(tensor, s_is_leaf);
+  if (r < 0) return NULL;
+  PyObject* kept = r ? (Py_INCREF(tensor), tensor)
+                     : PyObject_CallMethodObjArgs(tensor, s_detach, NULL);
+  if (kept == NULL) return NULL;
+  long long version;
+  PyObject* result = NULL;
+  if (get_ll(kept, s_version, &version) == 0) {
+    result = kept_create(kept, version);
+  }
+  Py_DECREF(kept);
+  return result;
 }
 
 static PyObject* core_hook_unpack(PyObject* self, PyObject* saved) {
+  if (Py_TYPE(saved) == KeptType) {
+    Kept* k = (Kept*)saved;
+    long long version;
+    if (get_ll(k->tensor, s_version, &version) < 0) return NULL;
+    if (version != k->version) {
+      /* Raises as autograd does without hooks (saved.py words it). */
+      PyObject* v = PyLong_FromLongLong(k->version);
+      if (v == NULL) return NULL;
+      PyObject* r =
+          PyObject_CallMethodObjArgs(self, s_kept_changed, k->tensor, v, NULL);
+      Py_DECREF(v);
+      Py_XDECREF(r);
+      if (r != NULL) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "deltad: a saved tensor was modified in place");
+      }
+      return NULL;
+    }
+    Py_INCREF(k->tensor);
+    return k->tensor;
+  }
   if (Py_TYPE(saved) != SavedType) {
     Py_INCREF(saved);
     return saved;

@@ -231,3 +231,37 @@ static PyType_Slot saved_slots[] = {
     {0, NULL}};
 PyType_Spec saved_spec = {"deltad._savedcore.SavedTensor", sizeof(Saved), 0,
                           Py_TPFLAGS_DEFAULT, saved_slots};
+
+/* ---- Kept: a saved tensor handed back as it is, with its version. Not
+ * tracked by the garbage collector: what it holds is a parameter, a
+ * tensor autograd did not make, or a detached alias, none of which can
+ * refer back to it. */
+
+PyObject* kept_create(PyObject* tensor, long long version) {
+  Kept* k = (Kept*)PyType_GenericAlloc(KeptType, 0);
+  if (k == NULL) return NULL;
+  Py_INCREF(tensor);
+  k->tensor = tensor;
+  k->version = version;
+  return (PyObject*)k;
+}
+
+static void kept_dealloc(PyObject* self) {
+  Py_CLEAR(((Kept*)self)->tensor);
+  free_self(self);
+}
+
+static PyMemberDef kept_members[] = {
+    {"tensor", T_OBJECT, offsetof(Kept, tensor), READONLY, NULL},
+    {"version", T_LONGLONG, offsetof(Kept, version), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyType_Slot kept_slots[] = {
+    {Py_tp_doc,
+     "A saved tensor the store hands back as it is, and its version when "
+     "saved (the unpack hook raises if it changed in place since)."},
+    {Py_tp_members, kept_members},
+    {Py_tp_dealloc, kept_dealloc},
+    {0, NULL}};
+PyType_Spec kept_spec = {"deltad._savedcore.Kept", sizeof(Kept), 0,
+                         Py_TPFLAGS_DEFAULT, kept_slots};

@@ -184,6 +184,11 @@ class SavedStore(Restoring, _core.Core):
             self._check_version(group, saved, tensor)
         return tensor
 
+    def _kept_changed(self, tensor, version):
+        """Raises as PyTorch does for a tensor the hooks handed back as it
+        is (_savedcore's Kept), changed in place since it was saved."""
+        raise _modified(tensor, version)
+
     def _check_version(self, group, saved, tensor):
         """Raises as PyTorch does if `tensor`, whose version differs from
         its SavedTensor's, was changed in place since it was saved."""
