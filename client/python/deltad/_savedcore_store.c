@@ -234,13 +234,19 @@ static PyObject* store_pack(Core* c, PyObject* tensor, PyObject* key,
       call = Py_None;
     }
   }
+  /* Held: the allocations in group_create may run the collector, and with
+   * it the finalizer that takes the call out of `calls` (its last
+   * reference, when the tensor that returned it died). */
+  Py_INCREF(call);
   if (check_list(c->by_position, "by_position") < 0 ||
       check_list(c->order, "order") < 0) {
+    Py_DECREF(call);
     Py_DECREF(calls);
     goto done;
   }
   g = group_create((PyObject*)c, key, (Py_ssize_t)nbytes,
                    PyList_Size(c->by_position), call);
+  Py_DECREF(call);
   Py_DECREF(calls);
   if (g == NULL) goto done;
   if (get_ll(tensor, s_version, &version) < 0) goto done;
