@@ -307,6 +307,28 @@ class RecomputeFaithfulnessTest(unittest.TestCase):
         self.assert_same_training(_StridedSlice,
                                   lambda: torch.randn(2, 4, 16))
 
+    def test_a_module_with_a_path_without_grad_is_rebuilt_on_its_own(self):
+        # In eval() with grad on, PyTorch's TransformerEncoderLayer takes
+        # its fast path only where grad is off: a rebuild without grad ran
+        # other kernels.
+        class Encoder(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inp = torch.nn.Linear(16, 32)
+                self.layers = torch.nn.Sequential(*[
+                    torch.nn.TransformerEncoderLayer(
+                        32, 4, 64, batch_first=True, norm_first=True)
+                    for _ in range(2)])
+                self.out = torch.nn.Linear(32, 4)
+
+            def forward(self, x):
+                return self.out(self.layers(self.inp(x)))
+
+        def make_model():
+            return Encoder().eval()  # dropout off, grads still computed
+
+        self.assert_same_training(make_model, lambda: torch.randn(4, 8, 16))
+
 
 if __name__ == "__main__":
     unittest.main()

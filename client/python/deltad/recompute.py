@@ -338,11 +338,20 @@ class Recorder:
             _torch.set_rng_state(call.cpu_rng)
             if call.cuda_rng is not None:
                 _torch.cuda.set_rng_state(call.cuda_rng, self.device)
-            with _torch.no_grad(), \
+            # With grad, as the call ran: some code takes another path
+            # without it (PyTorch's fast path of TransformerEncoderLayer in
+            # eval(); the attention backend, and with it the dropout mask,
+            # chosen by whether the inputs need grad). The rerun's graph is
+            # never used: what it would save is dropped at once (no memory
+            # held for it) and the output detached.
+            with _torch.enable_grad(), \
+                    _torch.autograd.graph.saved_tensors_hooks(
+                        _dropped, _never_unpacked), \
                     _torch.autocast("cpu", dtype=cpu_dtype,
                                     enabled=cpu_on), \
                     _autocast_cuda(gpu_dtype, gpu_on):
-                return call.forward(*args, **kwargs)
+                out = call.forward(*args, **kwargs)
+            return out.detach() if isinstance(out, _torch.Tensor) else out
         finally:
             self.local.recomputing = False
             _torch.set_rng_state(cpu_rng)
@@ -370,6 +379,14 @@ class Recorder:
         if copy.stride() != view.stride():
             copy = _view(flat.clone(), source[2])
         return copy
+
+
+def _dropped(tensor):
+    return None
+
+
+def _never_unpacked(nothing):
+    raise RuntimeError("deltad: a rebuild's own graph was used for backward")
 
 
 def _autocast_cuda(dtype, enabled):
