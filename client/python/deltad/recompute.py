@@ -333,6 +333,8 @@ class Recorder:
         cuda_rng = (_torch.cuda.get_rng_state(self.device)
                     if call.cuda_rng is not None else None)
         gpu_on, gpu_dtype, cpu_on, cpu_dtype = call.autocast
+        # (Nested: a call's argument rebuilt by rerunning another call.)
+        outer = self.recomputing()
         self.local.recomputing = True
         try:
             _torch.set_rng_state(call.cpu_rng)
@@ -353,7 +355,7 @@ class Recorder:
                 out = call.forward(*args, **kwargs)
             return out.detach() if isinstance(out, _torch.Tensor) else out
         finally:
-            self.local.recomputing = False
+            self.local.recomputing = outer
             _torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 _torch.cuda.set_rng_state(cuda_rng, self.device)
