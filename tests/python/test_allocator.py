@@ -141,6 +141,11 @@ class MemPoolInstallTest(unittest.TestCase):
             def allocator(self):
                 return None
 
+        class CUDAGraph:
+            def capture_begin(self, *args, **kwargs):
+                return "captured"
+
+        torch.cuda.CUDAGraph = CUDAGraph
         torch.cuda.device = device
         torch.cuda.MemPool = MemPool
         torch.cuda.memory.CUDAPluggableAllocator = Pluggable
@@ -182,6 +187,19 @@ class MemPoolInstallTest(unittest.TestCase):
         self.install(0, {"PYTORCH_CUDA_ALLOC_CONF":
                          "expandable_segments:False"})
         self.assertEqual(allocator.mode(), "mempool")
+
+    def test_a_cuda_graph_capture_is_refused_while_installed(self):
+        # Its allocations would land in deltad's pool and be reused under
+        # its replays.
+        self.install(0)
+        with self.assertRaises(RuntimeError) as e:
+            self.torch.cuda.CUDAGraph().capture_begin()
+        self.assertIn("not supported while deltad's allocator",
+                      str(e.exception))
+        with mock.patch.dict(sys.modules, {"torch": self.torch}):
+            allocator.uninstall()
+        self.assertEqual(self.torch.cuda.CUDAGraph().capture_begin(),
+                         "captured")
 
     def test_the_routing_ends_when_the_interpreter_exits(self):
         ended = []

@@ -270,8 +270,42 @@ def install(client=None, budget_bytes=0, socket=DEFAULT_SOCKET, device=None,
                 client.close()
             raise
         _active = installation
+        _guard_graph_capture(torch)
         _arm_reclaim()  # (off under a MemPool)
         return client
+
+
+_capture_begin = None  # CUDAGraph.capture_begin, while guarded
+
+
+def _guard_graph_capture(torch):
+    """Makes a CUDA graph capture raise while deltad serves the process
+    (_lock held). A capture's allocations would come from deltad's pool
+    (its route matches first, where the graph's own private pool should),
+    and eager tensors would then reuse memory every replay writes: silent
+    corruption, where refusing says what to do."""
+    global _capture_begin
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    if graph is None or _capture_begin is not None:
+        return
+    _capture_begin = graph.capture_begin
+
+    def capture_begin(self, *args, **kwargs):
+        raise RuntimeError(
+            "CUDA graph capture (torch.cuda.graph, torch.compile with "
+            "mode='reduce-overhead') is not supported while deltad's "
+            "allocator serves this process: the graph's memory would come "
+            "from deltad's pool and be reused under its replays. Run "
+            "without deltad.allocator.install() (or python -m deltad.run "
+            "--no_allocator), or set DELTAD_DISABLE=1.")
+    graph.capture_begin = capture_begin
+
+
+def _unguard_graph_capture(torch):
+    global _capture_begin
+    if _capture_begin is not None:
+        torch.cuda.CUDAGraph.capture_begin = _capture_begin
+        _capture_begin = None
 
 
 def _refuse_expandable_segments():
@@ -332,6 +366,7 @@ def uninstall():
         _library().deltad_allocator_detach()
         _retired.append(_active)
         _active = None
+        _unguard_graph_capture(torch)
         _arm_reclaim()
 
 
