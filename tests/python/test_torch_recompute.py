@@ -330,5 +330,41 @@ class RecomputeFaithfulnessTest(unittest.TestCase):
         self.assert_same_training(make_model, lambda: torch.randn(4, 8, 16))
 
 
+class CopiesOfAWrappedModelTest(unittest.TestCase):
+    """A model copied (an EMA copy, AveragedModel) or saved inside a block
+    that records its calls runs its own forward, not the original's."""
+
+    def test_a_copy_runs_its_own_forward_and_a_saved_model_loads(self):
+        import copy
+        import io
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                    torch.nn.Linear(32, 4))
+        x = torch.randn(8, 16)
+        saved = io.BytesIO()
+        with deltad.torch.managed(model, socket=None, budget_bytes=1000,
+                                  min_bytes=1, policy="recompute") as m:
+            model(x).square().mean().backward()
+            self.assertGreater(m.stats().recorded_calls, 0)
+            clone = copy.deepcopy(model)
+            torch.save(model, saved)
+            expected = torch.nn.Sequential.forward(clone, x)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1)
+            # The copy's weights, not the changed original's.
+            self.assertTrue(torch.equal(clone(x), expected))
+            self.assertFalse(torch.equal(clone(x), model(x)))
+        saved.seek(0)
+        loaded = torch.load(saved)
+        self.assertEqual(tuple(loaded(x).shape), (8, 4))
+        # The copy can be managed, and recorded, in turn.
+        with deltad.torch.managed(clone, socket=None, budget_bytes=1000,
+                                  min_bytes=1, policy="recompute") as m:
+            clone(x).square().mean().backward()
+            self.assertGreater(m.stats().recorded_calls, 0)
+
+
 if __name__ == "__main__":
     unittest.main()

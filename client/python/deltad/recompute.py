@@ -97,6 +97,35 @@ else:
                 _torch.get_autocast_cpu_dtype())
 
 
+class _Recording:
+    """A module's forward while its calls are recorded (Recorder.wrap), in
+    the module's own table. Copied with the module (copy.deepcopy: an EMA
+    copy, AveragedModel) or pickled with it (torch.save), it becomes the
+    copy's own forward, unrecorded: a closure would run the original
+    module's forward on the copy's calls, and could not be pickled."""
+
+    __slots__ = ("module", "run")
+
+    def __init__(self, module, run):
+        self.module = module
+        self.run = run
+
+    def __call__(self, *args, **kwargs):
+        return self.run(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        # The copy of the module is in `memo` before its table is copied;
+        # its table is still empty, so this finds its class's forward.
+        copy = memo.get(id(self.module))
+        return self if copy is None else getattr(copy, "forward")
+
+    def __reduce__(self):
+        # Rebuilt as getattr(module, "forward") once unpickled, before the
+        # module's table is restored: its class's forward, and no deltad
+        # needed to load it.
+        return getattr, (self.module, "forward")
+
+
 class Recorder:
     """Records module calls while wrapped; reruns them for the store."""
 
@@ -123,9 +152,14 @@ class Recorder:
         if self.wrapped:
             return
         for module in model.modules():
-            if "forward" in module.__dict__:
+            own = module.__dict__.get("forward")
+            if own is not None and not (
+                    getattr(own, "__self__", None) is module and
+                    getattr(own, "__func__", None) is type(module).forward):
                 continue  # patched by the user: left as it is
-            module.forward = self._wrapper(module, module.forward)
+            # (Its class's forward in its table: a copy of a wrapped one.)
+            module.forward = _Recording(
+                module, self._wrapper(module, module.forward))
             self.wrapped.append(module)
 
     def unwrap(self):
