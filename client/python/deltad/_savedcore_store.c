@@ -190,21 +190,45 @@ static PyObject* store_pack(Core* c, PyObject* tensor, PyObject* key,
   long long version;
   if (found != NULL && Py_TYPE(found) == GroupType &&
       ((Group*)found)->state == RESIDENT) {
-    /* Another view of a storage saved already. */
+    /* Another view of a storage saved already. The allocations below may
+     * run the collector, and with it the death of this group's last
+     * SavedTensor, which would drop the group under the new member: such
+     * deaths wait until it has joined (member_died defers them while the
+     * store is busy). */
     g = (Group*)found;
     Py_INCREF(g);
-    if (get_ll(tensor, s_version, &version) < 0) goto done;
+    const char busy = c->busy;
+    c->busy = 1;
     Py_ssize_t index;
-    if (add_member(g, tensor, &index) < 0) goto done;
-    g->live++;
-    result = saved_create(g, index, version);
-    if (result == NULL) {
-      /* Not saved after all: the group is as it was. */
-      g->live--;
+    if (get_ll(tensor, s_version, &version) == 0 &&
+        add_member(g, tensor, &index) == 0) {
+      g->live++;
+      result = saved_create(g, index, version);
+      if (result == NULL) {
+        /* Not saved after all: the group is as it was. */
+        g->live--;
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        if (forget_member(g, index) < 0) PyErr_Clear();
+        PyErr_Restore(type, value, traceback);
+      }
+    }
+    c->busy = busy;
+    if (!busy && c->dying != NULL && PyList_Check(c->dying) &&
+        PyList_Size(c->dying) > 0) {
+      /* The deaths deferred meanwhile, now (saved.py's _done). */
       PyObject *type, *value, *traceback;
       PyErr_Fetch(&type, &value, &traceback);
-      if (forget_member(g, index) < 0) PyErr_Clear();
-      PyErr_Restore(type, value, traceback);
+      PyObject* r = PyObject_CallMethod((PyObject*)c, "_done", "O", Py_False);
+      if (r == NULL) {
+        Py_CLEAR(result);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+      } else {
+        Py_DECREF(r);
+        PyErr_Restore(type, value, traceback);
+      }
     }
     goto done;
   }
