@@ -470,13 +470,11 @@ int RunTable(const std::string& command) {
       int64_t swap_lb = 0;
       int64_t mixed_lb = 0;
       for (const std::string& policy : policies) {
-        const SimResult* r = Find(rows, trace.name, ratio, policy);
-        md << " | " << (r ? Cell(*r) : "");
-      }
-      for (const Row& row : rows) {
-        if (row.trace == trace.name && std::abs(row.ratio - ratio) < 1e-9) {
-          swap_lb = row.swap_lb_ns;
-          mixed_lb = row.mixed_lb_ns;
+        const Row* row = FindRow(rows, trace.name, ratio, policy);
+        md << " | " << (row ? Cell(row->result) : "");
+        if (row != nullptr) {  // the cell's bounds, on each of its rows
+          swap_lb = row->swap_lb_ns;
+          mixed_lb = row->mixed_lb_ns;
         }
       }
       const auto ideal = static_cast<double>(trace.program.compute_ns);

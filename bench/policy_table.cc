@@ -95,15 +95,21 @@ void WritePlots(const std::string& dir, const std::vector<Row>& rows,
   }
 }
 
-const SimResult* Find(const std::vector<Row>& rows, const std::string& trace,
-                      double ratio, const std::string& policy) {
+const Row* FindRow(const std::vector<Row>& rows, const std::string& trace,
+                   double ratio, const std::string& policy) {
   for (const Row& r : rows) {
     if (r.trace == trace && std::abs(r.ratio - ratio) < 1e-9 &&
         r.result.policy == policy) {
-      return &r.result;
+      return &r;
     }
   }
   return nullptr;
+}
+
+const SimResult* Find(const std::vector<Row>& rows, const std::string& trace,
+                      double ratio, const std::string& policy) {
+  const Row* row = FindRow(rows, trace, ratio, policy);
+  return row == nullptr ? nullptr : &row->result;
 }
 
 void CheckTargets(const std::vector<BenchTrace>& traces,
@@ -156,23 +162,18 @@ void CheckTargets(const std::vector<BenchTrace>& traces,
   std::vector<std::string> cnn_values;
   for (const BenchTrace& trace : traces) {
     if (!trace.cnn || trace.source != "dtr-log") continue;
-    const SimResult* delta = Find(rows, trace.name, 0.5, "delta");
-    if (delta == nullptr) continue;
+    const Row* row = FindRow(rows, trace.name, 0.5, "delta");
+    if (row == nullptr) continue;
+    const SimResult* delta = &row->result;
     ++cnn;
     const bool ok = delta->fits && delta->slowdown() <= 1.10;
     cnn_met += ok ? 1 : 0;
     // Beside the least any schedule could take there (LowerBounds).
-    int64_t lb = 0;
-    for (const Row& row : rows) {
-      if (row.trace == trace.name && std::abs(row.ratio - 0.5) < 1e-9) {
-        lb = row.mixed_lb_ns;
-      }
-    }
     cnn_values.push_back(absl::StrCat(
         trace.name, " ",
         delta->fits ? absl::StrFormat("%.3f", delta->slowdown()) : "-",
         absl::StrFormat(" (LB %.3f)",
-                        static_cast<double>(lb) /
+                        static_cast<double>(row->mixed_lb_ns) /
                             static_cast<double>(trace.program.compute_ns))));
   }
   const bool t2 = cnn > 0 && cnn_met == cnn;

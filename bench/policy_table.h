@@ -48,7 +48,9 @@ void WritePlots(const std::string& dir, const std::vector<Row>& rows,
                 const std::vector<std::string>& policies,
                 std::vector<std::string>* written);
 
-// The row of `policy` on `trace` at `ratio`, or null.
+// The row of `policy` on `trace` at `ratio`, or null; Find: its result.
+const Row* FindRow(const std::vector<Row>& rows, const std::string& trace,
+                   double ratio, const std::string& policy);
 const SimResult* Find(const std::vector<Row>& rows, const std::string& trace,
                       double ratio, const std::string& policy);
 

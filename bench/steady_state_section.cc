@@ -4,7 +4,6 @@
 #include <map>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -13,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "policies/sim/policy_registry.h"
 #include "policies/sim/simulator.h"
+#include "policies/sim/steady_state_policy.h"
 
 namespace deltad::sim {
 namespace {
@@ -41,7 +41,7 @@ absl::StatusOr<std::string> SteadyStateSection(
         "replays' wall time on this machine against the simulated "
         "iteration it plans (the target's measure), and their CPU time: "
         "they run on "
-     << std::max(1u, std::thread::hardware_concurrency())
+     << SteadyStatePolicy::DefaultPlannerThreads()
      << " threads at once, one per core, each taking the next replay "
         "(`0.0 ms`: every iteration ran in its ideal time, nothing to "
         "plan).\n\n";

@@ -19,38 +19,12 @@ int64_t CeilNs(double bytes, double bytes_per_s) {
 // The steps whose bound is taken: those with the most bytes live.
 constexpr size_t kStepsBounded = 64;
 
-// Bytes in use at each step with unlimited memory (Compile's count, its
-// workspace included).
-std::vector<int64_t> LivePerStep(const Program& program) {
-  std::vector<int64_t> live(program.steps.size(), 0);
-  int64_t now = program.constant_bytes;
-  for (int32_t s : program.initial_frees) now -= program.storages[s].bytes;
-  for (size_t i = 0; i < program.steps.size(); ++i) {
-    const Step& step = program.steps[i];
-    std::vector<int32_t> reused;
-    for (const InPlace& ip : step.in_place) {
-      if (std::find(step.frees.begin(), step.frees.end(), ip.old) !=
-          step.frees.end()) {
-        reused.push_back(ip.created);
-      }
-    }
-    for (int32_t c : step.creates) {
-      if (std::find(reused.begin(), reused.end(), c) == reused.end()) {
-        now += program.storages[c].bytes;
-      }
-    }
-    live[i] = now + step.workspace_bytes;
-    for (int32_t f : step.frees) now -= program.storages[f].bytes;
-    for (int32_t r : reused) now += program.storages[r].bytes;
-  }
-  return live;
-}
-
 // What must be rebuilt or swapped around one step, and what that costs.
 class StepBound {
  public:
   StepBound(const Program& program, const DeviceProfile& device,
             const std::vector<int32_t>& last_read,
+            const std::vector<char>& dropped,
             const std::vector<int64_t>& before_ns, size_t s)
       : d2h_ns_per_byte_(1e9 / device.d2h_bytes_per_s),
         h2d_ns_per_byte_(1e9 / device.h2d_bytes_per_s) {
@@ -61,18 +35,7 @@ class StepBound {
     std::vector<char> used(program.storages.size(), 0);
     for (int32_t r : step.reads) used[r] = 1;
     for (int32_t c : step.creates) used[c] = 1;
-    must_ = step.workspace_bytes;
-    for (size_t j = 0; j < used.size(); ++j) {
-      if (used[j]) must_ += program.storages[j].bytes;
-    }
-    for (const InPlace& ip : step.in_place) {
-      if (std::find(step.frees.begin(), step.frees.end(), ip.old) !=
-          step.frees.end()) {
-        must_ -= program.storages[ip.created].bytes;
-      }
-    }
-    std::vector<char> dropped(program.storages.size(), 0);
-    for (int32_t f : program.initial_frees) dropped[f] = 1;
+    must_ = step.need_bytes;
     absl::flat_hash_map<int32_t, int64_t> by_producer;
     for (size_t j = 0; j < program.storages.size(); ++j) {
       const Storage& st = program.storages[j];
@@ -192,16 +155,20 @@ int64_t MixedBound(const Program& program, const DeviceProfile& device,
       last_read[r] = static_cast<int32_t>(i);
     }
   }
-  const std::vector<int64_t> live = LivePerStep(program);
+  // Constants dropped before the first step (inputs the trace frees).
+  std::vector<char> dropped(program.storages.size(), 0);
+  for (int32_t f : program.initial_frees) dropped[f] = 1;
+  auto live = [&](size_t step) { return program.steps[step].live_bytes; };
   std::vector<size_t> order(n);
   std::iota(order.begin(), order.end(), size_t{0});
   const size_t bounded = std::min(kStepsBounded, n);
   std::partial_sort(order.begin(), order.begin() + bounded, order.end(),
-                    [&](size_t a, size_t b) { return live[a] > live[b]; });
+                    [&](size_t a, size_t b) { return live(a) > live(b); });
   double best = static_cast<double>(program.compute_ns);
   for (size_t k = 0; k < bounded; ++k) {
-    if (live[order[k]] <= budget_bytes) break;
-    const StepBound step(program, device, last_read, before_ns, order[k]);
+    if (live(order[k]) <= budget_bytes) break;
+    const StepBound step(program, device, last_read, dropped, before_ns,
+                         order[k]);
     best = std::max(best, step.Least(budget_bytes));
   }
   // Rounded down, and a nanosecond per step for the doubles' rounding.

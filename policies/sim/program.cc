@@ -92,6 +92,7 @@ absl::StatusOr<Program> Compile(const Trace& trace) {
     for (int32_t s : step.creates) {
       if (!reused.contains(s)) need += p.storages[s].bytes;
     }
+    step.need_bytes = need;
     if (need > p.min_budget_bytes) {
       p.min_budget_bytes = need;
       p.min_budget_step = step_index;
@@ -99,7 +100,8 @@ absl::StatusOr<Program> Compile(const Trace& trace) {
     for (int32_t s : step.creates) {
       if (!reused.contains(s)) live += p.storages[s].bytes;
     }
-    p.peak_bytes = std::max(p.peak_bytes, live + step.workspace_bytes);
+    step.live_bytes = live + step.workspace_bytes;
+    p.peak_bytes = std::max(p.peak_bytes, step.live_bytes);
     for (int32_t s : step.frees) live -= p.storages[s].bytes;
     for (int32_t s : reused) live += p.storages[s].bytes;
     p.compute_ns += step.time_ns;

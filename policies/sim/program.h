@@ -44,6 +44,11 @@ struct Step {
   std::vector<int32_t> creates;  // new storages (in-place results included)
   std::vector<InPlace> in_place;
   std::vector<int32_t> frees;  // storages whose last name drops after it
+  // What must be on the device during the step (its reads, its new
+  // storages but those made in place of a storage it frees, its
+  // workspace), and what is, with unlimited memory (the workspace too).
+  int64_t need_bytes = 0;
+  int64_t live_bytes = 0;
 };
 
 // A trace compiled to storages: what the simulator executes. Immutable

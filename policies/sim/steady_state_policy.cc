@@ -67,10 +67,12 @@ int64_t ThreadCpuNs() {
 
 SteadyStatePolicy::SteadyStatePolicy(int planner_threads)
     : delta_(std::make_unique<DynamicPolicy>(*DynamicPolicyPreset("delta"))),
-      planner_threads_(planner_threads > 0
-                           ? planner_threads
-                           : static_cast<int>(std::max(
-                                 1u, std::thread::hardware_concurrency()))) {}
+      planner_threads_(planner_threads > 0 ? planner_threads
+                                           : DefaultPlannerThreads()) {}
+
+int SteadyStatePolicy::DefaultPlannerThreads() {
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
 SteadyStatePolicy::~SteadyStatePolicy() = default;
 
 void SteadyStatePolicy::BeginIteration(SimContext& ctx) {

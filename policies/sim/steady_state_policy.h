@@ -39,6 +39,8 @@ namespace deltad::sim {
 class SteadyStatePolicy final : public SimPolicy {
  public:
   explicit SteadyStatePolicy(int planner_threads = 0);
+  // The threads planning runs on by default: one per core.
+  static int DefaultPlannerThreads();
   ~SteadyStatePolicy() override;
 
   std::string name() const override { return "delta-steady"; }

@@ -104,14 +104,15 @@ class _Recording:
     copy's own forward, unrecorded: a closure would run the original
     module's forward on the copy's calls, and could not be pickled."""
 
-    __slots__ = ("module", "run")
+    __slots__ = ("recorder", "module", "forward")
 
-    def __init__(self, module, run):
+    def __init__(self, recorder, module, forward):
+        self.recorder = recorder
         self.module = module
-        self.run = run
+        self.forward = forward  # the module's own, bound
 
     def __call__(self, *args, **kwargs):
-        return self.run(*args, **kwargs)
+        return self.recorder._record(self.module, self.forward, args, kwargs)
 
     def __deepcopy__(self, memo):
         # The copy of the module is in `memo` before its table is copied;
@@ -158,8 +159,7 @@ class Recorder:
                     getattr(own, "__func__", None) is type(module).forward):
                 continue  # patched by the user: left as it is
             # (Its class's forward in its table: a copy of a wrapped one.)
-            module.forward = _Recording(
-                module, self._wrapper(module, module.forward))
+            module.forward = _Recording(self, module, module.forward)
             self.wrapped.append(module)
 
     def unwrap(self):
@@ -170,40 +170,36 @@ class Recorder:
     def recomputing(self):
         return getattr(self.local, "recomputing", False)
 
-    def _wrapper(self, module, forward):
-        recorder = self
-
-        def forward_with_deltad(*args, **kwargs):
-            if recorder.recomputing() or not _torch.is_grad_enabled():
-                return forward(*args, **kwargs)
-            before = [(t, t._version)
-                      for t in _tensors_in((args, kwargs), [])]
-            call = Call()
-            # Rerun without the module's hooks: the arguments recorded are
-            # those its forward pre-hooks gave, and the output the one its
-            # forward hooks were given (__call__ would apply them again).
-            call.forward = forward
-            call.cpu_rng = _torch.get_rng_state()
-            call.cuda_rng = (_torch.cuda.get_rng_state(recorder.device)
-                             if recorder.cuda else None)
-            call.autocast = _autocast_state()
-            call.events = None
-            if recorder.cuda:
-                start = _torch.cuda.Event(enable_timing=True)
-                end = _torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = forward(*args, **kwargs)
-                end.record()
-                call.events = (start, end)
-                call.own_ns = 0  # until the events are read
-            else:
-                start = time.perf_counter_ns()
-                out = forward(*args, **kwargs)
-                call.own_ns = time.perf_counter_ns() - start
-            recorder._produced_by(module, call, out, args, kwargs, before)
-            return out
-
-        return forward_with_deltad
+    def _record(self, module, forward, args, kwargs):
+        """A wrapped module's call: its forward, recorded."""
+        if self.recomputing() or not _torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        before = [(t, t._version)
+                  for t in _tensors_in((args, kwargs), [])]
+        call = Call()
+        # Rerun without the module's hooks: the arguments recorded are
+        # those its forward pre-hooks gave, and the output the one its
+        # forward hooks were given (__call__ would apply them again).
+        call.forward = forward
+        call.cpu_rng = _torch.get_rng_state()
+        call.cuda_rng = (_torch.cuda.get_rng_state(self.device)
+                         if self.cuda else None)
+        call.autocast = _autocast_state()
+        call.events = None
+        if self.cuda:
+            start = _torch.cuda.Event(enable_timing=True)
+            end = _torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = forward(*args, **kwargs)
+            end.record()
+            call.events = (start, end)
+            call.own_ns = 0  # until the events are read
+        else:
+            start = time.perf_counter_ns()
+            out = forward(*args, **kwargs)
+            call.own_ns = time.perf_counter_ns() - start
+        self._produced_by(module, call, out, args, kwargs, before)
+        return out
 
     def _produced_by(self, module, call, out, args, kwargs, before):
         if (not isinstance(out, _torch.Tensor) or out.layout !=
