@@ -121,8 +121,10 @@ class Engine final : public SimContext {
   void FreeStorage(int32_t s);
   bool RunIteration();
   // An in-place result takes the memory of the storage it replaces when
-  // that one loses its last name in this step.
-  bool TakeOverInPlace(const Step& step, int32_t created);
+  // that one loses its last name in this step: returns the replaced
+  // storage (-1: none), whose death the caller reports once the policy has
+  // seen the result created from it.
+  int32_t TakeOverInPlace(const Step& step, int32_t created);
   void Fail(std::string why) {
     if (failure_.empty()) failure_ = std::move(why);
   }

@@ -153,7 +153,7 @@ void Engine::FreeStorage(int32_t s) {
   SetState(s, StorageState::kDead);
 }
 
-bool Engine::TakeOverInPlace(const Step& step, int32_t created) {
+int32_t Engine::TakeOverInPlace(const Step& step, int32_t created) {
   for (const InPlace& ip : step.in_place) {
     if (ip.created != created || state_[ip.old] != StorageState::kResident ||
         std::find(step.frees.begin(), step.frees.end(), ip.old) ==
@@ -164,14 +164,13 @@ bool Engine::TakeOverInPlace(const Step& step, int32_t created) {
     if (!allocator_->Allocate(created, program_.storages[created].bytes)) {
       // Only a rounding allocator could refuse; give the block back.
       (void)allocator_->Allocate(ip.old, program_.storages[ip.old].bytes);
-      return false;
+      return -1;
     }
     DropHostCopy(ip.old);
     ++generation_[ip.old];
-    SetState(ip.old, StorageState::kDead);
-    return true;
+    return ip.old;
   }
-  return false;
+  return -1;
 }
 
 bool Engine::RunIteration() {
@@ -204,12 +203,15 @@ bool Engine::RunIteration() {
     }
     for (int32_t s : step.creates) {
       Lock(s);
-      if (!TakeOverInPlace(step, s) &&
-          !Allocate(s, program_.storages[s].bytes)) {
+      const int32_t replaced = TakeOverInPlace(step, s);
+      if (replaced < 0 && !Allocate(s, program_.storages[s].bytes)) {
         return false;
       }
       SetState(s, StorageState::kResident);
       policy_.OnCreate(*this, s);
+      // After the result is created from it: a policy that tracks parents
+      // keeps the replaced storage as the ancestor a rebuild needs.
+      if (replaced >= 0) SetState(replaced, StorageState::kDead);
     }
     if (step.workspace_bytes > 0 &&
         !Allocate(kWorkspaceId, step.workspace_bytes)) {

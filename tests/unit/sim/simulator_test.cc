@@ -298,6 +298,75 @@ TEST(Simulator, DeltaOnTheBestFitArenaWithEmptyTensorsStaysWithinBudget) {
   EXPECT_LE(r.peak_bytes, p.peak_bytes / 2);
 }
 
+// Layers of a heavy op, each followed by an in-place update of its output
+// (a convolution and its ReLU_): the updated storage's rebuild must run the
+// heavy op again, since the update took over the memory of what it read.
+Trace HeavyOpThenInPlaceTrace(int layers) {
+  TraceBuilder b("heavy-then-in-place");
+  const int32_t x = b.Constant("x", 1000);
+  std::vector<int32_t> act;
+  int32_t prev = x;
+  for (int i = 0; i < layers; ++i) {
+    b.Op("conv", Phase::kForward, 40000).Input(prev);
+    const int32_t y = b.Output(absl::StrCat("y", i), 1000);
+    b.Op("relu_", Phase::kForward, 10).Input(y);
+    prev = b.Version(y);
+    act.push_back(prev);
+  }
+  int32_t grad = -1;
+  for (int i = layers - 1; i >= 0; --i) {
+    b.Op("conv_backward", Phase::kBackward, 1000).Input(act[i]);
+    if (grad >= 0) b.Input(grad);
+    const int32_t g = b.Output(absl::StrCat("g", i), 1000);
+    if (grad >= 0) b.Release(grad);
+    b.Release(act[i]);
+    grad = g;
+  }
+  b.Release(grad);
+  return std::move(b).Build();
+}
+
+TEST(Simulator, APolicySeesTheStorageAnInPlaceResultReplacesStillResident) {
+  const Program p = Compiled(HeavyOpThenInPlaceTrace(2));
+  const int32_t y0 = p.steps[0].creates[0];
+  const int32_t updated = p.steps[1].creates[0];
+  ASSERT_EQ(p.steps[1].in_place.size(), 1u);
+  StorageState seen = StorageState::kAbsent;
+  class Recording : public SimPolicy {
+   public:
+    Recording(int32_t watch, int32_t replaced, StorageState* seen)
+        : watch_(watch), replaced_(replaced), seen_(seen) {}
+    std::string name() const override { return "recording"; }
+    void OnCreate(SimContext& ctx, int32_t s) override {
+      if (s == watch_) *seen_ = ctx.state(replaced_);
+    }
+    bool MakeRoom(SimContext&, int64_t) override { return false; }
+
+   private:
+    int32_t watch_, replaced_;
+    StorageState* seen_;
+  } recording(updated, y0, &seen);
+  SimOptions o;
+  o.budget_bytes = p.peak_bytes;
+  auto r = Simulate(p, TestDevice(), recording, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->fits) << r->failure;
+  // What a rebuild of the result needs is still known when it is created.
+  EXPECT_EQ(seen, StorageState::kResident);
+}
+
+TEST(Simulator, DeltaPricesAnInPlaceResultsRebuildWithTheOpBeforeIt) {
+  // Each updated activation costs the heavy op to rebuild (40 us) against
+  // about 18 us to copy out and back: delta offloads. Priced by the update
+  // alone (10 ns), it would evict them and run the heavy ops again.
+  const Program p = Compiled(HeavyOpThenInPlaceTrace(8));
+  const SimResult r = RunPolicy(p, "delta", p.peak_bytes / 2);
+  ASSERT_TRUE(r.fits) << r.failure;
+  EXPECT_GT(r.offloads, 0);
+  EXPECT_EQ(r.evictions, 0);
+  EXPECT_EQ(r.recompute_ns, 0);
+}
+
 // The policy library's table mirrors every storage the simulator moves; a
 // change it refuses means the two disagree (how a leak of rebuilt tensors
 // once hid). Run every dynamic configuration on the chain and, where they
