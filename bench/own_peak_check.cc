@@ -81,9 +81,10 @@ absl::StatusOr<std::string> OwnPeakSection(
         "on the "
      << device.name << " profile: " << runs
      << " runs; each policy's budget is the peak of a run of as many "
-        "iterations as it runs (`delta-replay` and `delta-steady`: 2; in a "
-        "best-fit arena the second iteration lays its tensors out anew "
-        "around the parameters and can need more). Where the free bytes "
+        "iterations as it runs (`delta-replay` and `delta-steady`: 2; where "
+        "an allocator model places blocks, the second iteration lays its "
+        "tensors out around what the first left and can need more: one "
+        "graph under `pytorch-caching`). Where the free bytes "
         "are enough but in pieces once the policy has released what it "
         "would, the simulator frees the blocks of the range that holds the "
         "allocation at the least cost (`Engine::FreeRangeFor`: evicting what "

@@ -165,9 +165,9 @@ absl::StatusOr<std::string> RandomGraphSection(
      << iterations
      << " training iterations back to back, the first included, at each "
         "budget ratio of the peak of as many iterations under `"
-     << AllocatorKindName(allocator) << "` (the second iteration can need "
-     << "more than the first: it starts with the gradients and optimizer "
-        "state the first left), on the "
+     << AllocatorKindName(allocator)
+     << "` (each iteration starts from the parameters and optimizer state "
+        "the one before left, where it left them), on the "
      << device.name
      << " profile, compared by the total time against as many ideal "
         "iterations, as in the steady-state section: a policy that plans "

@@ -114,12 +114,17 @@ class Engine final : public SimContext {
   // Frees the blocks of a range that would hold `bytes` (fragmentation);
   // false when none could be freed.
   bool FreeRangeFor(int64_t bytes);
+  // An offload not landed: the storage stays on the device, its copy gone.
+  void CancelOffload(int32_t s);
   void CancelReload(int32_t s);
   // Brings a storage back to the device for the current step.
   bool Materialize(int32_t s, int depth);
   bool Recompute(int32_t s, int depth);
   void FreeStorage(int32_t s);
   bool RunIteration();
+  // At an iteration's start: a constant updated in place in the last one
+  // takes over its final version's memory and place (device or host).
+  bool CarryOver(const Carry& c);
   // An in-place result takes the memory of the storage it replaces when
   // that one loses its last name in this step: returns the replaced
   // storage (-1: none), whose death the caller reports once the policy has

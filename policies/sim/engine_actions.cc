@@ -234,6 +234,13 @@ bool Engine::Allocate(int64_t id, int64_t bytes) {
   }
 }
 
+void Engine::CancelOffload(int32_t s) {
+  ++generation_[s];  // the copy's end is ignored
+  releasing_ -= program_.storages[s].bytes;
+  host_used_ -= program_.storages[s].bytes;
+  SetState(s, StorageState::kResident);
+}
+
 void Engine::CancelReload(int32_t s) {
   // The copy's link time is spent; its end is ignored (generation), and
   // the host copy, kept until a reload lands, is the storage again.

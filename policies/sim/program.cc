@@ -27,11 +27,20 @@ absl::StatusOr<Program> Compile(const Trace& trace) {
     names.push_back(1);
     return static_cast<int32_t>(p.storages.size() - 1);
   };
+  // The constant each value views or updates, if any; and each constant's
+  // latest version.
+  std::vector<int32_t> constant_of(trace.values.size(), -1);
+  std::vector<int32_t> latest;
   for (size_t v = 0; v < trace.values.size(); ++v) {
     if (trace.values[v].kind == Kind::kConstant) {
       storage_of[v] = new_storage(trace.values[v], -1);
       p.constant_bytes += trace.values[v].bytes;
+      constant_of[v] = storage_of[v];
     }
+  }
+  latest.resize(p.storages.size());
+  for (size_t s = 0; s < latest.size(); ++s) {
+    latest[s] = static_cast<int32_t>(s);
   }
   auto release = [&](int32_t value, std::vector<int32_t>& frees) {
     const int32_t s = storage_of[value];
@@ -62,12 +71,15 @@ absl::StatusOr<Program> Compile(const Trace& trace) {
       if (val.kind == Kind::kAlias) {
         storage_of[v] = storage_of[val.base];
         ++names[storage_of[v]];
+        constant_of[v] = constant_of[val.base];
         continue;
       }
       // An output, or an in-place update: a new immutable storage.
       storage_of[v] = new_storage(val, step_index);
       step.creates.push_back(storage_of[v]);
       if (val.kind == Kind::kVersion) {
+        constant_of[v] = constant_of[val.base];
+        if (constant_of[v] >= 0) latest[constant_of[v]] = storage_of[v];
         const int32_t old = storage_of[val.base];
         if (seen.insert(old).second) step.reads.push_back(old);
         step.in_place.push_back({storage_of[v], old});
@@ -110,6 +122,15 @@ absl::StatusOr<Program> Compile(const Trace& trace) {
   for (const Step& step : p.steps) {
     for (int32_t s : step.frees) {
       p.storages[s].freed_at = static_cast<int32_t>(&step - p.steps.data());
+    }
+  }
+  // A constant whose name moved to a version that lives to the end starts
+  // the next iteration as that version.
+  for (size_t c = 0; c < latest.size(); ++c) {
+    const int32_t last = latest[c];
+    if (last != static_cast<int32_t>(c) && p.storages[c].freed_at >= 0 &&
+        p.storages[last].freed_at < 0) {
+      p.carries.push_back({last, static_cast<int32_t>(c)});
     }
   }
   // A storage can be rebuilt at any time of its life when every parent can

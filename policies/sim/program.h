@@ -34,6 +34,14 @@ struct InPlace {
   int32_t old = 0;
 };
 
+// A constant updated in place during an iteration (a weight, an optimizer
+// state): `final` holds its value at the end, and the next iteration starts
+// from it where `constant` was, on the device or the host.
+struct Carry {
+  int32_t final = 0;
+  int32_t constant = 0;
+};
+
 struct Step {
   int32_t op = 0;  // index in the trace
   Phase phase = Phase::kForward;
@@ -58,6 +66,7 @@ struct Program {
   std::vector<Storage> storages;
   std::vector<Step> steps;
   std::vector<int32_t> initial_frees;  // storages dropped before step 0
+  std::vector<Carry> carries;
 
   int64_t compute_ns = 0;      // sum of step times: the ideal makespan
   int64_t constant_bytes = 0;  // storages present at the start

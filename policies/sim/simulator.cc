@@ -17,10 +17,7 @@ bool Engine::Materialize(int32_t s, int depth) {
       return true;
     case StorageState::kOffloading:
       // Still on the device: keep it and drop the copy.
-      ++generation_[s];
-      releasing_ -= program_.storages[s].bytes;
-      host_used_ -= program_.storages[s].bytes;
-      SetState(s, StorageState::kResident);
+      CancelOffload(s);
       return true;
     case StorageState::kReloading: {
       int64_t end = now_;
@@ -173,9 +170,56 @@ int32_t Engine::TakeOverInPlace(const Step& step, int32_t created) {
   return -1;
 }
 
+bool Engine::CarryOver(const Carry& c) {
+  const int32_t from = c.final;
+  const int32_t to = c.constant;
+  // A copy under way ends where it started: an offload not landed leaves
+  // the version on the device, a reload not landed on the host.
+  switch (state_[from]) {
+    case StorageState::kAbsent:  // the first iteration
+      return true;
+    case StorageState::kOffloading:
+      CancelOffload(from);
+      break;
+    case StorageState::kReloading:
+      CancelReload(from);
+      break;
+    default:
+      break;
+  }
+  const StorageState where = state_[from];
+  const int64_t bytes = program_.storages[from].bytes;
+  if (where != StorageState::kResident && where != StorageState::kOffloaded) {
+    Fail(absl::StrCat("the last version of ", program_.storages[to].name,
+                      " was lost: it cannot start the next iteration"));
+    return false;
+  }
+  // The version's memory becomes the constant's: freed, then taken again
+  // at once, so the two are never held together.
+  FreeStorage(from);
+  state_[from] = StorageState::kAbsent;
+  if (where == StorageState::kResident) {
+    if (!Allocate(to, bytes)) return false;
+    SetState(to, StorageState::kResident);
+    policy_.OnCreate(*this, to);
+    return true;
+  }
+  // On the host: the policy sees it made and offloaded, and the next
+  // iteration reloads it as any offloaded storage, where a reload pays.
+  host_used_ += bytes;
+  SetState(to, StorageState::kResident);
+  policy_.OnCreate(*this, to);
+  SetState(to, StorageState::kOffloading);
+  SetState(to, StorageState::kOffloaded);
+  return true;
+}
+
 bool Engine::RunIteration() {
   policy_.BeginIteration(*this);
   step_ = 0;
+  for (const Carry& c : program_.carries) {
+    if (!CarryOver(c)) return false;
+  }
   for (int32_t s = 0; s < static_cast<int32_t>(program_.storages.size()); ++s) {
     if (program_.storages[s].constant) {
       // Parameters keep their place across iterations; inputs that the last

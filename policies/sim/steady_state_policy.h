@@ -17,12 +17,12 @@ namespace deltad::sim {
 // iteration while it records the storages accessed, in order. It plans at
 // the start of the first iteration after one slower than its ideal time
 // (the second, wherever `delta` stalled or recomputed in the first): it
-// replays the recorded iteration twice in the
+// replays the recorded iteration three times in the
 // simulator under `delta` and under each candidate (delta-replay: `delta`
 // prefetching in the order its last iteration read; DELTA as published,
 // DTR, and the static planners offload-greedy, window and lms) with the
 // run's budget, host memory and allocator model, and follows the one whose
-// second iteration finishes first (`delta` where none beats it). For
+// third iteration finishes first (`delta` where none beats it). For
 // delta-replay, `delta` itself turns to prefetching in the recorded order,
 // keeping all it learnt.
 // Planning happens once, at the start of the second iteration, and reports

@@ -93,29 +93,26 @@ TEST(RandomLayerGraph, EveryPlannerFitsAtThePeakUnderEveryAllocatorModel) {
   EXPECT_LT(fragmented * 20, runs) << fragmented << " of " << runs;
 }
 
-// In a best-fit arena the second iteration lays its tensors out around
-// what the first left in place, and can need more than the first: a
-// two-iteration run is given the peak of two.
-TEST(RandomLayerGraph, TheSecondIterationsLayoutCanNeedMoreThanTheFirsts) {
+// The second iteration starts from the weights the first updated in
+// place, in their memory: a run that keeps everything needs no more for
+// two iterations than for one, even where an allocator places blocks.
+// (Re-made beside their last versions, the weights were held twice at the
+// iteration's start, and every graph's second iteration needed more in a
+// best-fit arena.)
+TEST(RandomLayerGraph, TheSecondIterationStartsInTheFirstsWeights) {
   const DeviceProfile device = *FindDeviceProfile("a100-80gb");
   const Program program = *Compile(RandomLayerGraph(3));
+  ASSERT_FALSE(program.carries.empty());
   const int64_t one = *UnlimitedPeak(program, device, AllocatorKind::kBestFit);
-  const int64_t two =
-      *UnlimitedPeak(program, device, AllocatorKind::kBestFit, 2);
-  EXPECT_GT(two, one);
+  EXPECT_EQ(*UnlimitedPeak(program, device, AllocatorKind::kBestFit, 2), one);
   SimOptions o;
   o.allocator = AllocatorKind::kBestFit;
   o.iterations = 2;
-  o.budget_bytes = two;
+  o.budget_bytes = one;
   auto keep_all = MakePolicy("none");
   auto r = Simulate(program, device, **keep_all, o);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->fits) << r->failure;
-  o.budget_bytes = one;
-  keep_all = MakePolicy("none");
-  r = Simulate(program, device, **keep_all, o);
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_FALSE(r->fits);
 }
 
 // chen-sqrt's checkpoints leave the arena in pieces at step 41 of this

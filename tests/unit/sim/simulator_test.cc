@@ -298,6 +298,50 @@ TEST(Simulator, DeltaOnTheBestFitArenaWithEmptyTensorsStaysWithinBudget) {
   EXPECT_LE(r.peak_bytes, p.peak_bytes / 2);
 }
 
+// A weight updated in place (storages: w, x, y, w's new version, z).
+Program UpdatedWeightProgram() {
+  TraceBuilder b("carry");
+  const int32_t w = b.Constant("w", 1000);
+  const int32_t x = b.Constant("x", 100);
+  b.Op("f", Phase::kForward, 1000).Input(x).Input(w);
+  const int32_t y = b.Output("y", 100);
+  b.Op("update", Phase::kBackward, 1000).Input(y);
+  b.Version(w);
+  b.Release(y);
+  b.Op("g", Phase::kBackward, 10000).Input(x);
+  b.Release(b.Output("z", 100));
+  return Compiled(std::move(b).Build());
+}
+
+TEST(Program, AWeightUpdatedInPlaceCarriesItsLastVersionToTheNextIteration) {
+  const Program p = UpdatedWeightProgram();
+  ASSERT_EQ(p.carries.size(), 1u);
+  EXPECT_EQ(p.carries[0].constant, 0);
+  EXPECT_EQ(p.carries[0].final, p.steps[1].creates[0]);
+}
+
+TEST(Simulator, AWeightOffloadedInItsLastVersionIsReloadedInTheNextIteration) {
+  const Program p = UpdatedWeightProgram();
+  const int32_t last = p.carries[0].final;
+  testing_util::Scripted policy;
+  bool offloaded = false;
+  policy.after_step = [&](SimContext& ctx, int32_t step) {
+    if (step == 1 && !offloaded) offloaded = ctx.Offload(last);
+  };
+  SimOptions o;
+  o.budget_bytes = int64_t{1} << 20;
+  o.iterations = 2;
+  auto r = Simulate(p, TestDevice(), policy, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->fits) << r->failure;
+  ASSERT_TRUE(offloaded);
+  // The second iteration's first step reads the weight from the host (it
+  // was made anew on the device, for free, before).
+  EXPECT_EQ(r->h2d_bytes, 1000);
+  EXPECT_EQ(r->reloads, 1);
+  EXPECT_GE(r->stall_ns, 1000);
+}
+
 // Layers of a heavy op, each followed by an in-place update of its output
 // (a convolution and its ReLU_): the updated storage's rebuild must run the
 // heavy op again, since the update took over the memory of what it read.
