@@ -88,6 +88,10 @@ ABSL_FLAG(bool, check_memory, true,
 ABSL_FLAG(std::string, work_dir, "",
           "where the daemon's socket and the trainers' output go (default: "
           "a fresh directory in $TMPDIR, removed unless the run fails)");
+ABSL_FLAG(std::string, samples_csv, "",
+          "also write the per-second samples (time, phase, RSS, anonymous "
+          "memory, heap in use, threads, descriptors, sessions, trainers) "
+          "to this CSV file");
 ABSL_FLAG(std::string, update_doc, "",
           "write the report as the soak section of this Markdown file");
 
@@ -193,6 +197,13 @@ int Run(const std::string& command) {
 
   std::optional<SoakResult> result = RunLoad(*settings, dir);
   if (!result) return 1;
+  if (const std::string csv = absl::GetFlag(FLAGS_samples_csv); !csv.empty()) {
+    if (!WriteSamplesCsv(result->samples, csv)) {
+      std::fprintf(stderr, "soak: could not write %s\n", csv.c_str());
+      return 1;
+    }
+    Note("wrote " + csv);
+  }
   const std::string md = SoakReport(*settings, *result);
   const bool ok = result->problems.empty();
 

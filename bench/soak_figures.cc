@@ -191,4 +191,16 @@ double Histogram::Quantile(double q) const {
   return lower;
 }
 
+bool WriteSamplesCsv(const std::vector<Sample>& samples,
+                     const std::string& path) {
+  std::ofstream out(path);
+  out << "t,phase,rss_kib,anon_kib,heap_kib,threads,fds,sessions,trainers\n";
+  for (const Sample& s : samples) {
+    out << s.t << ',' << (s.storm ? "storm" : "quiet") << ',' << s.rss_kib
+        << ',' << s.anon_kib << ',' << s.heap_kib << ',' << s.threads << ','
+        << s.fds << ',' << s.sessions << ',' << s.trainers << '\n';
+  }
+  return static_cast<bool>(out);
+}
+
 }  // namespace deltad::bench

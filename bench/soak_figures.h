@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace deltad::bench {
 
@@ -71,6 +72,11 @@ struct Sample {
   double daemon_cpu = 0;
   Scrape scrape;
 };
+
+// Writes one line per sample (memory in KiB, -1 where unknown), with a
+// header; false when the file cannot be written.
+bool WriteSamplesCsv(const std::vector<Sample>& samples,
+                     const std::string& path);
 
 }  // namespace deltad::bench
 
