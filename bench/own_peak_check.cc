@@ -81,7 +81,7 @@ absl::StatusOr<std::string> OwnPeakSection(
         "on the "
      << device.name << " profile: " << runs
      << " runs; each policy's budget is the peak of a run of as many "
-        "iterations as it runs (`delta-replay` and `delta-steady`: 2; where "
+        "iterations as it runs (`delta-replay` 2, `delta-steady` 3; where "
         "an allocator model places blocks, the second iteration lays its "
         "tensors out around what the first left and can need more: one "
         "graph under `pytorch-caching`). Where the free bytes "

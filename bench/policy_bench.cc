@@ -431,7 +431,9 @@ int RunTable(const std::string& command) {
      << "Command: `" << command << "`  \nMachine: " << bench::CpuModel()
      << "  \nDate: " << bench::Today() << "\n\n"
      << "Each cell is the slowdown (simulated makespan / ideal compute time) "
-        "of one training iteration at a budget that is a fraction of the "
+        "of one training iteration (`delta-replay`'s second, once it has "
+        "recorded one; `delta-steady`'s third, as its plans are judged) at a "
+        "budget that is a fraction of the "
         "trace's unlimited peak under the allocator model `"
      << AllocatorKindName(TableAllocator())
      << "`; `-` means it does not fit. Measured DTR "

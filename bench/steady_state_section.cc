@@ -35,8 +35,8 @@ absl::StatusOr<std::string> SteadyStateSection(
      << iterations
      << " ideal iterations (`-`: does not fit). `delta-steady` runs `delta` "
         "in the first iteration while it records the accesses, then "
-        "replays the recording twice under `delta` and each candidate plan "
-        "and follows the one whose second replayed iteration is fastest "
+        "replays the recording three times under `delta` and each candidate "
+        "plan and follows the one whose third replayed iteration is fastest "
         "(policies/sim/steady_state_policy.h); `planning` is those "
         "replays' wall time on this machine against the simulated "
         "iteration it plans (the target's measure), and their CPU time: "

@@ -220,19 +220,27 @@ bool Engine::RunIteration() {
   for (const Carry& c : program_.carries) {
     if (!CarryOver(c)) return false;
   }
-  for (int32_t s = 0; s < static_cast<int32_t>(program_.storages.size()); ++s) {
-    if (program_.storages[s].constant) {
-      // Parameters keep their place across iterations; inputs that the last
-      // iteration dropped come anew.
-      const StorageState st = state_[s];
-      if (st != StorageState::kAbsent && st != StorageState::kDead) continue;
-      if (!Allocate(s, program_.storages[s].bytes)) return false;
-      SetState(s, StorageState::kResident);
-      policy_.OnCreate(*this, s);
-    } else if (state_[s] != StorageState::kAbsent) {
-      if (state_[s] != StorageState::kDead) FreeStorage(s);
-      state_[s] = StorageState::kAbsent;
+  // What the last iteration left and this one does not start from goes
+  // first, so that it is never held beside what comes anew.
+  const auto storages = static_cast<int32_t>(program_.storages.size());
+  for (int32_t s = 0; s < storages; ++s) {
+    if (program_.storages[s].constant || state_[s] == StorageState::kAbsent) {
+      continue;
     }
+    if (state_[s] != StorageState::kDead) FreeStorage(s);
+    state_[s] = StorageState::kAbsent;
+  }
+  // Parameters keep their place across iterations; inputs that the last
+  // iteration dropped come anew.
+  for (int32_t s = 0; s < storages; ++s) {
+    const StorageState st = state_[s];
+    if (!program_.storages[s].constant ||
+        (st != StorageState::kAbsent && st != StorageState::kDead)) {
+      continue;
+    }
+    if (!Allocate(s, program_.storages[s].bytes)) return false;
+    SetState(s, StorageState::kResident);
+    policy_.OnCreate(*this, s);
   }
   for (int32_t s : program_.initial_frees) FreeStorage(s);
   int64_t op_time_done = 0;  // of this iteration's steps so far

@@ -199,10 +199,9 @@ absl::StatusOr<SimResult> Simulate(const Program& program,
 // The trace's peak under `allocator`: the largest footprint of a run that
 // releases nothing with memory to spare (program.peak_bytes for kExact;
 // more where the allocator rounds or leaves holes). Every policy is given
-// budgets as fractions of it. Over several iterations it can be larger:
-// where an allocator places blocks, the second iteration starts from what
-// the first left (parameters in place, holes between them) and lays its
-// tensors out differently.
+// budgets as fractions of it. Over several iterations it can be larger
+// where an allocator places blocks: a later iteration lays its tensors out
+// around the parameters where the first left them.
 absl::StatusOr<int64_t> UnlimitedPeak(const Program& program,
                                       const DeviceProfile& device,
                                       AllocatorKind allocator,

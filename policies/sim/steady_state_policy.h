@@ -20,7 +20,7 @@ namespace deltad::sim {
 // replays the recorded iteration three times in the
 // simulator under `delta` and under each candidate (delta-replay: `delta`
 // prefetching in the order its last iteration read; DELTA as published,
-// DTR, and the static planners offload-greedy, window and lms) with the
+// DTR, and the static planners offload-greedy and window) with the
 // run's budget, host memory and allocator model, and follows the one whose
 // third iteration finishes first (`delta` where none beats it). For
 // delta-replay, `delta` itself turns to prefetching in the recorded order,

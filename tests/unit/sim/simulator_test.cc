@@ -342,6 +342,35 @@ TEST(Simulator, AWeightOffloadedInItsLastVersionIsReloadedInTheNextIteration) {
   EXPECT_GE(r->stall_ns, 1000);
 }
 
+TEST(Simulator, DeltaMirrorsAWeightThatStartsTheNextIterationOnTheHost) {
+  // At the last step only the updated weight can make room: delta offloads
+  // it, and the next iteration reloads the weight from the host.
+  TraceBuilder b("carry-tight");
+  const int32_t w = b.Constant("w", 1000);
+  const int32_t x = b.Constant("x", 100);
+  b.Op("f", Phase::kForward, 1000).Input(x).Input(w);
+  const int32_t y = b.Output("y", 10);
+  b.Op("update", Phase::kBackward, 1000).Input(y);
+  b.Version(w);
+  b.Release(y);
+  b.Op("g", Phase::kBackward, 10000).Input(x);
+  b.Release(b.Output("z", 100));
+  const Program p = Compiled(std::move(b).Build());
+  ASSERT_EQ(p.carries.size(), 1u);
+  auto options = DynamicPolicyPreset("delta");
+  ASSERT_TRUE(options.has_value());
+  DynamicPolicy policy(*options);
+  SimOptions o;
+  o.budget_bytes = 1150;
+  o.iterations = 2;
+  auto r = Simulate(p, TestDevice(), policy, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->fits) << r->failure;
+  EXPECT_GE(r->offloads, 1);
+  EXPECT_GE(r->h2d_bytes, 1000);
+  EXPECT_TRUE(policy.Consistency().ok()) << policy.Consistency();
+}
+
 // Layers of a heavy op, each followed by an in-place update of its output
 // (a convolution and its ReLU_): the updated storage's rebuild must run the
 // heavy op again, since the update took over the memory of what it read.
