@@ -299,12 +299,12 @@ TEST(Simulator, DeltaOnTheBestFitArenaWithEmptyTensorsStaysWithinBudget) {
 }
 
 // A weight updated in place (storages: w, x, y, w's new version, z).
-Program UpdatedWeightProgram() {
+Program UpdatedWeightProgram(int64_t y_bytes = 100) {
   TraceBuilder b("carry");
   const int32_t w = b.Constant("w", 1000);
   const int32_t x = b.Constant("x", 100);
   b.Op("f", Phase::kForward, 1000).Input(x).Input(w);
-  const int32_t y = b.Output("y", 100);
+  const int32_t y = b.Output("y", y_bytes);
   b.Op("update", Phase::kBackward, 1000).Input(y);
   b.Version(w);
   b.Release(y);
@@ -345,17 +345,7 @@ TEST(Simulator, AWeightOffloadedInItsLastVersionIsReloadedInTheNextIteration) {
 TEST(Simulator, DeltaMirrorsAWeightThatStartsTheNextIterationOnTheHost) {
   // At the last step only the updated weight can make room: delta offloads
   // it, and the next iteration reloads the weight from the host.
-  TraceBuilder b("carry-tight");
-  const int32_t w = b.Constant("w", 1000);
-  const int32_t x = b.Constant("x", 100);
-  b.Op("f", Phase::kForward, 1000).Input(x).Input(w);
-  const int32_t y = b.Output("y", 10);
-  b.Op("update", Phase::kBackward, 1000).Input(y);
-  b.Version(w);
-  b.Release(y);
-  b.Op("g", Phase::kBackward, 10000).Input(x);
-  b.Release(b.Output("z", 100));
-  const Program p = Compiled(std::move(b).Build());
+  const Program p = UpdatedWeightProgram(/*y_bytes=*/10);
   ASSERT_EQ(p.carries.size(), 1u);
   auto options = DynamicPolicyPreset("delta");
   ASSERT_TRUE(options.has_value());
