@@ -163,7 +163,6 @@ int32_t Engine::TakeOverInPlace(const Step& step, int32_t created) {
       (void)allocator_->Allocate(ip.old, program_.storages[ip.old].bytes);
       return -1;
     }
-    DropHostCopy(ip.old);
     ++generation_[ip.old];
     return ip.old;
   }
@@ -263,7 +262,10 @@ bool Engine::RunIteration() {
       policy_.OnCreate(*this, s);
       // After the result is created from it: a policy that tracks parents
       // keeps the replaced storage as the ancestor a rebuild needs.
-      if (replaced >= 0) SetState(replaced, StorageState::kDead);
+      if (replaced >= 0) {
+        DropHostCopy(replaced);  // one the policy started meanwhile too
+        SetState(replaced, StorageState::kDead);
+      }
     }
     if (step.workspace_bytes > 0 &&
         !Allocate(kWorkspaceId, step.workspace_bytes)) {
