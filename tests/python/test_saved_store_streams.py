@@ -448,6 +448,24 @@ class StreamOrderTest(unittest.TestCase):
             self.assertTrue(torch.equal(self.store.unpack(sv),
                                         torch.full((1024,), float(i))))
 
+    def test_reclaim_from_another_thread_waits_for_the_forwards_stream(self):
+        # The allocator's reclaimer runs on whichever thread allocates; its
+        # current stream is not the one that wrote the tensors.
+        self.cuda.waits_allowed = True
+        saves = [self.save(torch.full((1024,), float(i))) for i in range(2)]
+        self.cuda.current = FakeStream("other", self.cuda.log)
+        self.cuda.log.clear()
+        self.assertEqual(self.store.reclaim(4096), 4096)
+        log = self.cuda.log
+        self.assertIn(("wait_stream", "copy", "compute"), log)
+        self.assertIn(("wait_stream", "copy", "other"), log)
+        self.assertLess(log.index(("wait_stream", "copy", "compute")),
+                        log.index(("enter", "copy")))
+        self.cuda.current = self.cuda.compute
+        for i, sv in enumerate(saves):
+            self.assertTrue(torch.equal(self.store.unpack(sv),
+                                        torch.full((1024,), float(i))))
+
     def test_reclaim_inside_the_stores_own_work_frees_nothing(self):
         saves = [self.save(torch.full((1024,), float(i))) for i in range(2)]
         self.store.busy = True  # e.g. a reload's allocation

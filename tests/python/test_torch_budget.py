@@ -85,7 +85,7 @@ def engine_stand_in():
     """What _Engine._on_iteration reads of its engine, on "cuda"."""
     import types
     return types.SimpleNamespace(
-        iterations=0, peak_from=None,
+        iterations=0, peak_from=None, peak_restart=None,
         requested_budget=1 << 30, client=None, cuda=True,
         device=torch.device("cuda", 0), reserve=1 << 20,
         store=types.SimpleNamespace(
@@ -139,6 +139,43 @@ class CudaBudgetFromThePeakTest(unittest.TestCase):
             store.in_flight_cap = 16 << 20
             on_iteration(stand_in)
             self.assertEqual(store.budget, first - (32 << 20) - (48 << 20))
+        finally:
+            (torch.cuda.memory_allocated, torch.cuda.max_memory_allocated,
+             torch.cuda.reset_peak_memory_stats, allocator.mode) = saved
+
+
+class TwoBlocksOnOneDeviceTest(unittest.TestCase):
+    """PyTorch's peak statistics are the device's: where two models train
+    in turn, each in its own block, each block restarts them at its
+    iteration's start, so the peak a block reads at its next one is the
+    other model's. A block then keeps its first guess."""
+
+    def test_a_peak_restarted_by_another_block_is_not_learned_from(self):
+        import deltad.allocator as allocator
+        a, b = engine_stand_in(), engine_stand_in()
+        for e in (a, b):
+            e.reserve = 256 << 20
+            e.store.released_last_iteration = True
+        peak = [0]
+        saved = (torch.cuda.memory_allocated, torch.cuda.max_memory_allocated,
+                 torch.cuda.reset_peak_memory_stats, allocator.mode)
+        torch.cuda.memory_allocated = lambda device=None: 100 << 20
+        torch.cuda.max_memory_allocated = lambda device=None: peak[0]
+        torch.cuda.reset_peak_memory_stats = lambda device=None: None
+        allocator.mode = lambda: None
+        on_iteration = deltad.torch._Engine._on_iteration
+        try:
+            first = first_iteration(self, a)
+            first_iteration(self, b)
+            # b's iteration peaked far over: not a's to learn from.
+            peak[0] = 2 << 30
+            a.store.released_last_iteration = True
+            on_iteration(a)
+            self.assertEqual(a.store.budget, first)
+            # Alone again, a learns from its own iteration's peak.
+            peak[0] = (1 << 30) - (1 << 26) + (32 << 20)
+            on_iteration(a)
+            self.assertEqual(a.store.budget, first - (32 << 20))
         finally:
             (torch.cuda.memory_allocated, torch.cuda.max_memory_allocated,
              torch.cuda.reset_peak_memory_stats, allocator.mode) = saved

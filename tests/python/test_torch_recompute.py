@@ -258,6 +258,40 @@ class _StridedSlice(torch.nn.Module):
         return self.out(self.act(self.conv(x).transpose(1, 2)[:, ::2]))
 
 
+class _State:
+    """A plain object holding a tensor, as some models pass state around."""
+
+    def __init__(self, h):
+        self.h = h
+
+
+class _FromState(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, state):
+        return torch.tanh(self.lin(state.h))
+
+
+class _StateReusedAfterItsCall(torch.nn.Module):
+    """The state object given to a call is changed after it: a rebuild of
+    that call would read what it holds then."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 16)
+        self.from_state = _FromState()
+        self.mid = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        state = _State(self.inp(x))
+        y = self.from_state(state)
+        state.h = torch.zeros_like(state.h)
+        return self.out(torch.tanh(self.mid(y)))
+
+
 class RecomputeFaithfulnessTest(unittest.TestCase):
     """Cases found by reading recompute.py against torch.utils.checkpoint:
     each trains two steps unmanaged and under policy="recompute" with a
@@ -306,6 +340,10 @@ class RecomputeFaithfulnessTest(unittest.TestCase):
     def test_an_argument_with_gaps_is_rebuilt_with_its_strides(self):
         self.assert_same_training(_StridedSlice,
                                   lambda: torch.randn(2, 4, 16))
+
+    def test_a_call_given_an_object_changed_afterwards_is_not_rebuilt(self):
+        self.assert_same_training(_StateReusedAfterItsCall,
+                                  lambda: torch.randn(8, 16))
 
     def test_a_module_with_a_path_without_grad_is_rebuilt_on_its_own(self):
         # In eval() with grad on, PyTorch's TransformerEncoderLayer takes

@@ -276,7 +276,11 @@ class Recorder:
 
     def _source(self, value):
         if not isinstance(value, _torch.Tensor):
-            if _tensors_in(value, []):
+            # Kept by reference and read again by the rerun: only a value
+            # that cannot change meanwhile. An object that holds tensors,
+            # or is changed after the call (a state object, a cache, a
+            # list), would rerun on what it holds then: other gradients.
+            if not _immutable(value):
                 raise _NotRecomputable()
             return ("value", value)
         if value.layout != _torch.strided:
@@ -411,6 +415,20 @@ class Recorder:
         if copy.stride() != view.stride():
             copy = _view(flat.clone(), source[2])
         return copy
+
+
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes,
+              _torch.dtype, _torch.device, _torch.layout,
+              _torch.memory_format, type(Ellipsis), range)
+
+
+def _immutable(value):
+    if isinstance(value, _IMMUTABLE):
+        return True
+    # torch.Size and named tuples are tuples too.
+    if isinstance(value, (tuple, frozenset)):
+        return all(_immutable(v) for v in value)
+    return False
 
 
 def _dropped(tensor):

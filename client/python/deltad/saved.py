@@ -112,6 +112,11 @@ class SavedStore(Restoring, _core.Core):
         self.closed = False
         self.copy_stream = (_torch.cuda.Stream(device) if self.cuda
                             else None)
+        # CUDA: the forward thread's stream, taken as each iteration
+        # begins: an offload asked for by another thread (the allocator's
+        # reclaimer runs on whichever thread allocates) must wait for the
+        # kernels writing the tensors, not for that thread's stream alone.
+        self.compute_stream = None
         # CUDA: (event, tensor, bytes) for device bytes a copy still reads
         # or writes (see _keep_until_copied), and their sum.
         self.in_flight = []
@@ -253,6 +258,8 @@ class SavedStore(Restoring, _core.Core):
         self.by_position = []
         self.order = []
         self.prefetch_paused = False
+        if self.cuda:
+            self.compute_stream = _torch.cuda.current_stream(self.device)
         if self.on_iteration is not None:  # None once the block ended
             self.on_iteration()
 
@@ -500,6 +507,9 @@ class SavedStore(Restoring, _core.Core):
             if self.cuda:
                 current = _torch.cuda.current_stream(self.device)
                 self.copy_stream.wait_stream(current)
+                compute = self.compute_stream
+                if compute is not None and compute != current:
+                    self.copy_stream.wait_stream(compute)
                 with _torch.cuda.stream(self.copy_stream):
                     host = _torch.empty(flat.shape, dtype=flat.dtype,
                                         pin_memory=True)

@@ -78,6 +78,10 @@ class _Plan:
 
 # The plan of blocks given no model.
 _any_model_plan = _Plan()
+# Per CUDA device: how many times a block restarted its peak statistics.
+# They are the device's, so a block reads them only where none restarted
+# them since it did (two models trained in turn, each in its own block).
+_peak_restarts = {}
 
 
 def _memory_of(model, plan):
@@ -149,7 +153,9 @@ class _Engine:
         self.client = client
         self.iterations = 0  # over all the blocks it served
         self.peak_from = None  # iteration since whose start PyTorch's
-        # peak statistics count (CUDA; see _on_iteration)
+        # peak statistics count (CUDA; see _on_iteration), and the device's
+        # restart count then (_peak_restarts)
+        self.peak_restart = None
         self.plan = plan
         if self.cuda:
             warm_up_libraries(device)
@@ -241,8 +247,12 @@ class _Engine:
             # peak statistics restart with each iteration under a block
             # (what a caller reads of PyTorch's covers the iteration under
             # way).
-            read_peak = self.peak_from == self.iterations - 1
+            restarts = _peak_restarts.get(self.device.index, 0)
+            read_peak = (self.peak_from == self.iterations - 1 and
+                         self.peak_restart == restarts)
             self.peak_from = self.iterations
+            self.peak_restart = _peak_restarts[self.device.index] = (
+                restarts + 1)
             peak = None
             if _allocator.mode() == "global":
                 # PyTorch 2.0-2.7 with deltad's allocator in place of its
