@@ -18,8 +18,8 @@ std::vector<std::string> PolicyNames() {
 
 int IterationsFor(absl::string_view name) {
   if (name == "delta-replay") return 2;
-  // Its plans are judged by their third iteration, and so is it.
-  if (name == "delta-steady") return 3;
+  // Measured in the iteration its plans are judged by.
+  if (name == "delta-steady") return SteadyStatePolicy::kReplayIterations;
   return 1;
 }
 

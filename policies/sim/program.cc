@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <numeric>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -39,9 +40,7 @@ absl::StatusOr<Program> Compile(const Trace& trace) {
     }
   }
   latest.resize(p.storages.size());
-  for (size_t s = 0; s < latest.size(); ++s) {
-    latest[s] = static_cast<int32_t>(s);
-  }
+  std::iota(latest.begin(), latest.end(), 0);
   auto release = [&](int32_t value, std::vector<int32_t>& frees) {
     const int32_t s = storage_of[value];
     if (--names[s] == 0) frees.push_back(s);

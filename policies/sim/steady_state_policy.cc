@@ -31,8 +31,9 @@ namespace {
 constexpr const char* kCandidates[] = {"window", "offload-greedy",
                                        "delta-replay", "dtr", "delta-paper"};
 
-// A plan is judged by the third of three replayed iterations: the
-// iterations it will run start where an earlier one left the parameters
+// SteadyStatePolicy::kReplayIterations: a plan is judged by the third of
+// three replayed iterations: the iterations it will run start where an
+// earlier one left the parameters
 // and optimizer state (some offloaded, some with host copies) and with
 // what the policy learnt in it, which one iteration replayed from nothing
 // does not see; and a second iteration starts from what a first one left,
@@ -45,7 +46,6 @@ constexpr const char* kCandidates[] = {"window", "offload-greedy",
 // ran 1.369x, delta-replay 1.286x; and `delta` was kept in 7 cells where it
 // then ran its later iterations slower than its first, and delta-replay would
 // not have.
-constexpr int kReplayIterations = 3;
 
 // The makespan of the last of kReplayIterations iterations of `ctx`'s
 // program under `policy`, with the run's own options; -1 when it does not
@@ -55,7 +55,7 @@ constexpr int kReplayIterations = 3;
 int64_t Replay(SimContext& ctx, SimPolicy& policy,
                const std::atomic<int64_t>& give_up_at_ns) {
   SimOptions o = ctx.options();
-  o.iterations = kReplayIterations;
+  o.iterations = SteadyStatePolicy::kReplayIterations;
   o.shared_give_up_at_ns = &give_up_at_ns;
   absl::StatusOr<SimResult> r =
       Simulate(ctx.program(), ctx.device(), policy, o);
@@ -78,6 +78,7 @@ SteadyStatePolicy::SteadyStatePolicy(int planner_threads)
 int SteadyStatePolicy::DefaultPlannerThreads() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
+
 SteadyStatePolicy::~SteadyStatePolicy() = default;
 
 void SteadyStatePolicy::BeginIteration(SimContext& ctx) {

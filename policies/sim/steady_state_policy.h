@@ -41,6 +41,9 @@ class SteadyStatePolicy final : public SimPolicy {
   explicit SteadyStatePolicy(int planner_threads = 0);
   // The threads planning runs on by default: one per core.
   static int DefaultPlannerThreads();
+  // A plan is judged by the last of this many replayed iterations (why:
+  // steady_state_policy.cc).
+  static constexpr int kReplayIterations = 3;
   ~SteadyStatePolicy() override;
 
   std::string name() const override { return "delta-steady"; }
