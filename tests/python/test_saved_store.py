@@ -340,3 +340,91 @@ class LearnedBudgetTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class PackOutOfMemoryTest(unittest.TestCase):
+    """A pack that fails on an allocation in the C store (MemoryError)
+    leaves the store as it was: the failed storage is not counted alive,
+    so once the earlier saved tensors die a new forward begins a new
+    iteration. Every allocation of the pack is failed in turn."""
+
+    def setUp(self):
+        try:
+            import _testcapi
+        except ImportError:
+            self.skipTest("this Python has no _testcapi to fail allocations")
+        self.capi = _testcapi
+        if not hasattr(_testcapi, "set_nomemory"):
+            self.skipTest("this Python's _testcapi cannot fail allocations")
+
+    def store(self, iterations):
+        import deltad.saved as saved
+        from test_saved_store_streams import NoRecompute, Plan
+        return saved.SavedStore(
+            torch.device("cpu"), 1 << 30, lambda group: "offload",
+            NoRecompute(), host_bytes=1 << 30, prefetch_bytes=0,
+            plan=Plan(), on_iteration=lambda: iterations.append(1))
+
+    def test_every_failed_allocation_in_pack_leaves_the_counts_as_they_were(
+            self):
+        from deltad.saved import _storage
+        failures = 0
+        for n in range(1000):
+            iterations = []
+            store = self.store(iterations)
+            first = torch.randn(1000)
+            kept = store.pack(first, _storage(first).data_ptr(),
+                              _storage(first))
+            t = torch.randn(1000)
+            key, storage = _storage(t).data_ptr(), _storage(t)
+            gc.collect()
+            failed = False
+            self.capi.set_nomemory(n, n + 1)  # the n-th allocation fails
+            try:
+                store.pack(t, key, storage)
+            except MemoryError:
+                failed = True
+            finally:
+                self.capi.remove_mem_hooks()
+            if not failed:
+                break  # past the pack's last allocation
+            failures += 1
+            self.assertEqual(store.alive, 1, n)
+            self.assertEqual(store.counters.resident_bytes, 4000, n)
+            self.assertEqual(list(store.groups), [_storage(first).data_ptr()])
+            del kept
+            self.assertEqual(store.alive, 0, n)
+            again = store.pack(t, key, storage)  # a new forward
+            self.assertEqual(len(iterations), 2, n)
+            self.assertEqual(store.counters.resident_bytes, 4000, n)
+            del again
+        self.assertGreater(failures, 3)
+
+    def test_a_failed_pack_of_another_view_leaves_the_group_as_it_was(self):
+        from deltad.saved import _storage
+        failures = 0
+        for n in range(1000):
+            store = self.store([])
+            first = torch.randn(1000)
+            key, storage = _storage(first).data_ptr(), _storage(first)
+            kept = store.pack(first, key, storage)
+            view = first[10:20]
+            gc.collect()
+            failed = False
+            self.capi.set_nomemory(n, n + 1)
+            try:
+                joined = store.pack(view, key, storage)
+            except MemoryError:
+                failed = True
+            finally:
+                self.capi.remove_mem_hooks()
+            if not failed:
+                del joined
+                break
+            failures += 1
+            self.assertEqual(store.alive, 1, n)
+            self.assertTrue(torch.equal(store.unpack(kept), first))
+            del kept
+            self.assertEqual(store.alive, 0, n)
+            self.assertEqual(store.counters.resident_bytes, 0, n)
+        self.assertGreater(failures, 0)

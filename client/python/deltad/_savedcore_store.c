@@ -178,6 +178,30 @@ static int forget_member(Group* g, Py_ssize_t index) {
 
 /* ---- Core: pack, unpack, a member's death. */
 
+/* Undoes a new group's registration when its pack fails: out of `groups`,
+ * `order` and `by_position` (where it is the last entry) and not alive.
+ * Keeps the pending error. */
+static void unregister_group(Core* c, Group* g) {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  if (PyDict_Check(c->groups)) {
+    PyObject* found = PyDict_GetItemWithError(c->groups, g->key);
+    if (found == (PyObject*)g && PyDict_DelItem(c->groups, g->key) < 0)
+      PyErr_Clear();
+    PyErr_Clear();
+  }
+  PyObject* lists[] = {c->order, c->by_position};
+  for (int i = 0; i < 2; ++i) {
+    if (lists[i] == NULL || !PyList_Check(lists[i])) continue;
+    const Py_ssize_t n = PyList_Size(lists[i]);
+    if (n > 0 && PyList_GetItem(lists[i], n - 1) == (PyObject*)g &&
+        PyList_SetSlice(lists[i], n - 1, n, NULL) < 0)
+      PyErr_Clear();
+  }
+  c->alive--;
+  PyErr_Restore(type, value, traceback);
+}
+
 static PyObject* store_pack(Core* c, PyObject* tensor, PyObject* key,
                             PyObject* storage) {
   if (lock_acquire(c) < 0) return NULL;
@@ -281,18 +305,24 @@ static PyObject* store_pack(Core* c, PyObject* tensor, PyObject* key,
       PyDict_SetItem(c->groups, key, (PyObject*)g) < 0)
     goto done;
   c->alive++;
-  if (PyList_Append(c->order, (PyObject*)g) < 0 ||
-      PyList_Append(c->by_position, (PyObject*)g) < 0)
-    goto done;
   Counters* k = c->counters;
+  PyObject* saved = NULL;
+  if (PyList_Append(c->order, (PyObject*)g) == 0 &&
+      PyList_Append(c->by_position, (PyObject*)g) == 0)
+    saved = saved_create(g, 0, version);
+  if (saved == NULL) {
+    /* No SavedTensor holds the group, so no death would ever take it out
+     * again, and the store would count a live group for good (no forward
+     * would begin a new iteration). */
+    unregister_group(c, g);
+    goto done;
+  }
   k->saved_groups++;
   k->resident_bytes += nbytes;
   if (k->resident_bytes > k->peak_resident_bytes) {
     /* Past the budget only until the release below. */
     k->peak_resident_bytes = k->resident_bytes;
   }
-  PyObject* saved = saved_create(g, 0, version);
-  if (saved == NULL) goto done;
   if (k->resident_bytes > c->budget) {
     PyObject* r = PyObject_CallMethodObjArgs((PyObject*)c, s_pack_over_budget,
                                              (PyObject*)g, NULL);
