@@ -406,3 +406,74 @@ class CopiesOfAWrappedModelTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class ABlockWhoseExitFailsTest(unittest.TestCase):
+    """A block whose exit fails half-way (here a MemoryError at each of
+    its allocations in turn) must not leave the model's modules with
+    forwards that record into its closed store, where every later block
+    would fail (ReferenceError) for good: the next step runs as before."""
+
+    def test_every_failed_allocation_at_exit_leaves_the_model_usable(self):
+        try:
+            import _testcapi
+            _testcapi.set_nomemory
+        except (ImportError, AttributeError):
+            self.skipTest("this Python has no _testcapi to fail allocations")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+        x = torch.randn(8, 16)
+
+        def step(fail_at=None):
+            for p in model.parameters():
+                p.grad = None
+            try:
+                with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                          policy="recompute",
+                                          budget_bytes=1 << 10):
+                    model(x).sum().backward()
+                    if fail_at is not None:
+                        _testcapi.set_nomemory(fail_at, fail_at + 1)
+            finally:
+                _testcapi.remove_mem_hooks()
+            return [p.grad.clone() for p in model.parameters()]
+
+        expected = step()
+        failures = 0
+        for n in range(1000):
+            try:
+                step(fail_at=n)
+            except MemoryError:
+                failures += 1
+            else:
+                if n > 50:
+                    break
+            # (A failure in calling the block's __exit__ itself skips all
+            # of it: the next block must cope.)
+            grads = step()
+            self.assertTrue(all(torch.equal(a, b)
+                                for a, b in zip(grads, expected)), n)
+            for module in model.modules():
+                self.assertNotIn("forward", module.__dict__, n)
+        self.assertGreater(failures, 0)
+
+    def test_a_failure_before_the_stores_close_still_closes_it(self):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh())
+        with self.assertRaises(MemoryError):
+            with deltad.torch.managed(model, socket=None, min_bytes=1,
+                                      policy="recompute",
+                                      budget_bytes=1 << 10) as manager:
+                model(torch.randn(8, 16)).sum().backward()
+                recorder = manager.recorder
+
+                class Failing(type(recorder)):
+                    @property
+                    def recorded(self):  # read as the block closes
+                        raise MemoryError()
+
+                recorder.__class__ = Failing
+        recorder.__class__ = Failing.__mro__[1]
+        self.assertTrue(manager.store.closed)
+        for module in model.modules():
+            self.assertNotIn("forward", module.__dict__)

@@ -154,6 +154,11 @@ class Recorder:
             return
         for module in model.modules():
             own = module.__dict__.get("forward")
+            if isinstance(own, _Recording) and own.recorder is not self:
+                # Left by a block whose exit failed half-way: it would
+                # record into that block's closed store.
+                del module.__dict__["forward"]
+                own = None
             if own is not None and not (
                     getattr(own, "__self__", None) is module and
                     getattr(own, "__func__", None) is type(module).forward):

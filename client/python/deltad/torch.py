@@ -383,13 +383,19 @@ class Manager:
         # the ManagerStats is built only when asked for: a block entered
         # every step would build one every step.
         store, recorder = e.store, e.recorder
-        self._final = (store.counters.snapshot(), store.budget,
-                       e.client is not None and e.connected(),
-                       recorder.recorded,
-                       e.iterations - self._iterations_before)
-        if recorder.wrapped:
-            recorder.unwrap()
-        store.close()
+        try:
+            self._final = (store.counters.snapshot(), store.budget,
+                           e.client is not None and e.connected(),
+                           recorder.recorded,
+                           e.iterations - self._iterations_before)
+        finally:
+            # Whatever failed above (a MemoryError), the model's modules
+            # must not keep forwards that record into a closed store.
+            try:
+                if recorder.wrapped:
+                    recorder.unwrap()
+            finally:
+                store.close()
 
 
 def _model_memory(model):
