@@ -26,8 +26,8 @@ std::atomic<int> grpc_shown_severity{GPR_LOG_SEVERITY_ERROR};
 std::atomic<int64_t> grpc_lines_routed{0};
 
 std::mutex observer_mu;
-std::function<void()>* TheObserver() {
-  static auto* const observer = new std::function<void()>();
+std::function<void(const char*)>* TheObserver() {
+  static auto* const observer = new std::function<void(const char*)>();
   return observer;
 }
 
@@ -46,9 +46,9 @@ const char* GprSeverity(gpr_log_severity s) {
 void FromGrpc(gpr_log_func_args* args) {
   grpc_lines_routed.fetch_add(1, std::memory_order_relaxed);
   const char* message = args->message == nullptr ? "" : args->message;
-  if (IsTooManyPingsGoaway(message)) {
+  if (const char* limit = GoawayLimit(message)) {
     std::lock_guard<std::mutex> lock(observer_mu);
-    if (*TheObserver()) (*TheObserver())();
+    if (*TheObserver()) (*TheObserver())(limit);
   }
   if (args->severity < grpc_shown_severity.load(std::memory_order_relaxed)) {
     return;
@@ -102,19 +102,26 @@ void RouteLibraryLogs() {
   google::protobuf::SetLogHandler(&FromProtobuf);
 }
 
-bool IsTooManyPingsGoaway(absl::string_view grpc_log_line) {
+const char* GoawayLimit(absl::string_view grpc_log_line) {
   // chttp2_transport.cc send_goaway: "<peer>: Sending goaway err=<error>";
   // the error is the server's own, "too_many_pings" from
-  // grpc_chttp2_add_ping_strike, so a client cannot forge the match.
-  return absl::StrContains(grpc_log_line, ": Sending goaway err=") &&
-         absl::StrContains(grpc_log_line, "too_many_pings");
+  // grpc_chttp2_add_ping_strike or "Buffers full" from the transport's
+  // benign reclaimer, and the peer of a connection the daemon hands to gRPC
+  // is "fd:<n>", so a client cannot forge the match.
+  constexpr absl::string_view kSent = ": Sending goaway err=";
+  const size_t at = grpc_log_line.find(kSent);
+  if (at == absl::string_view::npos) return nullptr;
+  const absl::string_view error = grpc_log_line.substr(at + kSent.size());
+  if (absl::StrContains(error, "too_many_pings")) return "max_ping_strikes";
+  if (absl::StrContains(error, "Buffers full")) return "grpc_memory_bytes";
+  return nullptr;
 }
 
 int64_t GrpcLogLinesRouted() {
   return grpc_lines_routed.load(std::memory_order_relaxed);
 }
 
-void ObserveTooManyPingsGoaways(std::function<void()> observer) {
+void ObserveGoaways(std::function<void(const char* limit)> observer) {
   std::lock_guard<std::mutex> lock(observer_mu);
   *TheObserver() = std::move(observer);
 }

@@ -35,23 +35,27 @@ class LibraryLog {
 // lines through one LibraryLog on stderr, for the daemon's lifetime. Call
 // once, before the server starts. Only lines of the severity GRPC_VERBOSITY
 // asks for (default: errors) are written, though gRPC is told to log them
-// all: see IsTooManyPingsGoaway.
+// all: see GoawayLimit.
 void RouteLibraryLogs();
 
-// Whether a gRPC log line says that the server sent GOAWAY ENHANCE_YOUR_CALM
-// "too_many_pings" (past limits.max_ping_strikes). gRPC C++ has no server
-// hook, interceptor or channelz field that sees this GOAWAY, but chttp2
-// logs every final GOAWAY it sends, at debug severity.
-bool IsTooManyPingsGoaway(absl::string_view grpc_log_line);
+// The limit a gRPC log line says the server sent a GOAWAY for, or nullptr:
+// "max_ping_strikes" for ENHANCE_YOUR_CALM "too_many_pings" (past
+// limits.max_ping_strikes), "grpc_memory_bytes" for ENHANCE_YOUR_CALM
+// "Buffers full" (the memory quota, limits.grpc_memory_bytes, ran short
+// and gRPC closes idle connections to free some). gRPC C++ has no server
+// hook, interceptor or channelz field that sees these GOAWAYs, but chttp2
+// logs every GOAWAY it sends, at debug severity.
+const char* GoawayLimit(absl::string_view grpc_log_line);
 
 // The gRPC log lines routed through the daemon since RouteLibraryLogs ran,
 // written or not: what telling gRPC to log at debug severity costs is a
 // formatted line each (rpc_bench reports how many a run saw).
 int64_t GrpcLogLinesRouted();
 
-// Calls `observer` (thread safe, cheap) on each too_many_pings GOAWAY gRPC
-// logs from now on; an empty one stops that. RouteLibraryLogs must have run.
-void ObserveTooManyPingsGoaways(std::function<void()> observer);
+// Calls `observer` (thread safe, cheap) with GoawayLimit's name for each
+// GOAWAY gRPC logs from now on that names a limit; an empty one stops that.
+// RouteLibraryLogs must have run.
+void ObserveGoaways(std::function<void(const char* limit)> observer);
 
 }  // namespace deltad::daemon
 

@@ -102,7 +102,9 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                             "past it), grpc_ended_unseen (a call gRPC ended "
                             "before the daemon saw it: a message past 4 times "
                             "max_message_bytes, its memory quota, or its "
-                            "client cancelled it first).")
+                            "client cancelled it first), grpc_memory_bytes (a "
+                            "gRPC connection gRPC closed with GOAWAY \"Buffers "
+                            "full\" for want of memory in its quota).")
                         .Register(r);
     for (const auto& [refusal, limit] :
          {std::pair{Refusal::kInvalidRequest, "invalid_request"},
@@ -120,7 +122,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
           std::pair{Refusal::kUnreadConnection, "unread_connection"},
           std::pair{Refusal::kGrpcThreads, "grpc_max_threads"},
           std::pair{Refusal::kMessageBytes, "max_message_bytes"},
-          std::pair{Refusal::kGrpcEndedUnseen, "grpc_ended_unseen"}}) {
+          std::pair{Refusal::kGrpcEndedUnseen, "grpc_ended_unseen"},
+          std::pair{Refusal::kGrpcMemory, "grpc_memory_bytes"}}) {
       m->refusals_[static_cast<size_t>(refusal)] =
           &refused.Add({{"limit", limit}});
     }

@@ -66,6 +66,8 @@ enum class Refusal {
   kGrpcEndedUnseen,  // "grpc_ended_unseen": a call gRPC ended before the
                      // daemon saw it (past the backstop, its memory quota;
                      // daemon/grpc_call_census.h)
+  kGrpcMemory,  // "grpc_memory_bytes": a connection gRPC closed with GOAWAY
+                // ENHANCE_YOUR_CALM "Buffers full", its memory quota short
 };
 
 // The daemon's Prometheus metrics. Call sites use the typed methods and never
@@ -158,7 +160,7 @@ class Metrics {
   prometheus::Gauge* host_free_ = nullptr;
   prometheus::Gauge* host_granted_ = nullptr;
   prometheus::Gauge* heap_in_use_ = nullptr;
-  std::array<prometheus::Counter*, 14> refusals_{};       // indexed by Refusal
+  std::array<prometheus::Counter*, 15> refusals_{};       // indexed by Refusal
   std::array<prometheus::Counter*, 3> sessions_ended_{};  // by SessionEnd
   std::array<prometheus::Counter*, 3> lease_events_{};    // by LeaseEvent
 };

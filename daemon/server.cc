@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/log_limit.h"
 #include "common/side_protocol.h"
 #include "common/unix_socket.h"
 #include "daemon/backend/sim_backend.h"
@@ -208,8 +209,27 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   // gRPC and protobuf log what clients make them log: through a limit.
   RouteLibraryLogs();
   Metrics* refusals = s->metrics_.get();
-  ObserveTooManyPingsGoaways(
-      [refusals] { refusals->AddRefusal(Refusal::kPingStrikes); });
+  // gRPC's own GOAWAYs at a limit: counted, and those of its memory quota
+  // logged (a client that pings too often has only itself to blame; an idle
+  // connection closed for want of gRPC memory may be any client's).
+  auto memory_log =
+      std::make_shared<common::LogLimit>(1, std::chrono::seconds(10));
+  ObserveGoaways([refusals, memory_log](const char* limit) {
+    if (std::string_view(limit) == "max_ping_strikes") {
+      refusals->AddRefusal(Refusal::kPingStrikes);
+      return;
+    }
+    refusals->AddRefusal(Refusal::kGrpcMemory);
+    int64_t held_back = 0;
+    if (memory_log->Allow(&held_back)) {
+      std::fprintf(stderr,
+                   "deltad: gRPC closed an idle connection with GOAWAY "
+                   "\"Buffers full\": its buffers reached "
+                   "limits.grpc_memory_bytes (%lld such lines held back "
+                   "before this one)\n",
+                   static_cast<long long>(held_back));
+    }
+  });
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -315,7 +335,7 @@ void Server::Shutdown(int grace_ms) {
     grpc_->Wait();
   }
   // The metrics may go before the process does.
-  ObserveTooManyPingsGoaways(nullptr);
+  ObserveGoaways(nullptr);
   if (side_ != nullptr) side_->Stop();
   metrics_server_.reset();
 }

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
@@ -365,6 +366,84 @@ TEST_F(HostileClientWithShortKeepaliveTest,
   EXPECT_THAT(metrics,
               HasSubstr("deltad_refused_total{limit=\"unread_connection\"} 1"));
   EXPECT_THAT(daemon_->Output(), HasSubstr("left the daemon's bytes unread"));
+}
+
+// gRPC's memory quota (limits.grpc_memory_bytes, 1 MiB here) filled by
+// idle connections: gRPC closes idle ones with GOAWAY ENHANCE_YOUR_CALM
+// "Buffers full", which no hook of its C++ API reports. The daemon counts
+// each from the line chttp2 logs for it, and says so in its log.
+class HostileClientWithSmallGrpcMemoryTest : public HostileClientTest {
+ protected:
+  std::string ExtraLimits() const override {
+    return " grpc_memory_bytes: 1048576";
+  }
+};
+
+TEST_F(HostileClientWithSmallGrpcMemoryTest,
+       IdleConnectionsClosedForWantOfMemoryAreCountedAndLogged) {
+  // About 80 fit in 1 MiB (gRPC 1.51); the rest push the quota over.
+  constexpr int kConnections = 200;
+  const std::string preface =
+      std::string(kHttp2Preface) + Http2Frame(kSettingsFrame, "");
+  std::vector<common::UniqueFd> fds;
+  for (int i = 0; i < kConnections; ++i) {
+    auto fd = common::ConnectUnix(daemon_->socket_path());
+    ASSERT_TRUE(fd.ok()) << fd.status();
+    (void)::send(fd->get(), preface.data(), preface.size(), MSG_NOSIGNAL);
+    fds.push_back(std::move(*fd));
+  }
+  // Read them all until none has said anything for 2 s (at most 20 s).
+  std::vector<std::string> received(fds.size());
+  std::vector<bool> closed(fds.size(), false);
+  absl::Time quiet_since = absl::Now();
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (absl::Now() - quiet_since < absl::Seconds(2) &&
+         absl::Now() < deadline) {
+    std::vector<pollfd> polled;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (!closed[i]) polled.push_back({fds[i].get(), POLLIN, 0});
+    }
+    if (polled.empty()) break;
+    if (::poll(polled.data(), polled.size(), 100) <= 0) continue;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (closed[i]) continue;
+      char buf[4096];
+      const ssize_t n = ::recv(fds[i].get(), buf, sizeof(buf), MSG_DONTWAIT);
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+      quiet_since = absl::Now();
+      if (n <= 0) {
+        closed[i] = true;
+        continue;
+      }
+      received[i].append(buf, static_cast<size_t>(n));
+    }
+  }
+  int goaways = 0;
+  for (size_t i = 0; i < fds.size(); ++i) {
+    PingFlood seen;
+    ReadGoaway(received[i], seen);
+    if (!seen.goaway) continue;
+    EXPECT_EQ(seen.goaway_error, kEnhanceYourCalm) << "connection " << i;
+    EXPECT_EQ(seen.goaway_debug, "Buffers full") << "connection " << i;
+    ++goaways;
+  }
+  fds.clear();
+  ASSERT_GT(goaways, 0) << "no connection of " << kConnections
+                        << " was closed for want of gRPC memory";
+  // Counted as gRPC sends each: by now, every one this client read.
+  const std::string counted = absl::StrCat(
+      "deltad_refused_total{limit=\"grpc_memory_bytes\"} ", goaways, "\n");
+  std::string metrics;
+  for (int i = 0; i < 50; ++i) {
+    metrics = Http(MetricsPort(daemon_->Output()), "GET", "/metrics").second;
+    if (absl::StrContains(metrics, counted)) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_THAT(metrics, HasSubstr(counted));
+  EXPECT_THAT(daemon_->Output(), HasSubstr("reached limits.grpc_memory_bytes"));
+  std::printf("%d of %d idle connections closed with \"Buffers full\"\n",
+              goaways, kConnections);
+  ExpectServing("idle connections past gRPC's memory");
 }
 
 // NodeStatus on a new channel (made by `channel`) with a deadline of

@@ -51,18 +51,28 @@ TEST(LibraryLog, AFloodIsHeldBackAndCounted) {
   std::fclose(f);
 }
 
-// The line gRPC 1.51's chttp2 writes for the GOAWAY of
-// grpc_chttp2_add_ping_strike, and others it writes that are no refusal.
-TEST(LibraryLog, OnlyTheTooManyPingsGoawayLineIsTakenForOne) {
-  EXPECT_TRUE(IsTooManyPingsGoaway(
-      "unix:/run/deltad/deltad.sock: Sending goaway err=UNKNOWN:"
-      "too_many_pings {http2_error:11, created_time:\"2024-01-01\"}"));
-  EXPECT_FALSE(IsTooManyPingsGoaway(
-      "unix:/run/deltad/deltad.sock: Sending goaway err=UNKNOWN:Server "
-      "shutdown {created_time:\"2024-01-01\"}"));
-  EXPECT_FALSE(IsTooManyPingsGoaway(
-      "unix:/tmp/s: Received a GOAWAY with error code ENHANCE_YOUR_CALM and "
-      "debug data equal to \"too_many_pings\""));
+// The lines gRPC 1.51's chttp2 writes for the GOAWAYs of
+// grpc_chttp2_add_ping_strike and of its memory reclaimer, and others it
+// writes that are no refusal.
+TEST(LibraryLog, OnlyTheGoawayLinesOfALimitAreTakenForOne) {
+  EXPECT_STREQ(GoawayLimit("unix:/run/deltad/deltad.sock: Sending goaway "
+                           "err=UNKNOWN:too_many_pings {http2_error:11, "
+                           "created_time:\"2024-01-01\"}"),
+               "max_ping_strikes");
+  EXPECT_STREQ(GoawayLimit("fd:31: Sending goaway err=UNKNOWN:Buffers full "
+                           "{http2_error:11, created_time:\"2024-01-01\"}"),
+               "grpc_memory_bytes");
+  EXPECT_EQ(GoawayLimit("unix:/run/deltad/deltad.sock: Sending goaway "
+                        "err=UNKNOWN:Server shutdown {created_time:\"2024\"}"),
+            nullptr);
+  EXPECT_EQ(GoawayLimit("unix:/tmp/s: Received a GOAWAY with error code "
+                        "ENHANCE_YOUR_CALM and debug data equal to "
+                        "\"too_many_pings\""),
+            nullptr);
+  // The text of a limit before the GOAWAY (in a peer's name) is not one.
+  EXPECT_EQ(GoawayLimit("unix:/tmp/Buffers full: Sending goaway "
+                        "err=UNKNOWN:Server shutdown {}"),
+            nullptr);
 }
 
 }  // namespace
