@@ -8,7 +8,7 @@ setup(
     ext_modules=[
         Extension("deltad._savedcore",
                   ["deltad/_savedcore.c", "deltad/_savedcore_store.c",
-                   "deltad/_savedcore_types.c"],
+                   "deltad/_savedcore_hooks.c", "deltad/_savedcore_types.c"],
                   depends=["deltad/_savedcore.h"], py_limited_api=True),
     ],
     options={"bdist_wheel": {"py_limited_api": "cp310"}},

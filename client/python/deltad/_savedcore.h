@@ -2,7 +2,8 @@
  * module's types and interned names, and the functions one file calls in
  * another (_savedcore.c says why the hot path is in C and how it locks).
  *   _savedcore_types.c  Counters, Group and SavedTensor;
- *   _savedcore_store.c  Core's pack, unpack, a member's death and the hooks;
+ *   _savedcore_store.c  Core's pack, unpack and a member's death;
+ *   _savedcore_hooks.c  the saved-tensor hooks over them;
  *   _savedcore.c        Core's object protocol and the module. */
 
 #ifndef DELTAD_SAVEDCORE_H_
@@ -30,6 +31,32 @@ static inline void set_slot(PyObject** slot, PyObject* value) {
   PyObject* old = *slot;
   *slot = value;
   Py_XDECREF(old);
+}
+
+/* An attribute or a method's result as a long long (-1: the error set). */
+static inline int get_ll(PyObject* obj, PyObject* name, long long* out) {
+  PyObject* v = PyObject_GetAttr(obj, name);
+  if (v == NULL) return -1;
+  *out = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static inline int call_ll(PyObject* obj, PyObject* name, long long* out) {
+  PyObject* v = PyObject_CallMethodObjArgs(obj, name, NULL);
+  if (v == NULL) return -1;
+  *out = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* 1, 0, or -1 on error. */
+static inline int get_truth(PyObject* obj, PyObject* name) {
+  PyObject* v = PyObject_GetAttr(obj, name);
+  if (v == NULL) return -1;
+  int r = PyObject_IsTrue(v);
+  Py_DECREF(v);
+  return r;
 }
 
 static inline void free_self(PyObject* self) {
@@ -105,5 +132,14 @@ PyObject* saved_create(Group* group, Py_ssize_t index, long long version);
 /* _savedcore_store.c */
 extern PyMethodDef core_methods[];
 int member_died(Core* core, Group* group, Py_ssize_t index);
+PyObject* store_pack(Core* c, PyObject* tensor, PyObject* key,
+                     PyObject* storage);
+PyObject* store_unpack(Core* c, Saved* s);
+
+/* _savedcore_hooks.c */
+PyObject* core_hook_pack(PyObject* self, PyObject* tensor);
+PyObject* core_hook_unpack(PyObject* self, PyObject* saved);
+PyObject* core_configure_hooks(PyObject* self, PyObject* args,
+                               PyObject* kwargs);
 
 #endif /* DELTAD_SAVEDCORE_H_ */
