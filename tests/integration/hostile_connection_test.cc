@@ -1,10 +1,9 @@
 // A hostile local client against the daemon's sockets themselves: HTTP/2
 // PING floods (answered by gRPC without a call), connections that never
-// read, and more connections than one user may hold, on the gRPC socket
-// and the side socket. As in hostile_client_test.cc, an honest session on
-// the same GPU must be unaffected (the fixture's TearDown).
-#include <arpa/inet.h>
-#include <netinet/in.h>
+// read, idle connections that fill gRPC's memory, and more side-socket
+// connections than one user may hold (hostile_grpc_limits_test.cc: the
+// gRPC socket's limits). As in hostile_client_test.cc, an honest session
+// on the same GPU must be unaffected (the fixture's TearDown).
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -14,9 +13,6 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <functional>
-#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,6 +29,7 @@
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/daemon_test.h"
 #include "tests/integration/hostile_client.h"
+#include "tests/integration/raw_http2.h"
 
 namespace deltad::testing_util {
 namespace {
@@ -48,145 +45,6 @@ using ::testing::HasSubstr;
 // Once over, +12 to +104 MiB stayed after the trim 10 s later.
 constexpr int64_t kPingFloodSettledRssBound = 192 * kMiB;
 
-// HTTP/2 as the ping flood speaks it (RFC 9113): a gRPC client library
-// would never send these PINGs, so the test writes the frames itself.
-constexpr absl::string_view kHttp2Preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-constexpr uint8_t kSettingsFrame = 0x4;
-constexpr uint8_t kPingFrame = 0x6;
-constexpr uint8_t kGoawayFrame = 0x7;
-constexpr uint32_t kEnhanceYourCalm = 0xb;
-constexpr size_t kFrameHeaderBytes = 9;
-
-// A frame on stream 0 with no flags.
-std::string Http2Frame(uint8_t type, absl::string_view payload) {
-  const size_t n = payload.size();
-  std::string frame(kFrameHeaderBytes, '\0');
-  frame[0] = static_cast<char>(n >> 16);
-  frame[1] = static_cast<char>(n >> 8);
-  frame[2] = static_cast<char>(n);
-  frame[3] = static_cast<char>(type);
-  return frame.append(payload.data(), payload.size());
-}
-
-uint32_t BigEndian32(absl::string_view bytes) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v = (v << 8) | static_cast<uint8_t>(bytes[i]);
-  return v;
-}
-
-// What one flooding connection saw of the daemon.
-struct PingFlood {
-  int64_t bytes_sent = 0;
-  bool goaway = false;
-  uint32_t goaway_error = 0;
-  std::string goaway_debug;
-  bool closed = false;  // the daemon closed the connection
-};
-
-// The first GOAWAY among the frames in `received`, into `flood`.
-void ReadGoaway(const std::string& received, PingFlood& flood) {
-  // The frames: 24-bit length, type, flags, 31-bit stream id, payload.
-  for (size_t at = 0; at + kFrameHeaderBytes <= received.size();) {
-    const absl::string_view rest = absl::string_view(received).substr(at);
-    const size_t length = BigEndian32(rest) >> 8;
-    if (rest.size() < kFrameHeaderBytes + length) break;
-    const absl::string_view payload = rest.substr(kFrameHeaderBytes, length);
-    if (static_cast<uint8_t>(rest[3]) == kGoawayFrame && length >= 8 &&
-        !flood.goaway) {
-      flood.goaway = true;
-      flood.goaway_error = BigEndian32(payload.substr(4));
-      flood.goaway_debug = std::string(payload.substr(8));
-    }
-    at += kFrameHeaderBytes + length;
-  }
-}
-
-// Connects to the gRPC socket and sends PINGs until the daemon closes the
-// connection, `max_bytes` are sent, or `timeout` passes. With
-// `read_replies` it reads whenever the daemon has sent something and keeps
-// the first GOAWAY (SETTINGS, their ACKs and PING ACKs are skipped);
-// without, it never reads, as the cheapest hostile client would not.
-PingFlood FloodWithPings(const std::string& socket_path, int64_t max_bytes,
-                         absl::Duration timeout, bool read_replies) {
-  PingFlood flood;
-  auto fd = common::ConnectUnix(socket_path);
-  if (!fd.ok()) return flood;
-  std::string burst = std::string(kHttp2Preface) +
-                      Http2Frame(kSettingsFrame, "") +
-                      Http2Frame(kPingFrame, "flood-00");
-  size_t unsent = burst.size();
-  const std::string pings = [] {
-    std::string many;
-    for (int i = 0; i < 1024; ++i) many += Http2Frame(kPingFrame, "flood-01");
-    return many;
-  }();
-  std::string received;
-  const absl::Time deadline = absl::Now() + timeout;
-  bool writable = true;
-  bool eof = false;
-  while (!eof && absl::Now() < deadline) {
-    if (writable && !flood.closed && flood.bytes_sent < max_bytes) {
-      if (unsent == 0) {
-        burst = pings;
-        unsent = burst.size();
-      }
-      const ssize_t n = ::send(fd->get(), burst.data() + burst.size() - unsent,
-                               unsent, MSG_DONTWAIT | MSG_NOSIGNAL);
-      if (n > 0) {
-        flood.bytes_sent += n;
-        unsent -= static_cast<size_t>(n);
-        continue;
-      }
-      // EPIPE or ECONNRESET: the daemon closed it; what it sent before
-      // is still there to read.
-      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
-        flood.closed = true;
-      }
-    }
-    pollfd p = {fd->get(), static_cast<short>(read_replies ? POLLIN : 0), 0};
-    if (!flood.closed && flood.bytes_sent < max_bytes) p.events |= POLLOUT;
-    const int ready = ::poll(&p, 1, 100);
-    writable = ready > 0 && (p.revents & POLLOUT) != 0;
-    if (!read_replies) {
-      if (ready > 0 && (p.revents & (POLLHUP | POLLERR)) != 0) {
-        flood.closed = eof = true;
-      }
-      continue;
-    }
-    if (ready <= 0 || (p.revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
-      continue;
-    }
-    char buf[16384];
-    const ssize_t n = ::recv(fd->get(), buf, sizeof(buf), MSG_DONTWAIT);
-    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
-      flood.closed = eof = true;
-    }
-    if (n > 0) received.append(buf, static_cast<size_t>(n));
-  }
-  ReadGoaway(received, flood);
-  return flood;
-}
-
-// Reads what the daemon sends on a fresh connection to its gRPC socket for
-// `wait`, or until it closes it: the GOAWAY's debug data, empty if none.
-std::string GoawayWithin(int fd, absl::Duration wait) {
-  const std::string preface =
-      std::string(kHttp2Preface) + Http2Frame(kSettingsFrame, "");
-  (void)::send(fd, preface.data(), preface.size(), MSG_NOSIGNAL);
-  std::string received;
-  const absl::Time deadline = absl::Now() + wait;
-  while (absl::Now() < deadline) {
-    pollfd p = {fd, POLLIN, 0};
-    if (::poll(&p, 1, 50) <= 0) continue;
-    char buf[4096];
-    const ssize_t n = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
-    if (n <= 0) break;
-    received.append(buf, static_cast<size_t>(n));
-  }
-  PingFlood seen;
-  ReadGoaway(received, seen);
-  return seen.goaway_debug;
-}
 // Every side-socket connection holds a descriptor and a peer token: one
 // user may hold only so many, and the next one is closed with the limit's
 // name, not served.
@@ -444,190 +302,6 @@ TEST_F(HostileClientWithSmallGrpcMemoryTest,
   std::printf("%d of %d idle connections closed with \"Buffers full\"\n",
               goaways, kConnections);
   ExpectServing("idle connections past gRPC's memory");
-}
-
-// NodeStatus on a new channel (made by `channel`) with a deadline of
-// `wait`, how long it took, and its status.
-grpc::Status NodeStatusOn(
-    const std::function<std::shared_ptr<grpc::Channel>()>& channel,
-    absl::Duration wait, absl::Duration* took = nullptr) {
-  auto stub = v1::MemoryManager::NewStub(channel());
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + wait));
-  v1::NodeStatusResponse response;
-  const absl::Time start = absl::Now();
-  grpc::Status s =
-      stub->NodeStatus(&context, v1::NodeStatusRequest(), &response);
-  if (took != nullptr) *took = absl::Now() - start;
-  return s;
-}
-
-// A call past the limit fails at once with the limit's name.
-void ExpectRefusedByName(
-    const std::function<std::shared_ptr<grpc::Channel>()>& channel) {
-  absl::Duration took;
-  const grpc::Status s = NodeStatusOn(channel, absl::Seconds(5), &took);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
-      << Describe(s);
-  EXPECT_THAT(s.error_message(),
-              HasSubstr("limits.max_grpc_connections_per_uid"));
-  EXPECT_LT(took, absl::Seconds(2)) << Describe(s);
-}
-
-// Served again, once the daemon has seen connections close: tries new
-// channels for up to 10 s.
-grpc::Status ServedAgain(
-    const std::function<std::shared_ptr<grpc::Channel>()>& channel) {
-  grpc::Status again = grpc::Status(grpc::StatusCode::UNKNOWN, "not tried");
-  for (int i = 0; i < 50 && !again.ok(); ++i) {
-    again = NodeStatusOn(channel, absl::Seconds(2));
-    if (!again.ok()) absl::SleepFor(absl::Milliseconds(200));
-  }
-  return again;
-}
-
-// Each gRPC connection costs the daemon memory and a descriptor: one user
-// may hold only so many, and the next one gets a GOAWAY naming the limit.
-constexpr int kMaxGrpcConnectionsPerUid = 8;
-
-class HostileClientWithGrpcLimitTest : public HostileClientTest {
- protected:
-  std::string ExtraLimits() const override {
-    return absl::StrCat(" max_grpc_connections_per_uid: ",
-                        kMaxGrpcConnectionsPerUid);
-  }
-};
-
-TEST_F(HostileClientWithGrpcLimitTest,
-       GrpcConnectionsOfOneUserAreBoundedAndNamed) {
-  // Connections that speak HTTP/2 and make no call; this process's own
-  // channel counts too.
-  std::vector<common::UniqueFd> held;
-  std::string refused_with;
-  for (int i = 0; i <= kMaxGrpcConnectionsPerUid && refused_with.empty(); ++i) {
-    auto fd = common::ConnectUnix(daemon_->socket_path());
-    ASSERT_TRUE(fd.ok()) << fd.status();
-    refused_with = GoawayWithin(fd->get(), absl::Milliseconds(300));
-    if (refused_with.empty()) held.push_back(std::move(*fd));
-  }
-  EXPECT_THAT(refused_with, HasSubstr("limits.max_grpc_connections_per_uid"));
-  EXPECT_LT(static_cast<int>(held.size()), kMaxGrpcConnectionsPerUid);
-  // What a gRPC client sees, on a connection of its own: its call is
-  // answered with the limit's name, at once (a GOAWAY alone would leave
-  // it to reconnect until its deadline; a close, a broken pipe).
-  auto unix_channel = [this] { return daemon_->NewChannel(); };
-  ExpectRefusedByName(unix_channel);
-  // One let go, another is served once the daemon has seen it closed.
-  held.pop_back();
-  const grpc::Status again = ServedAgain(unix_channel);
-  EXPECT_TRUE(again.ok()) << Describe(again);
-  ExpectServing("connections past the limit");
-  const std::string metrics =
-      Http(MetricsPort(daemon_->Output()), "GET", "/metrics").second;
-  EXPECT_THAT(metrics, ::testing::ContainsRegex(
-                           "deltad_refused_total\\{limit=\"max_grpc_"
-                           "connections_per_uid\"\\} [1-9]"));
-}
-
-// The TCP port, when configured, is accepted as the Unix socket is: a
-// client on this machine counts as its socket's owner.
-class HostileClientWithGrpcLimitOverTcpTest
-    : public HostileClientWithGrpcLimitTest {
- protected:
-  std::string ExtraConfig() const override {
-    return "tcp_address: \"127.0.0.1:0\"\n";
-  }
-  int TcpPort() const {
-    const std::string out = daemon_->Output();
-    const size_t at = out.find(" and 127.0.0.1:");
-    return at == std::string::npos ? 0 : std::atoi(out.c_str() + at + 15);
-  }
-};
-
-common::UniqueFd ConnectTcp(int port) {
-  common::UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
-    return common::UniqueFd();
-  }
-  return fd;
-}
-
-TEST_F(HostileClientWithGrpcLimitOverTcpTest,
-       TcpConnectionsCountForTheirUserAndAreRefusedByName) {
-  const int port = TcpPort();
-  ASSERT_GT(port, 0) << daemon_->Output();
-  std::vector<common::UniqueFd> held;
-  std::string refused_with;
-  for (int i = 0; i <= kMaxGrpcConnectionsPerUid && refused_with.empty(); ++i) {
-    common::UniqueFd fd = ConnectTcp(port);
-    ASSERT_TRUE(fd.valid());
-    refused_with = GoawayWithin(fd.get(), absl::Milliseconds(300));
-    if (refused_with.empty()) held.push_back(std::move(fd));
-  }
-  // This process's Unix-socket channels count for the same user.
-  EXPECT_THAT(refused_with, HasSubstr("limits.max_grpc_connections_per_uid"));
-  EXPECT_THAT(refused_with, HasSubstr(absl::StrCat("uid ", ::getuid())));
-  EXPECT_LT(static_cast<int>(held.size()), kMaxGrpcConnectionsPerUid);
-  auto tcp_channel = [port] {
-    return grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
-                               grpc::InsecureChannelCredentials());
-  };
-  ExpectRefusedByName(tcp_channel);
-  held.clear();
-  // Served over TCP again once the connections are gone.
-  const grpc::Status again = ServedAgain(tcp_channel);
-  EXPECT_TRUE(again.ok()) << Describe(again);
-}
-
-// gRPC answers a unary call for which no thread is free itself (RESOURCE_
-// EXHAUSTED "Server Threadpool Exhausted"); the daemon still counts each
-// and says so in its log. With one thread, gRPC's own poller's, every
-// unary call is refused, so the count is exact: a daemon that is never
-// "ready" (its NodeStatus refused too), waited for by its log line.
-class GrpcThreadsTest : public DaemonTest {
- protected:
-  void SetUp() override {
-    DaemonOptions options;
-    options.config_text = "limits { grpc_max_threads: 1 }\n";
-    options.flags = {"--drain_seconds=5"};
-    options.wait_ready = false;
-    auto daemon = DaemonProcess::Start(std::move(options));
-    ASSERT_TRUE(daemon.ok()) << daemon.status();
-    daemon_ = std::move(*daemon);
-    stub_ = daemon_->NewStub();
-    const absl::Time until = absl::Now() + absl::Seconds(30);
-    while (MetricsPort(daemon_->Output()) == 0 && absl::Now() < until) {
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    ASSERT_GT(MetricsPort(daemon_->Output()), 0) << daemon_->Output();
-  }
-};
-
-TEST_F(GrpcThreadsTest, CallsRefusedForWantOfAThreadAreCountedAndLogged) {
-  constexpr int kCalls = 5;
-  for (int i = 0; i < kCalls; ++i) {
-    grpc::ClientContext context;
-    context.set_deadline(Deadline());
-    v1::NodeStatusResponse response;
-    const grpc::Status s =
-        stub_->NodeStatus(&context, v1::NodeStatusRequest(), &response);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
-        << Describe(s);
-    EXPECT_EQ(s.error_message(), "Server Threadpool Exhausted");
-  }
-  const std::string metrics =
-      Http(MetricsPort(daemon_->Output()), "GET", "/metrics").second;
-  EXPECT_THAT(metrics, HasSubstr(absl::StrCat(
-                           "deltad_refused_total{limit=\"grpc_max_threads\"} ",
-                           kCalls, "\n")));
-  // Once per 10 s: the first refusal only.
-  EXPECT_THAT(daemon_->Output(),
-              HasSubstr("gRPC refused a call: no thread free "
-                        "(limits.grpc_max_threads = 1; 0 such lines"));
 }
 
 }  // namespace
