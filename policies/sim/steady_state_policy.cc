@@ -33,10 +33,10 @@ constexpr const char* kCandidates[] = {"window", "offload-greedy",
 
 // SteadyStatePolicy::kReplayIterations: a plan is judged by the third of
 // three replayed iterations: the iterations it will run start where an
-// earlier one left the parameters
-// and optimizer state (some offloaded, some with host copies) and with
-// what the policy learnt in it, which one iteration replayed from nothing
-// does not see; and a second iteration starts from what a first one left,
+// earlier one left the parameters and optimizer state (some offloaded,
+// some with host copies) and with what the policy learnt in it, which one
+// iteration replayed from nothing does not see; and a second iteration
+// starts from what a first one left,
 // before the plan had run a whole iteration itself: since the parameters
 // carry their place from one iteration to the next (Program::carries), on
 // random graph 12 at 0.6 of its peak delta-replay ran its second iteration

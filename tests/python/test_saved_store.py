@@ -338,9 +338,6 @@ class LearnedBudgetTest(unittest.TestCase):
         self.assertIsNone(self.store.budget_if_same)
         del kept
 
-if __name__ == "__main__":
-    unittest.main()
-
 
 class PackOutOfMemoryTest(unittest.TestCase):
     """A pack that fails on an allocation in the C store (MemoryError)
@@ -428,3 +425,7 @@ class PackOutOfMemoryTest(unittest.TestCase):
             self.assertEqual(store.alive, 0, n)
             self.assertEqual(store.counters.resident_bytes, 0, n)
         self.assertGreater(failures, 0)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -404,10 +404,6 @@ class CopiesOfAWrappedModelTest(unittest.TestCase):
             self.assertGreater(m.stats().recorded_calls, 0)
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 class ABlockWhoseExitFailsTest(unittest.TestCase):
     """A block whose exit fails half-way (here a MemoryError at each of
     its allocations in turn) must not leave the model's modules with
@@ -477,3 +473,7 @@ class ABlockWhoseExitFailsTest(unittest.TestCase):
         self.assertTrue(manager.store.closed)
         for module in model.modules():
             self.assertNotIn("forward", module.__dict__)
+
+
+if __name__ == "__main__":
+    unittest.main()
