@@ -35,15 +35,22 @@ TF32 is allowed for matmuls and convolutions unless --no_tf32.
 
 It prints a Markdown section; --update_doc FILE rewrites the section between
 <!-- torch_bench:begin --> and <!-- torch_bench:end --> of FILE (appending it
-when FILE has none), as the C++ benchmarks do. Exit status: 0 when every
-mode ran (running out of memory is a result, not an error), 1 when a mode
-failed otherwise, 2 for bad arguments, 77 when --device cuda finds no GPU.
+when FILE has none), as the C++ benchmarks do: after each model but the
+last, marked incomplete, and at the end. SIGTERM (a time limit's) stops the
+run with what had finished written, marked incomplete, the searches' largest
+batches so far among it. deltad's search runs right after none's, so that
+searches which overrun their share of --time_budget_s (save_on_cpu's pin
+tens of GiB) cannot leave it none. Exit status: 0 when every mode ran
+(running out of memory is a result, not an error), 1 when a mode failed
+otherwise or the run was stopped, 2 for bad arguments, 77 when --device cuda
+finds no GPU.
 On a GPU machine scripts/gpu-pack runs it after gpu_bench.
 """
 
 import argparse
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -51,7 +58,8 @@ import time
 import benchlib
 # torch_run first: it exits 2 with a note when PyTorch is not importable,
 # before torch and the modules below import it.
-from torch_run import GIB, TAG, Bench, free_memory, gib, meminfo_bytes, note
+from torch_run import (GIB, OUT_OF_TIME, TAG, Bench, free_memory, gib,
+                       meminfo_bytes, note)
 
 import torch
 
@@ -70,6 +78,35 @@ def import_deltad():
         return benchlib.import_deltad(), None
     except ImportError as e:
         return None, f"the deltad package is not importable ({e})"
+
+
+class Stopped(BaseException):
+    """SIGTERM, as a stage's time limit sends it (timeout(1)): what had
+    finished is still reported. A BaseException, so that a run's own
+    handlers, which classify failures, let it through."""
+
+
+def _stop(signum, frame):
+    raise Stopped(f"signal {signum}")
+
+
+def search_order(modes):
+    """deltad's search right after `none`'s, whose batch it is held to:
+    the searches share the time, and the later ones get what the earlier
+    ones left (save_on_cpu's tries at large batches pin tens of GiB)."""
+    first = [m for m in ("none", "deltad") if m in modes]
+    return first + [m for m in modes if m not in first]
+
+
+def common_batch(results):
+    """The smallest of the modes' largest batches, which is `none`'s
+    largest whenever the others fit more, so that every mode runs it; a
+    search cut by the time budget found only a lower bound, and counts
+    only where every search was cut."""
+    whole = [e["largest"] for e in results.values()
+             if e["largest"] and e["why"] != OUT_OF_TIME]
+    cut = [e["largest"] for e in results.values() if e["largest"]]
+    return min(whole or cut or [0])
 
 
 def run_bench(args):
@@ -112,7 +149,34 @@ def run_bench(args):
 
     sections = []
     sim_rows = []
-    for i, name in enumerate(args.models):
+
+    def report(stopped=None):
+        command = benchlib.command_line("bench/torch_bench.py")
+        smoke = (" (smoke run: tiny models, not a benchmark)" if args.smoke
+                 else "")
+        md = [f"## torch_bench: PyTorch training under one memory limit"
+              f"{smoke}", "",
+              f"Command: `{command}`  ",
+              f"Machine: {machine}  ",
+              f"Date: {benchlib.today()}  ",
+              f"Software: {benchlib.software()}",
+              "",
+              intro(args, bench, cuda), ""]
+        if stopped:
+            md += [f"**Incomplete**: {stopped}.", ""]
+        md += sections
+        md.append(sim_section(args, trace_reason, sim_rows, gpu_name, cuda))
+        md.append(f"Whole run: {time.monotonic() - started:.0f} s.\n")
+        if bench.errors:
+            md.append("**Errors** (not out of memory):\n")
+            md += [f"- {e}" for e in bench.errors]
+            md.append("")
+        benchlib.print_report(TAG, md, args.update_doc)
+
+    def run_model(i, name, results):
+        """One model: each mode's largest batch, the timed runs, its report
+        section and simulator row; `results` (mode -> entry) fills as it
+        goes, for a report of a run stopped midway."""
         if args.time_budget_s:
             # Each model gets an equal share of the time that is left, the
             # searches at most 60% of it, so that the timed runs get some.
@@ -126,35 +190,35 @@ def run_bench(args):
             note(f"{name}: skipped: {skipped}")
             sections.append(f"### {name}\n\nskipped: {skipped}\n")
             sim_rows.append(f"| {name} | skipped: {skipped} ||||||||")
-            continue
+            return
         work.model.to(bench.device).train()
         max_batch = args.max_batch[name]
         sample_bytes = bench.per_sample_bytes(work)
-        results = {}
-        for j, mode in enumerate(args.modes):
+        # In the report's order, searched in search_order's.
+        for mode in args.modes:
+            results[mode] = {"largest": 0, "why": None, "own": None,
+                             "common": None}
+        order = search_order(args.modes)
+        for j, mode in enumerate(order):
             if args.time_budget_s:
                 # Each mode's search an equal share of what is left of the
-                # searches' time (deltad's is not spent by save_on_cpu's).
+                # searches' time.
                 now = time.monotonic()
                 bench.deadline = now + max(0.0, search_deadline - now) / (
-                    len(args.modes) - j)
-            entry = {"largest": 0, "why": None, "own": None, "common": None}
-            results[mode] = entry
+                    len(order) - j)
+            entry = results[mode]
             if mode == "deltad" and deltad_module is None:
                 entry["why"] = f"skipped: {deltad_reason}"
                 continue
             entry["largest"], entry["why"], _ = bench.largest_batch(
-                work, mode, max_batch, sample_bytes)
+                work, mode, max_batch, sample_bytes, found=entry)
         if args.time_budget_s:
             bench.deadline = model_deadline
-        # The common batch: the smallest of the modes' largest batches
-        # (those that fit one at all), which is `none`'s largest whenever
-        # the others fit more, so that every mode runs it. Timed first: the
-        # side-by-side comparison matters most when time is short.
-        fitted = [e["largest"] for e in results.values() if e["largest"]]
-        common = min(fitted) if fitted else 0
+        # Timed first: the side-by-side comparison matters most when time is
+        # short.
+        common = common_batch(results)
         for mode, entry in results.items():
-            if entry["largest"] and common:
+            if entry["largest"] >= common > 0:
                 entry["common"] = bench.timed(work, mode, common)
         for mode, entry in results.items():
             if entry["largest"] == common:
@@ -169,27 +233,40 @@ def run_bench(args):
         work.model.to("cpu")
         del work
         free_memory(cuda)
-    if not args.trace_dir:
-        shutil.rmtree(workdir, ignore_errors=True)
 
-    command = benchlib.command_line("bench/torch_bench.py")
-    smoke = " (smoke run: tiny models, not a benchmark)" if args.smoke else ""
-    md = [f"## torch_bench: PyTorch training under one memory limit{smoke}",
-          "",
-          f"Command: `{command}`  ",
-          f"Machine: {machine}  ",
-          f"Date: {benchlib.today()}  ",
-          f"Software: {benchlib.software()}",
-          "",
-          intro(args, bench, cuda), ""]
-    md += sections
-    md.append(sim_section(args, trace_reason, sim_rows, gpu_name, cuda))
-    md.append(f"Whole run: {time.monotonic() - started:.0f} s.\n")
-    if bench.errors:
-        md.append("**Errors** (not out of memory):\n")
-        md += [f"- {e}" for e in bench.errors]
-        md.append("")
-    benchlib.print_report(TAG, md, args.update_doc)
+    # A stage's time limit ends the run with SIGTERM: the report then says
+    # what had finished, and is written after each model besides, in case
+    # the SIGKILL that follows comes first.
+    previous = signal.signal(signal.SIGTERM, _stop)
+    name, results = None, {}
+    try:
+        for i, name in enumerate(args.models):
+            results = {}
+            run_model(i, name, results)
+            name = None
+            if i + 1 < len(args.models):
+                report(f"written after {i + 1} of {len(args.models)} "
+                       f"models; the run went on")
+    except Stopped as e:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        found = ", ".join(f"{m} {r['largest']}" for m, r in results.items()
+                          if r["largest"])
+        if name is not None:
+            sections.append(
+                f"### {name}\n\nstopped during its runs by {e} (the "
+                f"stage's time limit)" + (
+                    f"; the largest batches found until then, lower bounds "
+                    f"where the search had not ended: {found}"
+                    if found else "") + ".\n")
+        bench.errors.append(f"stopped by {e}")
+        report(f"stopped by {e} (the stage's time limit) after "
+               f"{time.monotonic() - started:.0f} s")
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if not args.trace_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    report()
     return 1 if bench.errors else 0
 
 

@@ -28,6 +28,9 @@ import benchlib
 TAG = "torch_bench"
 GIB = 1 << 30
 MIB = 1 << 20
+# Why a search stopped when its share of --time_budget_s was spent: its
+# largest batch is then only a lower bound.
+OUT_OF_TIME = "the time budget (--time_budget_s) ran out"
 # deltad.DeltadError's code for RESOURCE_EXHAUSTED (the budget and the host
 # memory are both short).
 RESOURCE_EXHAUSTED = 8
@@ -104,12 +107,22 @@ def deltad_did(stats):
             f"{stats.stall_ns / 1e6:.0f} ms stalled]")
 
 
+_warmed_up = set()
+
+
 def warm_up_libraries(device):
     """Has cuBLAS take its per-thread workspaces, which it keeps, before
-    any run (deltad.budget.warm_up_libraries): the first run of the
-    process would read them as memory it left allocated. (free_memory,
-    which follows, waits for the device.)"""
-    benchlib.import_deltad().budget.warm_up_libraries(device)
+    any run, as deltad.budget.warm_up_libraries does: the first run of the
+    process would read them as memory it left allocated. With plain
+    PyTorch, so that every other mode still runs where deltad does not
+    import. (free_memory, which follows, waits for the device.)"""
+    if device in _warmed_up:
+        return
+    _warmed_up.add(device)
+    a = torch.ones(16, 16, device=device, requires_grad=True)
+    with torch.enable_grad():
+        # cuBLASLt (a bias), then cuBLAS on this thread and autograd's.
+        torch.mm(torch.nn.functional.linear(a, a, a[0]), a).sum().backward()
 
 
 def free_memory(cuda):
@@ -402,15 +415,16 @@ class Bench:
 
     # --- the largest batch
 
-    def largest_batch(self, work, mode, max_batch, sample_bytes):
+    def largest_batch(self, work, mode, max_batch, sample_bytes, found=None):
         """Doubling from 1, then bisection between the last batch that fit
         and the first that did not. Returns (largest or 0, why it stopped,
-        tries)."""
+        tries); `found`, a dict, gets the largest so far as "largest" as the
+        search goes (a run stopped midway reports it)."""
         tries = []
 
         def fits(batch):
             if self.out_of_time():
-                return None, "the time budget (--time_budget_s) ran out"
+                return None, OUT_OF_TIME
             if (mode == "save_on_cpu" and self.cuda and sample_bytes and
                     sample_bytes * batch > self.host_cap):
                 return None, (f"batch {batch} would pin about "
@@ -418,6 +432,8 @@ class Bench:
                               f"host memory cap (--host_gib)")
             r = self.run(work, mode, batch, 2, 0)
             tries.append((batch, r))
+            if r.ok and found is not None:
+                found["largest"] = max(found.get("largest", 0), batch)
             what = ("fits" if r.ok else
                     "out of memory" if r.oom else "ERROR")
             note(f"{work.name} {mode} batch {batch}: {what} "

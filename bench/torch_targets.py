@@ -38,7 +38,7 @@ def extra_runs(largest, quiet):
     """The (mode, batch) runs the targets need beyond each mode's largest
     batch and the common one, most important first (a run the time budget
     cut is reported as not measured). `largest`: mode -> largest batch
-    (0: none fitted)."""
+    (0: none fitted, or skipped)."""
     runs = [("none", quiet), ("deltad", quiet)]
     top = largest.get("deltad", 0)
     base = largest.get("none", 0)
@@ -53,7 +53,9 @@ def extra_runs(largest, quiet):
             runs.append(("deltad", batch))
     out = []
     for run in runs:
-        if run not in out and run[0] in largest:
+        # A mode that fitted no batch (skipped, out of time, out of
+        # memory at 1) has nothing to time.
+        if run not in out and largest.get(run[0], 0):
             out.append(run)
     return out
 

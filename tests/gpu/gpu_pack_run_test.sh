@@ -5,7 +5,8 @@
 # (1) keep its output folder to the four files it names, (2) bound every
 # stage by what is left of its budget, killing one that hangs and skipping
 # those that no longer fit, and still leave every log written so far, and
-# (3) hand torch_bench the time left as its own budget.
+# (3) hand torch_bench the time left as its own budget, and (4) keep
+# torch_bench's time from a Python test that hangs.
 set -euo pipefail
 runner="$(cd "$(dirname "$0")/../.." && pwd)/scripts/gpu-pack-run"
 tmp="$(mktemp -d)"
@@ -48,7 +49,11 @@ case "$(basename "$1")" in
       shift
     done
     ;;
-  *) printf 'Ran 2 tests in 0.1s\n\nOK\n' >&2 ;;
+  *)
+    # A Python test: hangs when its name is in HANG, else passes.
+    [[ ",${HANG:-}," == *",$(basename "$1" .py),"* ]] && exec sleep 1000
+    printf 'Ran 2 tests in 0.1s\n\nOK\n' >&2
+    ;;
 esac
 STUB
   chmod +x "$pack"/bin/* "$pack/fakepython" "$pack/run"
@@ -98,4 +103,20 @@ listing=$(tar -tzf "$tmp/out/logs.tar.gz")
 tar -xzf "$tmp/out/logs.tar.gz" -C "$tmp" logs/gpu_test.log
 grep -q "Stub.Hangs" "$tmp/logs/gpu_test.log" ||
   fail "the killed test's log lost what it printed"
+
+# (4): a Python test that hangs is killed in time for torch_bench, which
+# carries the PyTorch targets, to run: of a 290-s budget it gets 35 s, what
+# is left above torch_bench's least 150 s, gpu_bench's 90 and a 15-s grace.
+rm -rf "$tmp/out"
+SECONDS=0
+if HANG=test_torch_correctness DELTAD_PACK_PYTHON="$tmp/pack/fakepython" \
+    bash "$tmp/pack/run" "$tmp/out" 290 >"$tmp/run3.txt" 2>&1; then
+  fail "a run with a hanging Python test exited 0"
+fi
+summary=$(cat "$tmp/out/summary.txt")
+[[ $summary == *"test_torch_correctness: FAILED (killed after 35 s)"* ]] ||
+  fail "the hanging Python test is not killed after 35 s: $summary"
+[[ $summary == *"torch_bench: done in "* ]] ||
+  fail "torch_bench did not run after a hanging Python test: $summary"
+[[ $SECONDS -le 60 ]] || fail "the 290-s budget's run took ${SECONDS} s"
 echo "PASS: the runner keeps four files, bounds its stages and hands torch_bench the time left"

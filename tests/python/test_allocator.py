@@ -188,6 +188,14 @@ class MemPoolInstallTest(unittest.TestCase):
                          "expandable_segments:False"})
         self.assertEqual(allocator.mode(), "mempool")
 
+    def test_expandable_segments_under_the_newer_name_are_refused(self):
+        with self.assertRaises(RuntimeError) as e:
+            self.install(0, {"PYTORCH_ALLOC_CONF":
+                             "expandable_segments:True"})
+        self.assertIn("PYTORCH_ALLOC_CONF asks for expandable_segments",
+                      str(e.exception))
+        self.assertIsNone(allocator.mode())
+
     def test_a_cuda_graph_capture_is_refused_while_installed(self):
         # Its allocations would land in deltad's pool and be reused under
         # its replays.

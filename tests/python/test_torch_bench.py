@@ -6,6 +6,7 @@ between its markers."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -282,6 +283,99 @@ class GlobalSwapStatisticsTest(unittest.TestCase):
         bench.reset_peak()
         self.assertEqual(calls, ["reset_peak"])
         self.assertEqual(bench.peak_held(), 456)
+
+
+class StoppedRunTest(unittest.TestCase):
+    """SIGTERM, as a stage's time limit sends it, ends torch_bench with
+    what had finished written: a run killed before its end once lost
+    every figure."""
+
+    def test_a_terminated_run_writes_what_it_had(self):
+        with tempfile.TemporaryDirectory(prefix="torch_bench-") as d:
+            doc = os.path.join(d, "BENCHMARKS.md")
+            with open(doc, "w") as f:
+                f.write(f"{BEGIN}\nan old run\n{END}\n")
+            p = subprocess.Popen(
+                [sys.executable, SCRIPT, "--device", "cpu", "--smoke",
+                 "--models", "gpt2", "--update_doc", doc],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True)
+            lines = []
+            try:
+                # Stopped in deltad's search, the second.
+                for line in p.stderr:
+                    lines.append(line)
+                    if re.search(r"gpt2 deltad batch \d+: fits", line):
+                        p.send_signal(signal.SIGTERM)
+                        break
+                rest = p.communicate(timeout=120)[1]
+            finally:
+                p.kill()
+            with open(doc) as f:
+                text = f.read()
+        log = "".join(lines) + rest
+        self.assertEqual(p.returncode, 1, log[-3000:])
+        self.assertRegex(text, r"\*\*Incomplete\*\*: stopped by signal "
+                         r"15 \(the stage's time limit\) after \d+ s")
+        # What the searches had found, none's whole, deltad's so far.
+        self.assertRegex(
+            model_section(text, "gpt2"),
+            r"stopped during its runs by signal 15 .*: none \d+, "
+            r"deltad \d+\.")
+        self.assertNotIn("an old run", text)
+
+
+class SearchOrderTest(unittest.TestCase):
+    """deltad's largest batch is searched right after none's, and a search
+    the time budget cut does not set the common batch."""
+
+    def setUp(self):
+        sys.path.insert(0, os.path.dirname(SCRIPT))
+
+    def test_deltad_is_searched_second(self):
+        import torch_bench
+        self.assertEqual(
+            torch_bench.search_order(
+                ["none", "checkpoint", "save_on_cpu", "deltad"]),
+            ["none", "deltad", "checkpoint", "save_on_cpu"])
+        self.assertEqual(torch_bench.search_order(["save_on_cpu", "deltad"]),
+                         ["deltad", "save_on_cpu"])
+
+    def test_a_search_cut_by_time_does_not_set_the_common_batch(self):
+        import torch_bench
+
+        def entry(largest, why=None):
+            return {"largest": largest, "why": why}
+
+        cut = torch_bench.OUT_OF_TIME
+        self.assertEqual(torch_bench.common_batch(
+            {"none": entry(193, "out of memory at batch 194"),
+             "save_on_cpu": entry(64, cut), "deltad": entry(384)}), 193)
+        self.assertEqual(torch_bench.common_batch(
+            {"none": entry(16, cut), "deltad": entry(8, cut)}), 8)
+        self.assertEqual(torch_bench.common_batch(
+            {"none": entry(0), "deltad": entry(0, "skipped: ...")}), 0)
+
+
+class WarmUpTest(unittest.TestCase):
+    """The bench's warm-up of cuBLAS needs no deltad: every other mode
+    still runs where deltad does not import (it once raised for all)."""
+
+    def test_the_warm_up_runs_without_deltad(self):
+        sys.path.insert(0, os.path.dirname(SCRIPT))
+        import benchlib
+        import torch_run
+
+        def no_deltad():
+            raise ImportError("no deltad here")
+
+        real = benchlib.import_deltad
+        benchlib.import_deltad = no_deltad
+        try:
+            torch_run.warm_up_libraries(torch.device("cpu"))
+        finally:
+            benchlib.import_deltad = real
+        self.assertIn(torch.device("cpu"), torch_run._warmed_up)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,13 @@ class ExtraRunsTest(unittest.TestCase):
         self.assertEqual(runs, [("none", 2), ("deltad", 2), ("deltad", 15),
                                 ("deltad", 25)])
 
+    def test_a_mode_that_fitted_nothing_is_not_timed(self):
+        # deltad skipped (it did not import) or cut by the time budget
+        # before its first try.
+        self.assertEqual(
+            torch_targets.extra_runs({"none": 10, "deltad": 0}, 2),
+            [("none", 2)])
+
 
 class RowsTest(unittest.TestCase):
 

@@ -309,20 +309,22 @@ def _unguard_graph_capture(torch):
 
 
 def _refuse_expandable_segments():
-    """RuntimeError when PYTORCH_CUDA_ALLOC_CONF asks for expandable
+    """RuntimeError when PYTORCH_CUDA_ALLOC_CONF, or PYTORCH_ALLOC_CONF
+    (its newer name, which PyTorch 2.x reads as well), asks for expandable
     segments, which PyTorch's pools over a pluggable allocator do not
     support (some releases raise at their first allocation)."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    for item in conf.replace(";", ",").split(","):
-        key, _, value = item.partition(":")
-        if (key.strip() == "expandable_segments"
-                and value.strip().lower() in ("true", "1")):
-            raise RuntimeError(
-                "deltad.allocator.install(): PYTORCH_CUDA_ALLOC_CONF asks "
-                "for expandable_segments, which PyTorch's memory pools over "
-                "deltad's allocator do not support. Drop it from "
-                "PYTORCH_CUDA_ALLOC_CONF (deltad maps its memory in chunks "
-                "already), or set DELTAD_DISABLE=1.")
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        conf = os.environ.get(var, "")
+        for item in conf.replace(";", ",").split(","):
+            key, _, value = item.partition(":")
+            if (key.strip() == "expandable_segments"
+                    and value.strip().lower() in ("true", "1")):
+                raise RuntimeError(
+                    f"deltad.allocator.install(): {var} asks for "
+                    f"expandable_segments, which PyTorch's memory pools "
+                    f"over deltad's allocator do not support. Drop it from "
+                    f"{var} (deltad maps its memory in chunks already), or "
+                    f"set DELTAD_DISABLE=1.")
 
 
 _exit_hook = None
