@@ -98,6 +98,15 @@ def today():
     return f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}"
 
 
+def head(title, script):
+    """A report's first lines: its heading, then the command, the CPU and
+    today's date."""
+    return [f"## {title}", "",
+            f"Command: `{command_line(script)}`  ",
+            f"Machine: {cpu_description()}  ",
+            f"Date: {today()}", ""]
+
+
 def software():
     """PyTorch's and Python's versions, for a report's software line."""
     import torch

@@ -187,11 +187,9 @@ def main():
             f"| {k} | {sent / 1024:.0f} | {took:.1f} | "
             f"{'closed' if closed else 'open'} | {cpu:.1f} "
             f"({100 * cpu / took:.0f}%) | +{after - base:.0f} |")
-    lines = [
-        "## ping_flood: the daemon's memory under HTTP/2 PING floods", "",
-        f"Command: `{benchlib.command_line('python3 bench/ping_flood.py')}`  ",
-        f"Machine: {benchlib.cpu_description()}  ",
-        f"Date: {benchlib.today()}", "",
+    lines = benchlib.head(
+        "ping_flood: the daemon's memory under HTTP/2 PING floods",
+        "python3 bench/ping_flood.py") + [
         "Connections that send HTTP/2 PINGs and never read, `concurrency` "
         "at a time, `rounds` times, each for at most "
         f"{a.seconds:g} s or {a.bytes >> 20} MiB, to a daemon of its own "

@@ -1,0 +1,268 @@
+"""stream_flood: what calls whose messages never end cost the daemon, and
+the honest session beside them.
+
+A deltad daemon on one simulated GPU (bench/sim_daemon.py) serves an honest
+client (deltad.Client, one tensor tracked) while hostile clients that speak
+HTTP/2 without gRPC connect to its socket: each opens --streams Session
+calls at once, before it reads the daemon's SETTINGS, sends each a gRPC
+message header that announces 15 MiB (under gRPC's own limit here, 4 times
+limits.max_message_bytes) and then data as fast as the daemon's flow
+control lets it, never finishing a message: gRPC buffers what comes for a
+message it has been asked to read. After --seconds, with the flood still
+on, `deltactl status` is timed; then the hostile clients leave. For each
+limits.grpc_memory_bytes in --quotas (0: the default), with a daemon of its
+own: the daemon's RSS (its peak during the flood, and --settle seconds
+after it, both over the RSS before), what the attackers got through, what
+gRPC did (streams reset, connections closed with GOAWAY), and what the
+honest client saw (sessions lost: each one ended and reopened, its tensors
+reported again).
+
+  python3 bench/stream_flood.py --update_doc docs/RELIABILITY.md
+"""
+
+import argparse
+import os
+import select
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+from ping_flood import SETTLE_S, rss_mib  # noqa: E402
+from sim_daemon import SimDaemon  # noqa: E402
+
+TAG = "stream_flood"
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = (
+    0, 1, 3, 4, 6, 7, 8)
+END_HEADERS, ACK = 0x4, 0x1
+ANNOUNCED = 15 << 20  # bytes each message says it has
+CHUNK = 16384  # HTTP/2's default largest frame
+
+
+def frame(kind, flags, stream, payload):
+    return (struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) +
+            struct.pack(">I", stream) + payload)
+
+
+def literal(name, value):
+    """An HPACK header field without indexing, its name literal too."""
+    return bytes([0, len(name)]) + name + bytes([len(value)]) + value
+
+
+# POST (static table entry 3), http (6), then :path and :authority as
+# literals with indexed names (4 and 1), and gRPC's own two headers.
+PATH = b"/deltad.v1.MemoryManager/Session"
+HEADER_BLOCK = (b"\x83\x86" + bytes([0x04, len(PATH)]) + PATH +
+                bytes([0x01, 9]) + b"localhost" +
+                literal(b"content-type", b"application/grpc") +
+                literal(b"te", b"trailers"))
+
+
+class Attacker:
+    """One connection: its streams' windows, what it sent and saw."""
+
+    def __init__(self, path, streams):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(path)
+        self.sock.setblocking(False)
+        self.connection_window = 65535
+        self.initial_window = 65535
+        self.windows = {}
+        self.unsent = {}  # a stream's message header, not yet sent
+        self.out = PREFACE + frame(SETTINGS, 0, 0, b"")
+        for i in range(streams):
+            stream = 1 + 2 * i
+            self.out += frame(HEADERS, END_HEADERS, stream, HEADER_BLOCK)
+            self.windows[stream] = self.initial_window
+            self.unsent[stream] = struct.pack(">BI", 0, ANNOUNCED)
+        self.inbox = b""
+        self.sent = 0
+        self.resets = 0
+        self.goaway = None
+        self.closed = False
+
+    def read(self):
+        try:
+            while True:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    self.closed = True
+                    break
+                self.inbox += data
+        except BlockingIOError:
+            pass
+        except OSError:
+            self.closed = True
+        while len(self.inbox) >= 9:
+            length = int.from_bytes(self.inbox[:3], "big")
+            if len(self.inbox) < 9 + length:
+                break
+            kind, flags = self.inbox[3], self.inbox[4]
+            stream = int.from_bytes(self.inbox[5:9], "big") & 0x7FFFFFFF
+            payload = self.inbox[9:9 + length]
+            self.inbox = self.inbox[9 + length:]
+            self.on_frame(kind, flags, stream, payload)
+
+    def on_frame(self, kind, flags, stream, payload):
+        if kind == SETTINGS and not flags & ACK:
+            for at in range(0, len(payload) - 5, 6):
+                key, value = struct.unpack(">HI", payload[at:at + 6])
+                if key == 4:  # SETTINGS_INITIAL_WINDOW_SIZE
+                    for s in self.windows:
+                        self.windows[s] += value - self.initial_window
+                    self.initial_window = value
+            self.out += frame(SETTINGS, ACK, 0, b"")
+        elif kind == WINDOW_UPDATE:
+            grant = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
+            if stream == 0:
+                self.connection_window += grant
+            elif stream in self.windows:
+                self.windows[stream] += grant
+        elif kind == RST_STREAM:
+            self.resets += 1
+            self.windows.pop(stream, None)
+        elif kind == GOAWAY and self.goaway is None:
+            self.goaway = payload[8:].decode(errors="replace")
+        elif kind == PING and not flags & ACK:
+            self.out += frame(PING, ACK, 0, payload)
+
+    def write(self):
+        for stream, window in self.windows.items():
+            n = min(window, self.connection_window, CHUNK)
+            if n <= 0:
+                continue
+            data = (self.unsent.pop(stream, b"") + b"x" * CHUNK)[:n]
+            self.out += frame(DATA, 0, stream, data)
+            self.windows[stream] -= n
+            self.connection_window -= n
+            self.sent += n
+        if self.out and not self.closed:
+            try:
+                k = self.sock.send(self.out)
+                self.out = self.out[k:]
+            except BlockingIOError:
+                pass
+            except OSError:
+                self.closed = True
+
+
+def deltactl_status(deltactl, path):
+    """(seconds, None) or (None, why it failed)."""
+    start = time.monotonic()
+    try:
+        r = subprocess.run([deltactl, f"--socket={path}", "status"],
+                           capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return None, "no answer in 10 s"
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return None, f"failed: {last[:80]}".replace("|", "/")
+    return time.monotonic() - start, None
+
+
+def measure(a, quota):
+    """One row: a daemon of its own with `quota` (0: the default)."""
+    import deltad
+    config = (f"limits {{ grpc_memory_bytes: {quota} }}\n" if quota else "")
+    daemon = SimDaemon(a.binary, gpu_bytes=256 << 20, prefix="deltad-flood-",
+                       extra_config=config)
+    with daemon as path:
+        pid = daemon.proc.pid
+        honest = deltad.Client(socket=path, budget_bytes=64 << 20,
+                               label="honest")
+        try:
+            honest.track(1, 1 << 20)
+            time.sleep(0.5)
+            base = peak = rss_mib(pid)
+            attackers = [Attacker(path, a.streams)
+                         for _ in range(a.connections)]
+            end = time.monotonic() + a.seconds
+            while time.monotonic() < end:
+                socks = [x.sock for x in attackers if not x.closed]
+                select.select(socks, [], [], 0.01)
+                for x in attackers:
+                    if not x.closed:
+                        x.read()
+                        x.write()
+                peak = max(peak, rss_mib(pid))
+            took, why = deltactl_status(a.deltactl, path)
+            peak = max(peak, rss_mib(pid))
+            for x in attackers:
+                x.sock.close()
+            time.sleep(a.settle)
+            settled = rss_mib(pid)
+            lost = honest.session_stats().sessions_lost
+        finally:
+            honest.close()
+    status = f"{took * 1000:.0f} ms" if took is not None else why
+    goaways = sorted({x.goaway for x in attackers if x.goaway})
+    return (f"| {quota >> 20 if quota else 'default (256)'} | "
+            f"{sum(x.sent for x in attackers) / (1 << 20):.0f} | "
+            f"{base:.1f} | +{peak - base:.0f} | +{settled - base:.0f} | "
+            f"{sum(x.resets for x in attackers)} | "
+            f"{sum(1 for x in attackers if x.goaway)}"
+            f"{' (' + ', '.join(goaways) + ')' if goaways else ''} | "
+            f"{lost} | {status} |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--connections", type=int, default=64,
+                   help="hostile connections at once")
+    p.add_argument("--streams", type=int, default=256,
+                   help="calls each hostile connection starts")
+    p.add_argument("--seconds", type=float, default=15,
+                   help="how long the flood lasts")
+    p.add_argument("--quotas", default="0,33554432",
+                   help="comma-separated limits.grpc_memory_bytes (0: the "
+                        "default)")
+    p.add_argument("--settle", type=float, default=SETTLE_S,
+                   help="seconds after the flood before the settled RSS")
+    p.add_argument("--binary", default=os.path.join(
+        benchlib.REPO, "build", "daemon", "deltad"))
+    p.add_argument("--deltactl", default=os.path.join(
+        benchlib.REPO, "build", "tools", "deltactl"))
+    p.add_argument("--update_doc", default=None)
+    a = p.parse_args()
+    for what in (a.binary, a.deltactl):
+        if not os.path.exists(what):
+            benchlib.fail(TAG, f"no {what}: build it first")
+    try:
+        quotas = [int(q) for q in a.quotas.split(",")]
+    except ValueError:
+        benchlib.fail(TAG, f"--quotas takes numbers, got {a.quotas!r}")
+    benchlib.import_deltad()
+    start = time.time()
+    rows = []
+    for quota in quotas:
+        benchlib.note(TAG, f"grpc_memory_bytes {quota or 'default'}: "
+                           f"{a.connections} connections x {a.streams} "
+                           f"calls for {a.seconds:g} s")
+        rows.append(measure(a, quota))
+    lines = benchlib.head("stream_flood: calls whose messages never end",
+                          "python3 bench/stream_flood.py") + [
+        f"{a.connections} hostile connections at once, each starting "
+        f"{a.streams} Session calls and sending each a message that "
+        f"announces {ANNOUNCED >> 20} MiB and never ends, as fast as flow "
+        f"control lets it, for {a.seconds:g} s, beside an honest client "
+        "(one session, one tensor); a daemon of its own per row (sim "
+        "backend, default limits but `limits.grpc_memory_bytes`). RSS over "
+        f"the RSS before the flood: its peak, and {a.settle:g} s after the "
+        "attackers left. `deltactl status` timed at the flood's end, "
+        "with the flood still on.", "",
+        "| grpc_memory_bytes (MiB) | MiB the attackers sent | RSS before "
+        "(MiB) | peak (MiB) | settled (MiB) | streams reset by gRPC | "
+        "connections closed by GOAWAY | honest sessions lost | "
+        "`deltactl status` |",
+        "|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        *rows, "",
+        f"Whole run: {time.time() - start:.0f} s.", ""]
+    benchlib.print_report(TAG, lines, a.update_doc)
+
+
+if __name__ == "__main__":
+    main()
