@@ -16,7 +16,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -32,6 +31,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_traces.h"
 #include "bench/max_batch.h"
 #include "bench/own_peak_check.h"
 #include "bench/policy_table.h"
@@ -141,130 +141,6 @@ absl::StatusOr<SimResult> RunOne(const Program& program,
   return r.status();
 }
 
-// The traces of --trace_files, in their order. A file that does not parse,
-// validate or compile is an error that names it.
-absl::StatusOr<std::vector<BenchTrace>> LoadTraceFiles() {
-  std::vector<BenchTrace> traces;
-  const std::vector<std::string> paths = List(absl::GetFlag(FLAGS_trace_files));
-  if (paths.empty()) return traces;
-  auto device = FindDeviceProfile(absl::GetFlag(FLAGS_model_device));
-  if (!device.ok()) return device.status();
-  for (const std::string& path : paths) {
-    // Its message names the file (and the line, for a parse error).
-    auto trace = ReadTraceFile(path);
-    if (!trace.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--trace_files: ", trace.status().message()));
-    }
-    auto program = Compile(*trace);
-    if (!program.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--trace_files: ", path, ": ", program.status().message()));
-    }
-    if (program->steps.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--trace_files: ", path, ": the trace has no ops"));
-    }
-    BenchTrace t;
-    t.name = trace->name;
-    t.source = "recorded";
-    t.device = device->name;
-    t.program = std::move(*program);
-    traces.push_back(std::move(t));
-  }
-  return traces;
-}
-
-// The measured DTR logs and the model traces.
-std::vector<BenchTrace> LoadBuiltInTraces() {
-  std::vector<BenchTrace> traces;
-  std::string dir = absl::GetFlag(FLAGS_traces);
-  if (dir.empty()) dir = DefaultDtrTraceDir();
-  const std::vector<std::string> logs = ListDtrLogs(dir);
-  if (logs.empty()) {
-    std::fprintf(stderr,
-                 "policy_bench: no DTR logs in %s (set --traces or "
-                 "DELTAD_DTR_TRACES): running the other traces only\n",
-                 dir.c_str());
-  } else {
-    std::fprintf(stderr, "policy_bench: DTR logs from %s\n", dir.c_str());
-  }
-  for (const std::string& path : logs) {
-    auto trace = ImportDtrLog(path);
-    if (!trace.ok()) {
-      std::fprintf(stderr, "policy_bench: skipping %s: %s\n", path.c_str(),
-                   std::string(trace.status().message()).c_str());
-      continue;
-    }
-    auto program = Compile(*trace);
-    if (!program.ok()) continue;
-    BenchTrace t;
-    auto model = DtrModelFromLogName(path);
-    t.name = model.ok() ? absl::StrCat(model->model, "-", model->batch)
-                        : std::filesystem::path(path).stem().string();
-    if (model.ok() && model->same_config_as_measured) {
-      t.dtr_model = model->model;
-      t.dtr_batch = model->batch;
-    }
-    t.source = "dtr-log";
-    t.device = "titan-v";  // where the logs were measured
-    t.cnn = absl::StrContains(t.name, "densenet") ||
-            absl::StrContains(t.name, "resnet") ||
-            absl::StrContains(t.name, "inception") ||
-            absl::StrContains(t.name, "unet");
-    t.program = std::move(*program);
-    traces.push_back(std::move(t));
-  }
-  auto device = FindDeviceProfile(absl::GetFlag(FLAGS_model_device));
-  if (!device.ok()) {
-    std::fprintf(stderr, "policy_bench: %s\n",
-                 std::string(device.status().message()).c_str());
-    return traces;
-  }
-  for (const std::string& m : List(absl::GetFlag(FLAGS_models))) {
-    ModelOptions opt;
-    opt.batch = absl::GetFlag(FLAGS_model_batch);
-    opt.optimizer = ModelOptimizer();
-    if (m == "gpt") opt.batch = std::max(1, opt.batch / 4);
-    auto trace = BuildModelTrace(m, opt, *device);
-    if (!trace.ok()) {
-      std::fprintf(stderr, "policy_bench: %s: %s\n", m.c_str(),
-                   std::string(trace.status().message()).c_str());
-      continue;
-    }
-    auto program = Compile(*trace);
-    if (!program.ok()) continue;
-    BenchTrace t;
-    t.name = trace->name;
-    t.source = "model";
-    t.device = device->name;
-    t.cnn = m != "gpt";
-    t.program = std::move(*program);
-    traces.push_back(std::move(t));
-  }
-  return traces;
-}
-
-absl::StatusOr<std::vector<BenchTrace>> LoadTraces() {
-  // The recorded files first, so that a bad one fails before the rest loads.
-  auto recorded = LoadTraceFiles();
-  if (!recorded.ok()) return recorded.status();
-  std::vector<BenchTrace> traces = LoadBuiltInTraces();
-  // Rows are found by trace name: a recorded trace named like another one
-  // gets a suffix.
-  for (BenchTrace& t : *recorded) {
-    const std::string base = t.name;
-    for (int n = 2;
-         std::any_of(traces.begin(), traces.end(),
-                     [&](const BenchTrace& o) { return o.name == t.name; });
-         ++n) {
-      t.name = absl::StrCat(base, "-", n);
-    }
-    traces.push_back(std::move(t));
-  }
-  return traces;
-}
-
 }  // namespace
 }  // namespace deltad::sim
 
@@ -356,7 +232,14 @@ int RunTable(const std::string& command) {
   for (const std::string& r : List(absl::GetFlag(FLAGS_ratios))) {
     ratios.push_back(std::strtod(r.c_str(), nullptr));
   }
-  auto loaded = LoadTraces();
+  TraceSources sources;
+  sources.trace_files = List(absl::GetFlag(FLAGS_trace_files));
+  sources.dtr_dir = absl::GetFlag(FLAGS_traces);
+  sources.models = List(absl::GetFlag(FLAGS_models));
+  sources.model_device = absl::GetFlag(FLAGS_model_device);
+  sources.model_batch = absl::GetFlag(FLAGS_model_batch);
+  sources.optimizer = ModelOptimizer();
+  auto loaded = LoadTraces(sources);
   if (!loaded.ok()) {
     std::fprintf(stderr, "policy_bench: %s\n",
                  std::string(loaded.status().message()).c_str());

@@ -16,17 +16,23 @@ import unittest
 import torch
 
 import deltad.saved as saved
+import deltad.saved_release as saved_release
 import deltad.saved_restore as saved_restore
+
+# The store's modules: each uses torch through its own _torch.
+_STORE_MODULES = (saved, saved_release, saved_restore)
 
 
 def patch_torch(fake):
-    """Gives deltad.saved and deltad.saved_restore (each uses torch through
-    its own _torch) the stand-in `fake`; returns what undoes it."""
-    before = saved._torch, saved_restore._torch
-    saved._torch = saved_restore._torch = fake
+    """Gives the store's modules the stand-in `fake`; returns what undoes
+    it."""
+    before = [m._torch for m in _STORE_MODULES]
+    for m in _STORE_MODULES:
+        m._torch = fake
 
     def undo():
-        saved._torch, saved_restore._torch = before
+        for m, t in zip(_STORE_MODULES, before):
+            m._torch = t
     return undo
 
 
