@@ -3,12 +3,12 @@ the honest session beside them.
 
 A deltad daemon on one simulated GPU (bench/sim_daemon.py) serves an honest
 client (deltad.Client, one tensor tracked) while hostile clients that speak
-HTTP/2 without gRPC connect to its socket: each opens --streams Session
-calls at once, before it reads the daemon's SETTINGS, sends each a gRPC
-message header that announces 15 MiB (under gRPC's own limit here, 4 times
-limits.max_message_bytes) and then data as fast as the daemon's flow
-control lets it, never finishing a message: gRPC buffers what comes for a
-message it has been asked to read. After --seconds, with the flood still
+HTTP/2 without gRPC connect to its socket: each opens --streams calls
+(--method, Session by default) at once, before it reads the daemon's
+SETTINGS, sends each a gRPC message header that announces 15 MiB (under
+gRPC's own limit here, 4 times limits.max_message_bytes) and then data as
+fast as the daemon's flow control lets it, never finishing a message: gRPC
+buffers what comes for a message it is reading. After --seconds, with the flood still
 on, `deltactl status` is timed; then the hostile clients leave. For each
 limits.grpc_memory_bytes in --quotas (0: the default), with a daemon of its
 own: the daemon's RSS (its peak during the flood, and --settle seconds
@@ -53,19 +53,20 @@ def literal(name, value):
     return bytes([0, len(name)]) + name + bytes([len(value)]) + value
 
 
-# POST (static table entry 3), http (6), then :path and :authority as
-# literals with indexed names (4 and 1), and gRPC's own two headers.
-PATH = b"/deltad.v1.MemoryManager/Session"
-HEADER_BLOCK = (b"\x83\x86" + bytes([0x04, len(PATH)]) + PATH +
-                bytes([0x01, 9]) + b"localhost" +
-                literal(b"content-type", b"application/grpc") +
-                literal(b"te", b"trailers"))
+def header_block(method):
+    """POST (static table entry 3), http (6), then :path and :authority as
+    literals with indexed names (4 and 1), and gRPC's own two headers."""
+    path = f"/deltad.v1.MemoryManager/{method}".encode()
+    return (b"\x83\x86" + bytes([0x04, len(path)]) + path +
+            bytes([0x01, 9]) + b"localhost" +
+            literal(b"content-type", b"application/grpc") +
+            literal(b"te", b"trailers"))
 
 
 class Attacker:
     """One connection: its streams' windows, what it sent and saw."""
 
-    def __init__(self, path, streams):
+    def __init__(self, path, streams, headers):
         self.sock = socket.socket(socket.AF_UNIX)
         self.sock.connect(path)
         self.sock.setblocking(False)
@@ -76,7 +77,7 @@ class Attacker:
         self.out = PREFACE + frame(SETTINGS, 0, 0, b"")
         for i in range(streams):
             stream = 1 + 2 * i
-            self.out += frame(HEADERS, END_HEADERS, stream, HEADER_BLOCK)
+            self.out += frame(HEADERS, END_HEADERS, stream, headers)
             self.windows[stream] = self.initial_window
             self.unsent[stream] = struct.pack(">BI", 0, ANNOUNCED)
         self.inbox = b""
@@ -178,7 +179,7 @@ def measure(a, quota):
             honest.track(1, 1 << 20)
             time.sleep(0.5)
             base = peak = rss_mib(pid)
-            attackers = [Attacker(path, a.streams)
+            attackers = [Attacker(path, a.streams, header_block(a.method))
                          for _ in range(a.connections)]
             end = time.monotonic() + a.seconds
             while time.monotonic() < end:
@@ -217,6 +218,12 @@ def main():
                    help="calls each hostile connection starts")
     p.add_argument("--seconds", type=float, default=15,
                    help="how long the flood lasts")
+    p.add_argument("--method", default="Session",
+                   choices=("Session", "Release", "OpenSession"),
+                   help="the calls the attackers start: the Session stream "
+                        "(its handler waits for the first message) or a "
+                        "unary call (gRPC reads the whole message before "
+                        "any handler sees it)")
     p.add_argument("--quotas", default="0,33554432",
                    help="comma-separated limits.grpc_memory_bytes (0: the "
                         "default)")
@@ -241,12 +248,12 @@ def main():
     for quota in quotas:
         benchlib.note(TAG, f"grpc_memory_bytes {quota or 'default'}: "
                            f"{a.connections} connections x {a.streams} "
-                           f"calls for {a.seconds:g} s")
+                           f"{a.method} calls for {a.seconds:g} s")
         rows.append(measure(a, quota))
     lines = benchlib.head("stream_flood: calls whose messages never end",
                           "python3 bench/stream_flood.py") + [
         f"{a.connections} hostile connections at once, each starting "
-        f"{a.streams} Session calls and sending each a message that "
+        f"{a.streams} {a.method} calls and sending each a message that "
         f"announces {ANNOUNCED >> 20} MiB and never ends, as fast as flow "
         f"control lets it, for {a.seconds:g} s, beside an honest client "
         "(one session, one tensor); a daemon of its own per row (sim "
