@@ -66,7 +66,7 @@ def header_block(method):
 class Attacker:
     """One connection: its streams' windows, what it sent and saw."""
 
-    def __init__(self, path, streams, headers):
+    def __init__(self, path, streams, headers, ack_first=False):
         self.sock = socket.socket(socket.AF_UNIX)
         self.sock.connect(path)
         self.sock.setblocking(False)
@@ -75,16 +75,23 @@ class Attacker:
         self.windows = {}
         self.unsent = {}  # a stream's message header, not yet sent
         self.out = PREFACE + frame(SETTINGS, 0, 0, b"")
-        for i in range(streams):
-            stream = 1 + 2 * i
-            self.out += frame(HEADERS, END_HEADERS, stream, headers)
-            self.windows[stream] = self.initial_window
-            self.unsent[stream] = struct.pack(">BI", 0, ANNOUNCED)
+        self.to_open = (streams, headers)
+        if not ack_first:
+            self.open_calls()
         self.inbox = b""
         self.sent = 0
         self.resets = 0
         self.goaway = None
         self.closed = False
+
+    def open_calls(self):
+        streams, headers = self.to_open
+        self.to_open = None
+        for i in range(streams):
+            stream = 1 + 2 * i
+            self.out += frame(HEADERS, END_HEADERS, stream, headers)
+            self.windows[stream] = self.initial_window
+            self.unsent[stream] = struct.pack(">BI", 0, ANNOUNCED)
 
     def read(self):
         try:
@@ -117,6 +124,8 @@ class Attacker:
                         self.windows[s] += value - self.initial_window
                     self.initial_window = value
             self.out += frame(SETTINGS, ACK, 0, b"")
+            if self.to_open:
+                self.open_calls()
         elif kind == WINDOW_UPDATE:
             grant = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
             if stream == 0:
@@ -169,6 +178,9 @@ def measure(a, quota):
     """One row: a daemon of its own with `quota` (0: the default)."""
     import deltad
     config = (f"limits {{ grpc_memory_bytes: {quota} }}\n" if quota else "")
+    if a.max_concurrent_streams:
+        config += (f"limits {{ max_concurrent_streams: "
+                   f"{a.max_concurrent_streams} }}\n")
     daemon = SimDaemon(a.binary, gpu_bytes=256 << 20, prefix="deltad-flood-",
                        extra_config=config)
     with daemon as path:
@@ -179,7 +191,8 @@ def measure(a, quota):
             honest.track(1, 1 << 20)
             time.sleep(0.5)
             base = peak = rss_mib(pid)
-            attackers = [Attacker(path, a.streams, header_block(a.method))
+            attackers = [Attacker(path, a.streams, header_block(a.method),
+                                  a.ack_first)
                          for _ in range(a.connections)]
             end = time.monotonic() + a.seconds
             while time.monotonic() < end:
@@ -224,6 +237,13 @@ def main():
                         "(its handler waits for the first message) or a "
                         "unary call (gRPC reads the whole message before "
                         "any handler sees it)")
+    p.add_argument("--ack_first", action="store_true",
+                   help="start the calls only once the daemon's SETTINGS "
+                        "are acknowledged, as an honest client does (gRPC "
+                        "then holds the connection to "
+                        "limits.max_concurrent_streams)")
+    p.add_argument("--max_concurrent_streams", type=int, default=0,
+                   help="limits.max_concurrent_streams (0: the default)")
     p.add_argument("--quotas", default="0,33554432",
                    help="comma-separated limits.grpc_memory_bytes (0: the "
                         "default)")
@@ -253,11 +273,16 @@ def main():
     lines = benchlib.head("stream_flood: calls whose messages never end",
                           "python3 bench/stream_flood.py") + [
         f"{a.connections} hostile connections at once, each starting "
-        f"{a.streams} {a.method} calls and sending each a message that "
+        f"{a.streams} {a.method} calls "
+        f"({'after' if a.ack_first else 'before'} acknowledging the "
+        f"daemon's SETTINGS) and sending each a message that "
         f"announces {ANNOUNCED >> 20} MiB and never ends, as fast as flow "
         f"control lets it, for {a.seconds:g} s, beside an honest client "
         "(one session, one tensor); a daemon of its own per row (sim "
-        "backend, default limits but `limits.grpc_memory_bytes`). RSS over "
+        "backend, default limits but `limits.grpc_memory_bytes`"
+        + (f" and `limits.max_concurrent_streams: "
+           f"{a.max_concurrent_streams}`" if a.max_concurrent_streams
+           else "") + "). RSS over "
         f"the RSS before the flood: its peak, and {a.settle:g} s after the "
         "attackers left. `deltactl status` timed at the flood's end, "
         "with the flood still on.", "",
