@@ -67,6 +67,7 @@ v1::LimitsConfig DefaultRequestLimits() {
   l.set_grpc_memory_bytes(d.grpc_memory_bytes);
   l.set_grpc_max_threads(d.grpc_max_threads);
   l.set_max_concurrent_streams(d.max_concurrent_streams);
+  l.set_settings_ack_ms(d.settings_ack_ms);
   l.set_min_ping_interval_ms(d.min_ping_interval_ms);
   l.set_max_ping_strikes(d.max_ping_strikes);
   l.set_keepalive_time_ms(d.keepalive_time_ms);
@@ -269,6 +270,7 @@ absl::Status ValidateConfig(const v1::DaemonConfig& c) {
       {"limits.grpc_memory_bytes", l.grpc_memory_bytes()},
       {"limits.grpc_max_threads", l.grpc_max_threads()},
       {"limits.max_concurrent_streams", l.max_concurrent_streams()},
+      {"limits.settings_ack_ms", l.settings_ack_ms()},
       {"limits.min_ping_interval_ms", l.min_ping_interval_ms()},
       {"limits.keepalive_time_ms", l.keepalive_time_ms()},
       {"limits.keepalive_timeout_ms", l.keepalive_timeout_ms()},

@@ -87,10 +87,13 @@ void GrpcListener::Loop() {
       fds.push_back({l.fd.get(), POLLIN, 0});
     }
     // Lingering connections are woken for at least every 25 ms, so that
-    // each gets its GOAWAY and is closed close to when it is due.
-    const int ready =
-        ::poll(fds.data(), fds.size(),
-               lingering_.empty() ? timeout_ms : std::min(timeout_ms, 25));
+    // each gets its GOAWAY and is closed close to when it is due; those at
+    // the gate every 2 ms (their bytes stay in the socket, which polls
+    // readable until gRPC reads them: the gate looks when more came).
+    int wait_ms = timeout_ms;
+    if (!lingering_.empty()) wait_ms = std::min(wait_ms, 25);
+    if (!gate_.empty()) wait_ms = std::min(wait_ms, 2);
+    const int ready = ::poll(fds.data(), fds.size(), wait_ms);
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return;
@@ -103,6 +106,7 @@ void GrpcListener::Loop() {
         if ((fds[2 + i].revents & POLLIN) != 0) Accept(tcp_[i].get(), true);
       }
     }
+    if (!gate_.empty()) ServeGate(now);
     if (now - last_sweep >= options_.sweep_every) {
       Sweep(now);
       last_sweep = now;
@@ -158,8 +162,57 @@ void GrpcListener::Accept(int listening, bool tcp) {
       }
       connections_.push_back({fd.get(), st.st_ino, uid, 0, absl::Now(), false});
     }
-    grpc::AddInsecureChannelFromFd(server_, fd.release());
+    const std::string settings = Http2Gate::Settings();
+    (void)::send(fd.get(), settings.data(), settings.size(),
+                 MSG_DONTWAIT | MSG_NOSIGNAL);
+    gate_.push_back({std::move(fd), absl::Now() + options_.ack_within,
+                     Http2Gate(options_.max_calls_before_ack)});
   }
+}
+
+void GrpcListener::Forget(int fd) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::erase_if(connections_, [&](const Connection& c) { return c.fd == fd; });
+}
+
+void GrpcListener::ServeGate(absl::Time now) {
+  peeked_.resize(Http2Gate::kMostBytes);
+  std::erase_if(gate_, [&](AtGate& g) {
+    const int fd = g.fd.get();
+    int queued = 0;
+    if (::ioctl(fd, SIOCINQ, &queued) != 0) queued = -1;
+    Http2Gate::Verdict verdict = Http2Gate::Verdict::kWait;
+    if (queued != g.seen || queued == 0) {
+      const ssize_t n =
+          ::recv(fd, peeked_.data(), peeked_.size(), MSG_PEEK | MSG_DONTWAIT);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK &&
+                     errno != EINTR)) {
+        Forget(fd);  // the client left, or the socket failed
+        return true;
+      }
+      if (n > 0) {
+        g.seen = static_cast<int>(n);
+        verdict = g.gate.Look(
+            absl::string_view(peeked_.data(), static_cast<size_t>(n)));
+      }
+    }
+    if (verdict == Http2Gate::Verdict::kPass) {
+      grpc::AddInsecureChannelFromFd(server_, g.fd.release());
+      return true;
+    }
+    if (verdict == Http2Gate::Verdict::kWait && now < g.until) return false;
+    Forget(fd);
+    if (verdict == Http2Gate::Verdict::kRefuse) {
+      Refuse(std::move(g.fd), g.gate.limit(), g.gate.why());
+    } else {
+      Refuse(std::move(g.fd), "settings_ack_ms",
+             absl::StrCat("a connection did not acknowledge the daemon's "
+                          "SETTINGS within ",
+                          absl::FormatDuration(options_.ack_within),
+                          " (limits.settings_ack_ms)"));
+    }
+    return true;
+  });
 }
 
 void GrpcListener::Refuse(common::UniqueFd fd, const char* limit,

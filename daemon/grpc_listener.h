@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "common/log_limit.h"
 #include "common/unix_socket.h"
+#include "daemon/http2_gate.h"
 #include "daemon/http2_refusal.h"
 #include "grpcpp/grpcpp.h"
 
@@ -37,7 +38,13 @@ namespace deltad::daemon {
 //   down. gRPC closes a connection only once its writes are done, and its
 //   keepalive starts no ping while one waits, so such a connection (a PING
 //   flood that never reads, a client stopped in the middle of a reply)
-//   would otherwise hold its memory until the client closes it.
+//   would otherwise hold its memory until the client closes it;
+// - a connection goes to gRPC only once its client has acknowledged the
+//   daemon's SETTINGS, with at most `max_calls_before_ack` calls opened
+//   before (Http2Gate): from there on gRPC holds it to
+//   max_concurrent_streams, which it would not otherwise do. One that opens
+//   more first, or does not acknowledge within `ack_within`, is refused as
+//   above.
 // gRPC owns each connection's descriptor once handed over: the listener
 // never closes one, and learns that gRPC did when the number no longer
 // names that socket (its inode). Thread safe.
@@ -65,8 +72,13 @@ class GrpcListener {
     size_t max_lingering = 64;
     // Called with the limit's name for each connection refused or shut
     // down: "max_grpc_connections", "max_grpc_connections_per_uid",
-    // "unread_connection".
+    // "unread_connection", "max_concurrent_streams", "settings_ack_ms".
     std::function<void(const char* limit)> refused;
+    // Http2Gate: calls a client may open before it acknowledges the
+    // daemon's SETTINGS (limits.max_concurrent_streams), and how long it
+    // has to acknowledge them.
+    size_t max_calls_before_ack = 256;
+    absl::Duration ack_within = absl::Seconds(10);
   };
 
   // Listens at `options.path` (see common::ListenUnix) and hands what it
@@ -88,7 +100,7 @@ class GrpcListener {
 
  private:
   struct Connection {
-    int fd;                   // gRPC's; never closed here
+    int fd;                   // gRPC's (or at the gate); never closed here
     ino_t inode;              // the socket's, to tell when the number is reused
     int64_t uid;              // -1 when SO_PEERCRED failed
     int unread = 0;           // bytes queued to the client, last sweep
@@ -106,6 +118,12 @@ class GrpcListener {
   // Reads what lingering clients sent and closes those that closed, failed
   // or lingered past `linger`.
   void DrainLingering(absl::Time now);
+  // Looks at what the connections at the gate sent since the last look:
+  // hands those that acknowledged the daemon's SETTINGS to gRPC, refuses
+  // those the gate refuses or that are past `ack_within`.
+  void ServeGate(absl::Time now);
+  // Forgets a connection that never reached gRPC.
+  void Forget(int fd);
 
   grpc::Server* server_;
   const Options options_;
@@ -122,6 +140,14 @@ class GrpcListener {
     bool goaway_sent = false;
   };
   std::vector<Lingering> lingering_;  // the loop's thread only
+  struct AtGate {
+    common::UniqueFd fd;
+    absl::Time until;  // refused then, not acknowledged
+    Http2Gate gate;
+    int seen = 0;  // bytes looked at
+  };
+  std::vector<AtGate> gate_;  // the loop's thread only
+  std::string peeked_;        // the loop's buffer for them
   // A client can provoke these lines as often as it likes.
   common::LogLimit refused_log_{1, std::chrono::seconds(10)};
   common::LogLimit unread_log_{1, std::chrono::seconds(10)};

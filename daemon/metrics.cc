@@ -104,7 +104,11 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
                             "max_message_bytes, its memory quota, or its "
                             "client cancelled it first), grpc_memory_bytes (a "
                             "gRPC connection gRPC closed with GOAWAY \"Buffers "
-                            "full\" for want of memory in its quota).")
+                            "full\" for want of memory in its quota), "
+                            "max_concurrent_streams (a gRPC connection that "
+                            "opened more calls before acknowledging the "
+                            "daemon's SETTINGS), settings_ack_ms (one that "
+                            "did not acknowledge them in time).")
                         .Register(r);
     for (const auto& [refusal, limit] :
          {std::pair{Refusal::kInvalidRequest, "invalid_request"},
@@ -123,7 +127,9 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
           std::pair{Refusal::kGrpcThreads, "grpc_max_threads"},
           std::pair{Refusal::kMessageBytes, "max_message_bytes"},
           std::pair{Refusal::kGrpcEndedUnseen, "grpc_ended_unseen"},
-          std::pair{Refusal::kGrpcMemory, "grpc_memory_bytes"}}) {
+          std::pair{Refusal::kGrpcMemory, "grpc_memory_bytes"},
+          std::pair{Refusal::kConcurrentStreams, "max_concurrent_streams"},
+          std::pair{Refusal::kSettingsAck, "settings_ack_ms"}}) {
       m->refusals_[static_cast<size_t>(refusal)] =
           &refused.Add({{"limit", limit}});
     }

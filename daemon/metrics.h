@@ -68,6 +68,11 @@ enum class Refusal {
                      // daemon/grpc_call_census.h)
   kGrpcMemory,  // "grpc_memory_bytes": a connection gRPC closed with GOAWAY
                 // ENHANCE_YOUR_CALM "Buffers full", its memory quota short
+  kConcurrentStreams,  // "max_concurrent_streams": a gRPC connection that
+                       // opened more calls before it acknowledged the
+                       // daemon's SETTINGS
+  kSettingsAck,  // "settings_ack_ms": one that did not acknowledge them in
+                 // time (or sent a buffer's worth first)
 };
 
 // The daemon's Prometheus metrics. Call sites use the typed methods and never
@@ -160,7 +165,7 @@ class Metrics {
   prometheus::Gauge* host_free_ = nullptr;
   prometheus::Gauge* host_granted_ = nullptr;
   prometheus::Gauge* heap_in_use_ = nullptr;
-  std::array<prometheus::Counter*, 15> refusals_{};       // indexed by Refusal
+  std::array<prometheus::Counter*, 17> refusals_{};       // indexed by Refusal
   std::array<prometheus::Counter*, 3> sessions_ended_{};  // by SessionEnd
   std::array<prometheus::Counter*, 3> lease_events_{};    // by LeaseEvent
 };

@@ -51,8 +51,16 @@ struct RequestLimits {
   // threads: each open Session stream holds one.
   int64_t grpc_memory_bytes = int64_t{256} << 20;
   int32_t grpc_max_threads = 2048;
-  // Concurrent calls on one connection (HTTP/2 streams).
-  int32_t max_concurrent_streams = 256;
+  // Concurrent calls on one connection (HTTP/2 streams), also before its
+  // client acknowledged the daemon's SETTINGS (daemon/http2_gate.h). A
+  // training process's connection carries its Session stream and a few
+  // unary calls; each call can hold what its client sends for a message
+  // it has not finished (bench/stream_flood.py).
+  int32_t max_concurrent_streams = 32;
+  // How long a new connection has to acknowledge the daemon's SETTINGS
+  // before gRPC takes it (an honest client does at once); past it, it is
+  // refused.
+  int32_t settings_ack_ms = 10000;
   // A client may ping no more often than this (the client library pings
   // every 10 s); past max_ping_strikes pings that come sooner, gRPC sends
   // GOAWAY ENHANCE_YOUR_CALM. 0 strikes (the default): never. With the

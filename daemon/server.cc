@@ -272,6 +272,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   listen.mode = config.socket_mode();
   listen.max_connections_per_uid =
       static_cast<size_t>(config.limits().max_grpc_connections_per_uid());
+  listen.max_calls_before_ack =
+      static_cast<size_t>(config.limits().max_concurrent_streams());
+  listen.ack_within =
+      absl::Milliseconds(int64_t{config.limits().settings_ack_ms()});
   // Sooner than gRPC's keepalive would close such a connection (a ping
   // sent before the bytes piled up, unanswered for keepalive_timeout_ms):
   // then it would be closed uncounted, and the two raced in tests.
@@ -280,10 +284,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   Metrics* gated = s->metrics_.get();
   listen.refused = [gated](const char* limit) {
     const std::string_view l(limit);
-    gated->AddRefusal(l == "max_grpc_connections" ? Refusal::kGrpcConnections
-                      : l == "unread_connection"
-                          ? Refusal::kUnreadConnection
-                          : Refusal::kGrpcConnectionsPerUid);
+    gated->AddRefusal(
+        l == "max_grpc_connections"     ? Refusal::kGrpcConnections
+        : l == "unread_connection"      ? Refusal::kUnreadConnection
+        : l == "max_concurrent_streams" ? Refusal::kConcurrentStreams
+        : l == "settings_ack_ms"        ? Refusal::kSettingsAck
+                                        : Refusal::kGrpcConnectionsPerUid);
   };
   auto listener = GrpcListener::Start(s->grpc_.get(), std::move(listen));
   if (!listener.ok()) return listener.status();

@@ -241,8 +241,7 @@ TEST_F(HostileClientWithSmallGrpcMemoryTest,
        IdleConnectionsClosedForWantOfMemoryAreCountedAndLogged) {
   // About 80 fit in 1 MiB (gRPC 1.51); the rest push the quota over.
   constexpr int kConnections = 200;
-  const std::string preface =
-      std::string(kHttp2Preface) + Http2Frame(kSettingsFrame, "");
+  const std::string preface = ClientHello();
   std::vector<common::UniqueFd> fds;
   for (int i = 0; i < kConnections; ++i) {
     auto fd = common::ConnectUnix(daemon_->socket_path());

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -215,6 +216,66 @@ TEST_F(GrpcThreadsTest, CallsRefusedForWantOfAThreadAreCountedAndLogged) {
   EXPECT_THAT(daemon_->Output(),
               HasSubstr("gRPC refused a call: no thread free "
                         "(limits.grpc_max_threads = 1; 0 such lines"));
+}
+
+// gRPC holds a connection to max_concurrent_streams only once its client
+// has acknowledged the daemon's SETTINGS: the daemon hands a connection to
+// gRPC only then, and refuses one that opens more calls before, or does
+// not acknowledge them in time, naming the limit (daemon/http2_gate.h).
+class HostileClientWithFewStreamsTest : public HostileClientTest {
+ protected:
+  std::string ExtraLimits() const override {
+    return " max_concurrent_streams: 4 settings_ack_ms: 500";
+  }
+};
+
+TEST_F(HostileClientWithFewStreamsTest,
+       CallsOpenedBeforeTheSettingsAcknowledgementAreRefusedByName) {
+  const std::string hello =
+      std::string(kHttp2Preface) + Http2Frame(kSettingsFrame, "");
+  std::string calls;
+  for (uint32_t i = 0; i < 8; ++i) {
+    calls += Http2Frame(kHeadersFrame, kEndHeaders, 1 + 2 * i, "headers");
+  }
+  auto eager = common::ConnectUnix(daemon_->socket_path());
+  ASSERT_TRUE(eager.ok()) << eager.status();
+  EXPECT_THAT(GoawayAfter(eager->get(), hello + calls, absl::Seconds(2)),
+              HasSubstr("opened more than 4 calls before it acknowledged the "
+                        "daemon's SETTINGS (limits.max_concurrent_streams)"));
+  auto silent = common::ConnectUnix(daemon_->socket_path());
+  ASSERT_TRUE(silent.ok()) << silent.status();
+  const absl::Time start = absl::Now();
+  EXPECT_THAT(GoawayAfter(silent->get(), hello, absl::Seconds(3)),
+              HasSubstr("did not acknowledge the daemon's SETTINGS within "
+                        "500ms (limits.settings_ack_ms)"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  // Up to the limit before the acknowledgement is what a client may do.
+  auto honest_raw = common::ConnectUnix(daemon_->socket_path());
+  ASSERT_TRUE(honest_raw.ok()) << honest_raw.status();
+  EXPECT_EQ(GoawayAfter(honest_raw->get(),
+                        hello + calls.substr(0, calls.size() / 2) +
+                            Http2Frame(kSettingsFrame, kAckFlag, 0, ""),
+                        absl::Milliseconds(700)),
+            "");
+  const std::string calls_counted =
+      "deltad_refused_total{limit=\"max_concurrent_streams\"} 1\n";
+  const std::string ack_counted =
+      "deltad_refused_total{limit=\"settings_ack_ms\"} 1\n";
+  std::string metrics;
+  for (int i = 0; i < 50; ++i) {
+    metrics = Http(MetricsPort(daemon_->Output()), "GET", "/metrics").second;
+    if (absl::StrContains(metrics, calls_counted) &&
+        absl::StrContains(metrics, ack_counted)) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_THAT(metrics, HasSubstr(calls_counted));
+  EXPECT_THAT(metrics, HasSubstr(ack_counted));
+  EXPECT_THAT(daemon_->Output(),
+              HasSubstr("refused a gRPC connection: a connection opened more "
+                        "than 4 calls"));
+  ExpectServing("calls opened before the SETTINGS acknowledgement");
 }
 
 }  // namespace

@@ -30,15 +30,37 @@ inline constexpr uint8_t kGoawayFrame = 0x7;
 inline constexpr uint32_t kEnhanceYourCalm = 0xb;
 inline constexpr size_t kFrameHeaderBytes = 9;
 
-// A frame on stream 0 with no flags.
-inline std::string Http2Frame(uint8_t type, absl::string_view payload) {
+inline constexpr uint8_t kHeadersFrame = 0x1;
+inline constexpr uint8_t kEndHeaders = 0x4;
+inline constexpr uint8_t kAckFlag = 0x1;
+
+// A frame: 24-bit length, type, flags, 31-bit stream id, payload.
+inline std::string Http2Frame(uint8_t type, uint8_t flags, uint32_t stream,
+                              absl::string_view payload) {
   const size_t n = payload.size();
   std::string frame(kFrameHeaderBytes, '\0');
   frame[0] = static_cast<char>(n >> 16);
   frame[1] = static_cast<char>(n >> 8);
   frame[2] = static_cast<char>(n);
   frame[3] = static_cast<char>(type);
+  frame[4] = static_cast<char>(flags);
+  for (int i = 0; i < 4; ++i) {
+    frame[5 + i] = static_cast<char>(stream >> (24 - 8 * i));
+  }
   return frame.append(payload.data(), payload.size());
+}
+
+// A frame on stream 0 with no flags.
+inline std::string Http2Frame(uint8_t type, absl::string_view payload) {
+  return Http2Frame(type, 0, 0, payload);
+}
+
+// A client's first bytes: the preface, its SETTINGS, and the
+// acknowledgement of the daemon's, sent ahead (the daemon hands a
+// connection to gRPC only once it has it: daemon/http2_gate.h).
+inline std::string ClientHello() {
+  return std::string(kHttp2Preface) + Http2Frame(kSettingsFrame, "") +
+         Http2Frame(kSettingsFrame, kAckFlag, 0, "");
 }
 
 inline uint32_t BigEndian32(absl::string_view bytes) {
@@ -85,9 +107,7 @@ inline PingFlood FloodWithPings(const std::string& socket_path,
   PingFlood flood;
   auto fd = common::ConnectUnix(socket_path);
   if (!fd.ok()) return flood;
-  std::string burst = std::string(kHttp2Preface) +
-                      Http2Frame(kSettingsFrame, "") +
-                      Http2Frame(kPingFrame, "flood-00");
+  std::string burst = ClientHello() + Http2Frame(kPingFrame, "flood-00");
   size_t unsent = burst.size();
   const std::string pings = [] {
     std::string many;
@@ -141,12 +161,12 @@ inline PingFlood FloodWithPings(const std::string& socket_path,
   return flood;
 }
 
-// Reads what the daemon sends on a fresh connection to its gRPC socket for
-// `wait`, or until it closes it: the GOAWAY's debug data, empty if none.
-inline std::string GoawayWithin(int fd, absl::Duration wait) {
-  const std::string preface =
-      std::string(kHttp2Preface) + Http2Frame(kSettingsFrame, "");
-  (void)::send(fd, preface.data(), preface.size(), MSG_NOSIGNAL);
+// Sends `bytes` on a fresh connection to the daemon's gRPC socket and reads
+// what the daemon sends for `wait`, or until it closes it: the GOAWAY's
+// debug data, empty if none.
+inline std::string GoawayAfter(int fd, const std::string& bytes,
+                               absl::Duration wait) {
+  (void)::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
   std::string received;
   const absl::Time deadline = absl::Now() + wait;
   while (absl::Now() < deadline) {
@@ -160,6 +180,11 @@ inline std::string GoawayWithin(int fd, absl::Duration wait) {
   PingFlood seen;
   ReadGoaway(received, seen);
   return seen.goaway_debug;
+}
+
+// GoawayAfter a client's first bytes (ClientHello).
+inline std::string GoawayWithin(int fd, absl::Duration wait) {
+  return GoawayAfter(fd, ClientHello(), wait);
 }
 
 }  // namespace deltad::testing_util
