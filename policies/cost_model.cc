@@ -62,17 +62,57 @@ int64_t SumAdjacentComponents(const TensorTable& table, const Lists&... lists) {
   return sum;
 }
 
+// The restores of the offloaded ancestors a rebuild of `t` reaches: its
+// offloaded parents, and those of the evicted or freed ancestors it
+// rebuilds on the way (the components price those); an ancestor restored
+// by its own rebuild leads on to its parents.
+int64_t OffloadedAncestorsNs(const TensorTable& table, const Tensor& t,
+                             const CostModel* costs) {
+  if (costs == nullptr || !costs->price_offloaded_ancestors()) return 0;
+  // Reused from call to call, as NeighbourhoodNsExact's.
+  thread_local EpochMarks seen;
+  thread_local std::vector<uint32_t> stack;
+  seen.Clear(table.slot_count());
+  stack.assign(t.parents.begin(), t.parents.end());
+  int64_t sum = 0;
+  while (!stack.empty()) {
+    const uint32_t s = stack.back();
+    stack.pop_back();
+    if (!seen.insert(s)) continue;
+    const Tensor& n = table.AtSlot(s);
+    bool rebuilt = TensorTable::NeedsRecompute(n.state);
+    if (n.state == TensorState::kOffloaded ||
+        n.state == TensorState::kOffloading) {
+      const int64_t restore = costs->RestoreNs(n);
+      sum += restore;
+      rebuilt = restore < costs->ReloadNs(n.gpu, n.bytes);
+    }
+    if (rebuilt) stack.insert(stack.end(), n.parents.begin(), n.parents.end());
+  }
+  return sum;
+}
+
 }  // namespace
+
+int64_t CostModel::RestoreNs(const Tensor& t) const {
+  const int64_t reload = ReloadNs(t.gpu, t.bytes);
+  if (!restore_may_recompute_ || t.flags.uncomputable || t.flags.evict_pinned) {
+    return reload;
+  }
+  return std::min(reload, t.compute_cost_ns);
+}
 
 int64_t RecomputeNs(const TensorTable& table, uint32_t slot) {
   const Tensor& t = table.AtSlot(slot);
   return t.compute_cost_ns + SumAdjacentComponents(table, t.parents);
 }
 
-int64_t NeighbourhoodNsEq(const TensorTable& table, uint32_t slot) {
+int64_t NeighbourhoodNsEq(const TensorTable& table, uint32_t slot,
+                          const CostModel* costs) {
   const Tensor& t = table.AtSlot(slot);
   return t.compute_cost_ns +
-         SumAdjacentComponents(table, t.parents, t.children);
+         SumAdjacentComponents(table, t.parents, t.children) +
+         OffloadedAncestorsNs(table, t, costs);
 }
 
 int64_t NeighbourhoodNsExact(const TensorTable& table, uint32_t slot) {

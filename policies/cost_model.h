@@ -73,6 +73,25 @@ class CostModel {
     return OffloadNs(gpu, Backlog(gpu) + queued + bytes) + ReloadNs(gpu, bytes);
   }
 
+  // Whether a rebuild's ancestors on the host count in its price
+  // (NeighbourhoodNsEq, the Filter's delta_cost): a rebuild reads its
+  // parents, and one offloaded comes back first, by its reload or, where
+  // restores may rebuild, its own rebuild if cheaper. Off, they count as
+  // free, and a tensor whose ancestors were offloaded from their copies
+  // made ahead looks as cheap to evict as if they were resident, though its
+  // rebuild brings them back one by one (on unet-6 at half its peak, an
+  // 8-deep rebuild chain of 22 ms, bench/policy_bench). On by default, the
+  // restores by reload, as the Director's default restores.
+  void SetPriceOffloadedAncestors(bool price, bool restore_may_recompute) {
+    price_offloaded_ancestors_ = price;
+    restore_may_recompute_ = restore_may_recompute;
+    ++epoch_;
+  }
+  bool price_offloaded_ancestors() const { return price_offloaded_ancestors_; }
+  // What bringing offloaded `t` back costs: its reload, or its own compute
+  // cost where restores may rebuild and that is less.
+  int64_t RestoreNs(const Tensor& t) const;
+
   // Moves with every change of a price (bandwidth, backlog): a ranking of
   // candidates by their prices holds while it stays.
   uint64_t epoch() const { return epoch_; }
@@ -90,6 +109,8 @@ class CostModel {
   std::vector<LinkBandwidth> bandwidth_;  // zero: not measured, use default
   std::vector<int64_t> backlog_;
   uint64_t epoch_ = 0;
+  bool price_offloaded_ancestors_ = true;
+  bool restore_may_recompute_ = false;
 };
 
 // c_r(t): the tensor's own compute cost plus that of every evicted component
@@ -100,7 +121,12 @@ int64_t RecomputeNs(const TensorTable& table, uint32_t slot);
 // DTR's neighbourhood cost for the `dtr_eq` heuristic: own cost plus the
 // evicted components adjacent through parents and children (evicting t would
 // also make its evicted children's rebuild need t).
-int64_t NeighbourhoodNsEq(const TensorTable& table, uint32_t slot);
+// With `costs` that price offloaded ancestors (SetPriceOffloadedAncestors),
+// plus the restore of each offloaded ancestor a rebuild of the tensor
+// reaches through its evicted (or freed) ones (CostModel::RestoreNs); one
+// restored by a rebuild leads on to its own parents.
+int64_t NeighbourhoodNsEq(const TensorTable& table, uint32_t slot,
+                          const CostModel* costs = nullptr);
 
 // DTR's exact neighbourhood e*(t): own cost plus every evicted ancestor
 // reachable through evicted parents and every evicted descendant reachable

@@ -79,7 +79,7 @@ double Score(Heuristic h, const MegEngineParams& me, const TensorTable& table,
       int64_t recompute_ns = t.compute_cost_ns;
       if (!t.flags.uncomputable && !t.flags.evict_pinned &&
           swap > static_cast<double>(recompute_ns)) {
-        recompute_ns = NeighbourhoodNsEq(table, slot);
+        recompute_ns = NeighbourhoodNsEq(table, slot, costs);
       }
       return DeltaCost(t.flags, t.bytes, t.last_access_ns, recompute_ns, swap,
                        now_ns);

@@ -28,6 +28,8 @@ DynamicPolicy::DynamicPolicy(DynamicPolicyOptions options)
       director_(costs_, {.restore_may_recompute = options_.director_restore}),
       watermarks_(
           MakeWatermarks(options_.high_watermark, options_.low_watermark)) {
+  costs_.SetPriceOffloadedAncestors(options_.price_offloaded_ancestors,
+                                    options_.director_restore);
   policy::PrefetchOptions p;
   p.max_in_flight = std::max(1, options_.max_prefetch_in_flight);
   auto prefetcher = policy::Prefetcher::Create(p);

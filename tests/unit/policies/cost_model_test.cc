@@ -160,11 +160,12 @@ TEST(CostModel, SwapNsCountsBothDirectionsOnTheTensorsGpu) {
 
 class RecomputeCosts : public testing::Test {
  protected:
-  void Add(TensorId id, int64_t cost, std::vector<TensorId> parents = {}) {
+  void Add(TensorId id, int64_t cost, std::vector<TensorId> parents = {},
+           int64_t bytes = 8) {
     TensorSpec s;
     s.id = id;
     s.session = 1;
-    s.bytes = 8;
+    s.bytes = bytes;
     s.compute_cost_ns = cost;
     s.parents = std::move(parents);
     ASSERT_TRUE(IsOk(table_.Add(s, 0)));
@@ -216,6 +217,34 @@ TEST_F(RecomputeCosts, OffloadedParentIsNotRecomputed) {
   ASSERT_TRUE(IsOk(table_.SetState(1, S::kOffloaded)));
   EXPECT_EQ(Recompute(2), 10);
   EXPECT_EQ(Exact(2), 10);
+}
+
+TEST_F(RecomputeCosts, PricedOffloadedAncestorsCountTheirRestoreInTheEq) {
+  // 1 (offloaded) -> 2 (evicted) -> 3; 4 (offloaded) -> 3. A rebuild of 3
+  // brings 4 back and rebuilds 2, which brings 1 back.
+  // At the default bandwidth, 11,200 bytes take 1000 ns each way.
+  constexpr int64_t kBytes = 11'200;
+  Add(1, 1, {}, kBytes);
+  Add(2, 10, {1}, kBytes);
+  Add(4, 5, {}, kBytes);
+  Add(3, 100, {2, 4}, kBytes);
+  for (TensorId id : {1, 4}) {
+    ASSERT_TRUE(IsOk(table_.SetState(id, S::kOffloading)));
+    ASSERT_TRUE(IsOk(table_.SetState(id, S::kOffloaded)));
+  }
+  Evict(2);
+  CostModel costs;  // prices them by default, restored by reload
+  const int64_t reload = costs.ReloadNs(0, kBytes);
+  ASSERT_EQ(reload, 1000);
+  const uint32_t slot = table_.SlotOf(3);
+  EXPECT_EQ(NeighbourhoodNsEq(table_, slot, &costs), 100 + 10 + 2 * reload);
+  // Without a cost model, or with pricing off, they are free.
+  EXPECT_EQ(Eq(3), 100 + 10);
+  costs.SetPriceOffloadedAncestors(false, false);
+  EXPECT_EQ(NeighbourhoodNsEq(table_, slot, &costs), 100 + 10);
+  // Where restores may rebuild, the cheaper of reload and rebuild.
+  costs.SetPriceOffloadedAncestors(true, true);
+  EXPECT_EQ(NeighbourhoodNsEq(table_, slot, &costs), 100 + 10 + 1 + 5);
 }
 
 TEST_F(RecomputeCosts, ExactCountsOnlyAncestorsAndDescendants) {
