@@ -23,6 +23,12 @@
 #include "grpcpp/server_posix.h"
 
 namespace deltad::daemon {
+namespace {
+
+// How often a connection at the gate is looked at, at most.
+constexpr absl::Duration kGateLookEvery = absl::Milliseconds(10);
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcListener>> GrpcListener::Start(
     grpc::Server* server, Options options) {
@@ -182,7 +188,8 @@ void GrpcListener::ServeGate(absl::Time now) {
     int queued = 0;
     if (::ioctl(fd, SIOCINQ, &queued) != 0) queued = -1;
     Http2Gate::Verdict verdict = Http2Gate::Verdict::kWait;
-    if (queued != g.seen || queued == 0) {
+    if ((queued != g.seen || queued == 0) && now >= g.next_look) {
+      g.next_look = now + kGateLookEvery;
       const ssize_t n =
           ::recv(fd, peeked_.data(), peeked_.size(), MSG_PEEK | MSG_DONTWAIT);
       if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK &&

@@ -145,6 +145,10 @@ class GrpcListener {
     absl::Time until;  // refused then, not acknowledged
     Http2Gate gate;
     int seen = 0;  // bytes looked at
+    // Not looked at again before then: each look copies all the client
+    // sent so far, and a client that sends a byte at a time must not make
+    // the listener copy its bytes over and over.
+    absl::Time next_look = absl::InfinitePast();
   };
   std::vector<AtGate> gate_;  // the loop's thread only
   std::string peeked_;        // the loop's buffer for them
