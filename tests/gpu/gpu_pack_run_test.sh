@@ -106,7 +106,8 @@ grep -q "Stub.Hangs" "$tmp/logs/gpu_test.log" ||
 
 # (4): a Python test that hangs is killed in time for torch_bench, which
 # carries the PyTorch targets, to run: of a 290-s budget it gets 35 s, what
-# is left above torch_bench's least 150 s, gpu_bench's 90 and a 15-s grace.
+# is left above torch_bench's least 150 s, gpu_bench's 90 and a 15-s grace
+# (less the seconds the stages before took: 1 on a loaded CI machine).
 rm -rf "$tmp/out"
 SECONDS=0
 if HANG=test_torch_correctness DELTAD_PACK_PYTHON="$tmp/pack/fakepython" \
@@ -114,8 +115,8 @@ if HANG=test_torch_correctness DELTAD_PACK_PYTHON="$tmp/pack/fakepython" \
   fail "a run with a hanging Python test exited 0"
 fi
 summary=$(cat "$tmp/out/summary.txt")
-[[ $summary == *"test_torch_correctness: FAILED (killed after 35 s)"* ]] ||
-  fail "the hanging Python test is not killed after 35 s: $summary"
+[[ $summary =~ test_torch_correctness:\ FAILED\ \(killed\ after\ 3[3-5]\ s\) ]] ||
+  fail "the hanging Python test is not killed after 33-35 s: $summary"
 [[ $summary == *"torch_bench: done in "* ]] ||
   fail "torch_bench did not run after a hanging Python test: $summary"
 [[ $SECONDS -le 60 ]] || fail "the 290-s budget's run took ${SECONDS} s"
