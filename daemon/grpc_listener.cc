@@ -94,11 +94,14 @@ void GrpcListener::Loop() {
     }
     // Lingering connections are woken for at least every 25 ms, so that
     // each gets its GOAWAY and is closed close to when it is due; those at
-    // the gate every 2 ms (their bytes stay in the socket, which polls
-    // readable until gRPC reads them: the gate looks when more came).
+    // the gate as often as they are looked at (their bytes stay in the
+    // socket, which polls readable until gRPC reads them).
     int wait_ms = timeout_ms;
     if (!lingering_.empty()) wait_ms = std::min(wait_ms, 25);
-    if (!gate_.empty()) wait_ms = std::min(wait_ms, 2);
+    if (!gate_.empty()) {
+      wait_ms = std::min(
+          wait_ms, static_cast<int>(absl::ToInt64Milliseconds(kGateLookEvery)));
+    }
     const int ready = ::poll(fds.data(), fds.size(), wait_ms);
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
@@ -14,7 +15,9 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "deltad/v1/memory_manager.grpc.pb.h"
@@ -87,6 +90,24 @@ inline int MetricsPort(const std::string& daemon_output) {
   const size_t at = daemon_output.find("/metrics (port ");
   if (at == std::string::npos) return 0;
   return std::atoi(daemon_output.c_str() + at + 15);
+}
+
+// The daemon's /metrics once it holds every line of `wanted` (counters a
+// client's refusal moves as the daemon gets to it), or as it was after 5 s.
+inline std::string MetricsOnceTheyHold(
+    const std::string& daemon_output,
+    std::initializer_list<absl::string_view> wanted) {
+  std::string metrics;
+  for (int i = 0; i < 50; ++i) {
+    metrics = Http(MetricsPort(daemon_output), "GET", "/metrics").second;
+    if (std::all_of(wanted.begin(), wanted.end(), [&](absl::string_view w) {
+          return absl::StrContains(metrics, w);
+        })) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  return metrics;
 }
 
 // A test with a real deltad (DaemonProcess) of its own, a stub to it and a

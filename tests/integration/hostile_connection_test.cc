@@ -290,12 +290,7 @@ TEST_F(HostileClientWithSmallGrpcMemoryTest,
   // Counted as gRPC sends each: by now, every one this client read.
   const std::string counted = absl::StrCat(
       "deltad_refused_total{limit=\"grpc_memory_bytes\"} ", goaways, "\n");
-  std::string metrics;
-  for (int i = 0; i < 50; ++i) {
-    metrics = Http(MetricsPort(daemon_->Output()), "GET", "/metrics").second;
-    if (absl::StrContains(metrics, counted)) break;
-    absl::SleepFor(absl::Milliseconds(100));
-  }
+  const std::string metrics = MetricsOnceTheyHold(daemon_->Output(), {counted});
   EXPECT_THAT(metrics, HasSubstr(counted));
   EXPECT_THAT(daemon_->Output(), HasSubstr("reached limits.grpc_memory_bytes"));
   std::printf("%d of %d idle connections closed with \"Buffers full\"\n",

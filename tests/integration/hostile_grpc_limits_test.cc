@@ -261,15 +261,8 @@ TEST_F(HostileClientWithFewStreamsTest,
       "deltad_refused_total{limit=\"max_concurrent_streams\"} 1\n";
   const std::string ack_counted =
       "deltad_refused_total{limit=\"settings_ack_ms\"} 1\n";
-  std::string metrics;
-  for (int i = 0; i < 50; ++i) {
-    metrics = Http(MetricsPort(daemon_->Output()), "GET", "/metrics").second;
-    if (absl::StrContains(metrics, calls_counted) &&
-        absl::StrContains(metrics, ack_counted)) {
-      break;
-    }
-    absl::SleepFor(absl::Milliseconds(100));
-  }
+  const std::string metrics =
+      MetricsOnceTheyHold(daemon_->Output(), {calls_counted, ack_counted});
   EXPECT_THAT(metrics, HasSubstr(calls_counted));
   EXPECT_THAT(metrics, HasSubstr(ack_counted));
   EXPECT_THAT(daemon_->Output(),
