@@ -25,7 +25,7 @@ START_TIMEOUT_S = 30
 
 
 class SimDaemon:
-    """deltad `binary` on the simulated backend: one GPU of `gpu_bytes`, a
+    """deltad `binary` on the simulated backend: `gpus` GPUs of `gpu_bytes`, a
     host pool of `host_pool` in slabs of `host_slab`, its socket, config and stderr in a temporary
     folder named after `prefix`, `extra_config` (text format) added to its
     config. Entering starts it and returns the socket's
@@ -34,8 +34,10 @@ class SimDaemon:
     the folder."""
 
     def __init__(self, binary, gpu_bytes=1 << 30, host_pool="256MiB",
-                 prefix="deltad-sim-", extra_config="", host_slab="16MiB"):
+                 prefix="deltad-sim-", extra_config="", host_slab="16MiB",
+                 gpus=1):
         self.binary = binary
+        self.gpus = gpus
         self.extra_config = extra_config
         self.gpu_bytes = gpu_bytes
         self.host_pool = host_pool
@@ -56,7 +58,7 @@ class SimDaemon:
         with open(stderr_path, "wb") as stderr:
             self.proc = subprocess.Popen(
                 [self.binary, f"--config={config}", "--backend=sim",
-                 "--sim_gpus=1", f"--sim_memory={self.gpu_bytes}",
+                 f"--sim_gpus={self.gpus}", f"--sim_memory={self.gpu_bytes}",
                  f"--host_pool={self.host_pool}", f"--host_slab={self.host_slab}",
                  f"--socket={self.socket}", "--metrics=127.0.0.1:0"],
                 stdout=subprocess.DEVNULL, stderr=stderr)

@@ -4,18 +4,21 @@ the honest session beside them.
 A deltad daemon on one simulated GPU (bench/sim_daemon.py) serves an honest
 client (deltad.Client, one tensor tracked) while hostile clients that speak
 HTTP/2 without gRPC connect to its socket: each opens --streams calls
-(--method, Session by default) at once, before it reads the daemon's
-SETTINGS, sends each a gRPC message header that announces 15 MiB (under
+(--method, Session by default), before it acknowledges the daemon's
+SETTINGS or after (--orders; after it, no more than gRPC's SETTINGS allow,
+and another for each one gRPC resets), sends each a gRPC message header that announces 15 MiB (under
 gRPC's own limit here, 4 times limits.max_message_bytes) and then data as
 fast as the daemon's flow control lets it, never finishing a message: gRPC
-buffers what comes for a message it is reading. After --seconds, with the flood still
-on, `deltactl status` is timed; then the hostile clients leave. For each
-limits.grpc_memory_bytes in --quotas (0: the default), with a daemon of its
-own: the daemon's RSS (its peak during the flood, and --settle seconds
-after it, both over the RSS before), what the attackers got through, what
-gRPC did (streams reset, connections closed with GOAWAY), and what the
-honest client saw (sessions lost: each one ended and reopened, its tensors
-reported again).
+buffers what comes for a message it is reading. After --seconds, with the
+flood still on, `deltactl status` is timed; then the hostile clients
+leave. For each order and each limits.grpc_memory_bytes in --quotas (0:
+the default), with a daemon of its own: the daemon's RSS (its peak during
+the flood, and --settle seconds after it, both over the RSS before), what
+the attackers got through, what gRPC did (streams reset, connections
+closed with GOAWAY), and what the honest client saw (sessions lost: each
+one ended and reopened, its tensors reported again). The attackers share
+the honest client's user: 240 connections leave it room under
+limits.max_grpc_connections_per_uid (256).
 
   python3 bench/stream_flood.py --update_doc docs/RELIABILITY.md
 """
@@ -76,6 +79,8 @@ class Attacker:
         self.unsent = {}  # a stream's message header, not yet sent
         self.out = PREFACE + frame(SETTINGS, 0, 0, b"")
         self.to_open = (streams, headers)
+        self.next_stream = 1
+        self.max_streams = None  # the daemon's SETTINGS_MAX_CONCURRENT_STREAMS
         if not ack_first:
             self.open_calls()
         self.inbox = b""
@@ -85,13 +90,20 @@ class Attacker:
         self.closed = False
 
     def open_calls(self):
-        streams, headers = self.to_open
+        streams, self.headers = self.to_open
         self.to_open = None
-        for i in range(streams):
-            stream = 1 + 2 * i
-            self.out += frame(HEADERS, END_HEADERS, stream, headers)
-            self.windows[stream] = self.initial_window
-            self.unsent[stream] = struct.pack(">BI", 0, ANNOUNCED)
+        # After the acknowledgement no more than the daemon allows: gRPC
+        # ends a connection that opens more ("Max stream count exceeded").
+        self.most = min(streams, self.max_streams or streams)
+        for _ in range(self.most):
+            self.open_call()
+
+    def open_call(self):
+        stream = self.next_stream
+        self.next_stream += 2
+        self.out += frame(HEADERS, END_HEADERS, stream, self.headers)
+        self.windows[stream] = self.initial_window
+        self.unsent[stream] = struct.pack(">BI", 0, ANNOUNCED)
 
     def read(self):
         try:
@@ -123,8 +135,12 @@ class Attacker:
                     for s in self.windows:
                         self.windows[s] += value - self.initial_window
                     self.initial_window = value
+                elif key == 3:  # SETTINGS_MAX_CONCURRENT_STREAMS
+                    self.max_streams = value
             self.out += frame(SETTINGS, ACK, 0, b"")
-            if self.to_open:
+            # The calls start once gRPC's SETTINGS say how many it takes
+            # (the daemon's own, first, say nothing).
+            if self.to_open and self.max_streams is not None:
                 self.open_calls()
         elif kind == WINDOW_UPDATE:
             grant = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
@@ -135,6 +151,11 @@ class Attacker:
         elif kind == RST_STREAM:
             self.resets += 1
             self.windows.pop(stream, None)
+            self.unsent.pop(stream, None)
+            if (self.goaway is None and self.to_open is None and
+                    len(self.windows) < self.most and
+                    self.next_stream < 1 << 30):
+                self.open_call()  # another in its place: the flood goes on
         elif kind == GOAWAY and self.goaway is None:
             self.goaway = payload[8:].decode(errors="replace")
         elif kind == PING and not flags & ACK:
@@ -174,8 +195,10 @@ def deltactl_status(deltactl, path):
     return time.monotonic() - start, None
 
 
-def measure(a, quota):
-    """One row: a daemon of its own with `quota` (0: the default)."""
+def measure(a, quota, ack_first):
+    """One row: a daemon of its own with `quota` (0: the default), the
+    attackers' calls started after the SETTINGS acknowledgement or
+    before."""
     import deltad
     config = (f"limits {{ grpc_memory_bytes: {quota} }}\n" if quota else "")
     if a.max_concurrent_streams:
@@ -192,7 +215,7 @@ def measure(a, quota):
             time.sleep(0.5)
             base = peak = rss_mib(pid)
             attackers = [Attacker(path, a.streams, header_block(a.method),
-                                  a.ack_first)
+                                  ack_first)
                          for _ in range(a.connections)]
             end = time.monotonic() + a.seconds
             while time.monotonic() < end:
@@ -214,20 +237,25 @@ def measure(a, quota):
             honest.close()
     status = f"{took * 1000:.0f} ms" if took is not None else why
     goaways = sorted({x.goaway for x in attackers if x.goaway})
-    return (f"| {quota >> 20 if quota else 'default (256)'} | "
+    # Closed with unread calls in its socket, a connection is reset, and
+    # the GOAWAY before it may be lost to its client.
+    closed = sum(1 for x in attackers if x.goaway or x.closed)
+    why = (f" ({sum(1 for x in attackers if x.goaway)} with a GOAWAY read: "
+           f"{', '.join(goaways)})" if goaways else "")
+    return (f"| {'after' if ack_first else 'before'} | "
+            f"{quota >> 20 if quota else 'default (256)'} | "
             f"{sum(x.sent for x in attackers) / (1 << 20):.0f} | "
             f"{base:.1f} | +{peak - base:.0f} | +{settled - base:.0f} | "
             f"{sum(x.resets for x in attackers)} | "
-            f"{sum(1 for x in attackers if x.goaway)}"
-            f"{' (' + ', '.join(goaways) + ')' if goaways else ''} | "
+            f"{closed}{why} | "
             f"{lost} | {status} |")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--connections", type=int, default=64,
+    p.add_argument("--connections", type=int, default=240,
                    help="hostile connections at once")
-    p.add_argument("--streams", type=int, default=256,
+    p.add_argument("--streams", type=int, default=32,
                    help="calls each hostile connection starts")
     p.add_argument("--seconds", type=float, default=15,
                    help="how long the flood lasts")
@@ -237,11 +265,15 @@ def main():
                         "(its handler waits for the first message) or a "
                         "unary call (gRPC reads the whole message before "
                         "any handler sees it)")
-    p.add_argument("--ack_first", action="store_true",
-                   help="start the calls only once the daemon's SETTINGS "
-                        "are acknowledged, as an honest client does (gRPC "
-                        "then holds the connection to "
-                        "limits.max_concurrent_streams)")
+    p.add_argument("--orders", default="before,after",
+                   help="when the attackers start their calls, a row each: "
+                        "before acknowledging the daemon's SETTINGS (the "
+                        "daemon refuses more than "
+                        "limits.max_concurrent_streams), after (as an "
+                        "honest client does: gRPC then holds the "
+                        "connection to that limit, and the attacker opens "
+                        "as many as it allows and another for each one "
+                        "gRPC resets)")
     p.add_argument("--max_concurrent_streams", type=int, default=0,
                    help="limits.max_concurrent_streams (0: the default)")
     p.add_argument("--quotas", default="0,33554432",
@@ -262,20 +294,27 @@ def main():
         quotas = [int(q) for q in a.quotas.split(",")]
     except ValueError:
         benchlib.fail(TAG, f"--quotas takes numbers, got {a.quotas!r}")
+    orders = a.orders.split(",")
+    if not orders or set(orders) - {"before", "after"}:
+        benchlib.fail(TAG, f"--orders takes before and after, got "
+                           f"{a.orders!r}")
     benchlib.import_deltad()
     start = time.time()
     rows = []
-    for quota in quotas:
-        benchlib.note(TAG, f"grpc_memory_bytes {quota or 'default'}: "
-                           f"{a.connections} connections x {a.streams} "
-                           f"{a.method} calls for {a.seconds:g} s")
-        rows.append(measure(a, quota))
+    for order in orders:
+        for quota in quotas:
+            benchlib.note(TAG, f"grpc_memory_bytes {quota or 'default'}: "
+                               f"{a.connections} connections x {a.streams} "
+                               f"{a.method} calls {order} the SETTINGS "
+                               f"acknowledgement, for {a.seconds:g} s")
+            rows.append(measure(a, quota, order == "after"))
     lines = benchlib.head("stream_flood: calls whose messages never end",
                           "python3 bench/stream_flood.py") + [
         f"{a.connections} hostile connections at once, each starting "
-        f"{a.streams} {a.method} calls "
-        f"({'after' if a.ack_first else 'before'} acknowledging the "
-        f"daemon's SETTINGS) and sending each a message that "
+        f"{a.streams} {a.method} calls (before or after acknowledging the "
+        f"daemon's SETTINGS: `calls`; after it, as many as gRPC's SETTINGS "
+        f"allow, and another for each call gRPC resets) and sending each "
+        f"a message that "
         f"announces {ANNOUNCED >> 20} MiB and never ends, as fast as flow "
         f"control lets it, for {a.seconds:g} s, beside an honest client "
         "(one session, one tensor); a daemon of its own per row (sim "
@@ -286,11 +325,12 @@ def main():
         f"the RSS before the flood: its peak, and {a.settle:g} s after the "
         "attackers left. `deltactl status` timed at the flood's end, "
         "with the flood still on.", "",
-        "| grpc_memory_bytes (MiB) | MiB the attackers sent | RSS before "
+        "| calls | grpc_memory_bytes (MiB) | MiB the attackers sent | "
+        "RSS before "
         "(MiB) | peak (MiB) | settled (MiB) | streams reset by gRPC | "
-        "connections closed by GOAWAY | honest sessions lost | "
+        "connections closed by the daemon | honest sessions lost | "
         "`deltactl status` |",
-        "|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
         *rows, "",
         f"Whole run: {time.time() - start:.0f} s.", ""]
     benchlib.print_report(TAG, lines, a.update_doc)

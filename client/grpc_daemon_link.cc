@@ -88,6 +88,12 @@ absl::StatusOr<std::unique_ptr<DaemonLink>> GrpcDaemonLink::Open(
   // The stream lives as long as the training; keepalives notice a daemon
   // that vanished without closing the socket.
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  // A connection of its own: gRPC would otherwise share one among a
+  // process's sessions (one per GPU), whose Session streams then fill the
+  // calls the daemon lets one connection carry (limits.
+  // max_concurrent_streams), and a Release waits for another session's
+  // stream to end.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   link->channel_ = grpc::CreateCustomChannel(
       "unix:" + options.socket_path, grpc::InsecureChannelCredentials(), args);
   link->stub_ = v1::MemoryManager::NewStub(link->channel_);

@@ -53,10 +53,12 @@ struct RequestLimits {
   int32_t grpc_max_threads = 2048;
   // Concurrent calls on one connection (HTTP/2 streams), also before its
   // client acknowledged the daemon's SETTINGS (daemon/http2_gate.h). A
-  // training process's connection carries its Session stream and a few
-  // unary calls; each call can hold what its client sends for a message
-  // it has not finished (bench/stream_flood.py).
-  int32_t max_concurrent_streams = 32;
+  // session's connection (one each, client/grpc_daemon_link.cc) carries
+  // its Session stream and a few unary calls; each call can hold what its
+  // client sends for a message it has not finished: 240 connections that
+  // kept 32 such calls each held +418 MiB, with 8 each +37 MiB
+  // (bench/stream_flood.py).
+  int32_t max_concurrent_streams = 8;
   // How long a new connection has to acknowledge the daemon's SETTINGS
   // before gRPC takes it (an honest client does at once); past it, it is
   // refused.

@@ -111,6 +111,40 @@ class SessionStatsTest(unittest.TestCase):
                               "floor", other.stdout)
                 self.assertTrue(client.session_stats().connected)
 
+    def test_sessions_of_one_process_do_not_wait_for_each_others_calls(self):
+        # One process, one session per GPU: each session's calls travel on
+        # a connection of its own, so that its Session stream and Releases
+        # never wait for another session's to end, however few calls the
+        # daemon lets one connection carry at once.
+        gpus = 3
+        with SimDaemon(self.binary, 64 << 20, prefix="deltad-sessions-",
+                       gpus=gpus,
+                       extra_config="limits { max_concurrent_streams: 2 }\n"
+                       ) as socket:
+            clients = [deltad.Client(socket=socket, budget_bytes=BUDGET,
+                                     host_bytes=4 * BUDGET,
+                                     device_memory_bytes=4 * BUDGET, gpu=g)
+                       for g in range(gpus)]
+            try:
+                for g, client in enumerate(clients):
+                    self.assertTrue(client.session_stats().connected, g)
+                # Past its budget each asks the daemon for room (a Release
+                # call beside its stream), and gets it: the daemon grants
+                # room past the budget from the GPU's spare memory, with no
+                # call timed out and no session lost.
+                for client in clients:
+                    for t in range(1, 7):
+                        client.track(t, 1 << 20)
+                        client.unpin(t)
+                for g, client in enumerate(clients):
+                    s = client.session_stats()
+                    self.assertTrue(s.connected, g)
+                    self.assertEqual(s.sessions_lost, 0, g)
+                    self.assertGreater(client.stats().device_bytes, BUDGET, g)
+            finally:
+                for client in clients:
+                    client.close()
+
 
 if __name__ == "__main__":
     unittest.main()
