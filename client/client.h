@@ -134,6 +134,7 @@ struct ClientStats {
   int64_t copied_ahead_bytes = 0;
   int64_t offloads_from_copies = 0;  // of offloads, those that took no copy
   int64_t copies_ahead_dropped = 0;  // given up for an offload's room
+  int64_t copies_kept = 0;  // reloads whose host bytes stayed as a copy
   // Without a daemon: the most chunk bytes mapped past the budget's whole
   // chunks, for what rounding took (see MapPastBudgetInProcess). The
   // budget in bytes is passed only as past_budget_allocations says.
@@ -388,6 +389,9 @@ class Client {
                                  uint64_t id);
   // Forgets `r`'s copy (the tensor leaves the device, or its room is
   // wanted): its host block goes back to the arena. Not for one in flight.
+  // A reload has landed: its host bytes stay as a copy made ahead where
+  // the tensor is read only (TensorInfo::copy_ahead), or are freed.
+  void KeepReloadedCopyLocked(Record* r);
   void DropCopyLocked(Record* r);
   // Drops the oldest landed copy of a tensor still resident, telling the
   // daemon; false when there is none.

@@ -1,7 +1,8 @@
 // The Client's copies ahead of need: forward activations copied to host
-// memory while the executor idles, so that the release that comes for one
-// of them later frees its device memory at once, waiting for no copy (the
-// simulator's `delta` does the same; `delta-nocopy` measures it without).
+// memory while the executor idles, or kept from the reload that brought
+// them back, so that the release that comes for one of them later frees its
+// device memory at once, waiting for no copy (the simulator's `delta` does
+// the same; `delta-nocopy` measures it without).
 // Apart from client_transfers.cc (the releases themselves).
 
 #include <algorithm>
@@ -118,6 +119,27 @@ Client::Record* Client::WaitForCopyAheadLocked(
     return r == nullptr || r->ahead != Record::Ahead::kCopying;
   });
   return r;
+}
+
+void Client::KeepReloadedCopyLocked(Record* r) {
+  const uint64_t id = r->info.id;
+  if (!options_.copy_ahead || !r->info.copy_ahead || r->info.offload_pinned) {
+    arena_.Free(r->host);
+    r->host = {};
+    return;
+  }
+  // Read only from now on (TensorInfo::copy_ahead): the bytes it came back
+  // from stay a copy made ahead, so that a release before its use (a
+  // prefetch that came too early) waits for no copy. Its host room goes,
+  // as any such copy's, to an offload that needs it.
+  r->ahead_host = r->host;
+  r->host = {};
+  r->ahead = Record::Ahead::kLanded;
+  ahead_landed_.push_back(id);
+  ahead_bytes_ += r->info.bytes;
+  (void)local_.table().SetHostCopy(id, true);
+  AddEventLocked(Kind::HOST_COPIED, id);
+  ++stats_.copies_kept;
 }
 
 void Client::DropCopyLocked(Record* r) {

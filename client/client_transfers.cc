@@ -192,12 +192,11 @@ absl::Status Client::Reload(uint64_t id, Need need) {
     device_->CopyToDevice(static_cast<char*>(*device) + at, host, n);
   });
   lock.lock();
-  arena_.Free(r->host);
-  r->host = {};
   r->device = *device;
   r->where = Where::kResident;
   (void)local_.table().SetState(id, policy::TensorState::kResident);
   AddEventLocked(Kind::RELOADED, id);
+  KeepReloadedCopyLocked(r);
   ++stats_.reloads;
   if (prefetch) {
     ++stats_.prefetches;

@@ -135,6 +135,11 @@ void DynamicPolicy::OnStateChange(SimContext& ctx, int32_t s, StorageState from,
         Check(table_.CancelRelease(id));
       } else if (cur == TS::kReloading) {
         Check(table_.SetState(id, TS::kResident));
+        // Its host bytes kept (SimOptions::keep_reloaded_copies): releasing
+        // it again is an offload with no copy.
+        if (ctx.host_copy(s) == HostCopy::kLanded) {
+          Check(table_.SetHostCopy(id, true));
+        }
       } else if (cur == TS::kEvicted || cur == TS::kOffloaded) {
         Check(table_.MarkRecomputed(id, ctx.now_ns()));
       }

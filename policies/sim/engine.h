@@ -92,6 +92,9 @@ class Engine final : public SimContext {
   // Drops copies made ahead, the latest first, until `bytes` of the host
   // pool are free or none is left.
   void ReclaimHost(int64_t bytes);
+  // A reload has landed: its host bytes stay as a copy (SimOptions::
+  // keep_reloaded_copies) or go back to the pool.
+  void KeepReloadedCopy(int32_t s);
   // Makes way on the D2H link for a release (YieldCopiesAhead's comment).
   void YieldCopiesAhead();
   void Lock(int32_t s) {

@@ -37,6 +37,17 @@ void Engine::ReclaimHost(int64_t bytes) {
   }
 }
 
+void Engine::KeepReloadedCopy(int32_t s) {
+  const int64_t bytes = program_.storages[s].bytes;
+  if (!options_.keep_reloaded_copies) {
+    host_used_ -= bytes;
+    return;
+  }
+  host_copy_[s] = HostCopy::kLanded;
+  ahead_bytes_ += bytes;
+  ahead_order_.push_back(s);
+}
+
 bool Engine::Offload(int32_t s) {
   const int64_t bytes = program_.storages[s].bytes;
   if (state_[s] != StorageState::kResident || locks_[s] > 0) return false;
@@ -171,7 +182,7 @@ void Engine::Advance(int64_t t) {
       host_copy_[s] = HostCopy::kLanded;
     } else if (state_[s] == StorageState::kReloading) {
       --reloads_in_flight_;
-      host_used_ -= bytes;  // the host copy is dropped once back
+      KeepReloadedCopy(s);
       SetState(s, StorageState::kResident);
     }
   }

@@ -59,11 +59,11 @@ bool Engine::Materialize(int32_t s, int depth) {
         h2d_->free_at = end;
       }
       ++generation_[s];
-      host_used_ -= bytes;
       result_.h2d_bytes += bytes;
       ++result_.reloads;
       SetState(s, StorageState::kReloading);
       StallUntil(end);
+      KeepReloadedCopy(s);
       SetState(s, StorageState::kResident);
       return true;
     }

@@ -37,6 +37,10 @@ struct SimOptions {
   int64_t host_bytes = int64_t{1} << 40;  // pinned host pool
   AllocatorKind allocator = AllocatorKind::kExact;
   int64_t chunk_bytes = int64_t{2} << 20;  // for AllocatorKind::kVmChunks
+  // A reloaded storage keeps its host bytes as a copy made ahead (until the
+  // host pool needs them), so that releasing it again waits for no copy: a
+  // prefetch that came too early and is pushed out again costs nothing.
+  bool keep_reloaded_copies = true;
   // Iterations run back to back; the last one is measured (earlier ones let
   // replay plans learn the access order).
   int iterations = 1;

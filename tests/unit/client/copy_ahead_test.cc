@@ -204,6 +204,33 @@ TEST(CopyAhead, CopiesWaitForAReleaseOrThreeQuartersOfTheBudget) {
       << client->Stats().copies_ahead;
 }
 
+TEST(CopyAhead, AReloadedTensorKeepsItsHostBytesAndLeavesAgainWithoutACopy) {
+  auto client = LocalClient(8 * kMiB, 256 * kMiB);
+  MapAHostRegion(*client);
+  FreeResidentDownTo(*client, 5 * kMiB);
+  TrackFilled(*client, 30, kMiB, /*ahead=*/true);
+  TrackFilled(*client, 31, kMiB, /*ahead=*/false);  // may be written again
+  for (uint64_t id : {30, 31}) {
+    ASSERT_TRUE(ClientTestPeer::PlanOffloads(*client, id).ok());
+    ExpectBytesIntact(*client, id, kMiB);  // reloaded
+  }
+  ClientStats s = client->Stats();
+  EXPECT_EQ(s.copies_kept, 1);
+  const int64_t from_copies = s.offloads_from_copies;
+  for (uint64_t id : {30, 31}) {
+    ASSERT_TRUE(ClientTestPeer::PlanOffloads(*client, id).ok());
+    ExpectBytesIntact(*client, id, kMiB);
+  }
+  s = client->Stats();
+  EXPECT_EQ(s.offloads_from_copies, from_copies + 1);  // 30's, not 31's
+  EXPECT_EQ(s.copies_kept, 2);
+  // The copy goes with its tensor.
+  const int64_t host_before = s.host_bytes;
+  ASSERT_TRUE(client->Free(30).ok());
+  ASSERT_TRUE(client->Free(31).ok());
+  EXPECT_EQ(client->Stats().host_bytes, host_before);
+}
+
 TEST(CopyAhead, NothingIsCopiedWhenTheOptionIsOff) {
   ClientOptions o;
   o.use_daemon = false;

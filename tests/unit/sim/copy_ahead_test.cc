@@ -173,6 +173,58 @@ TEST(CopyAhead, AReleaseWaitsForOnePieceOfACopyMadeAheadAndDropsTheRest) {
   EXPECT_EQ(r.d2h_bytes, 2 * kBytes);  // a0's (begun) and a1's; not x's
 }
 
+// a0 offloaded once the forward pass is done with it, prefetched once the
+// copy has landed, and offloaded again once back: with the reload's host
+// bytes kept, the second offload takes no copy.
+SimResult OffloadPrefetchOffload(bool keep, HostCopy* after_reload) {
+  Chain run;
+  Scripted policy;
+  enum { kStart, kOffloaded, kPrefetched, kAgain } stage = kStart;
+  policy.after_step = [&](SimContext& ctx, int32_t step) {
+    const StorageState state = ctx.state(run.a0);
+    if (stage == kStart && step == 1) {  // a1 made from it
+      EXPECT_TRUE(ctx.Offload(run.a0));
+      stage = kOffloaded;
+    } else if (stage == kOffloaded && state == StorageState::kOffloaded) {
+      EXPECT_TRUE(ctx.Prefetch(run.a0));
+      stage = kPrefetched;
+    } else if (stage == kPrefetched && state == StorageState::kResident) {
+      *after_reload = ctx.host_copy(run.a0);
+      const int64_t link = ctx.d2h_free_at();
+      EXPECT_TRUE(ctx.Offload(run.a0));
+      if (keep) {
+        EXPECT_EQ(ctx.state(run.a0), StorageState::kOffloaded);
+        EXPECT_EQ(ctx.d2h_free_at(), link);  // no copy queued
+      }
+      stage = kAgain;
+    }
+  };
+  SimOptions o;
+  o.budget_bytes = int64_t{1} << 30;
+  o.keep_reloaded_copies = keep;
+  auto r = Simulate(run.program, TestDevice(), policy, o);
+  EXPECT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(stage, kAgain);
+  return r.ok() ? *r : SimResult{};
+}
+
+TEST(CopyAhead, AReloadKeepsItsHostBytesAndTheNextOffloadTakesNoCopy) {
+  HostCopy after_reload = HostCopy::kNone;
+  const SimResult kept = OffloadPrefetchOffload(true, &after_reload);
+  ASSERT_TRUE(kept.fits) << kept.failure;
+  EXPECT_EQ(after_reload, HostCopy::kLanded);
+  EXPECT_EQ(kept.offloads, 2);
+  EXPECT_EQ(kept.offloads_from_copies, 1);
+  EXPECT_EQ(kept.d2h_bytes, 1000);  // the first offload's copy alone
+  EXPECT_EQ(kept.prefetches, 1);
+
+  const SimResult dropped = OffloadPrefetchOffload(false, &after_reload);
+  ASSERT_TRUE(dropped.fits) << dropped.failure;
+  EXPECT_EQ(after_reload, HostCopy::kNone);
+  EXPECT_EQ(dropped.offloads_from_copies, 0);
+  EXPECT_EQ(dropped.d2h_bytes, 2000);
+}
+
 TEST(CopyAhead, DeltaCopiesAheadAndWaitsLessThanWithout) {
   // Recompute dearer than a copy: delta offloads. With copies made while
   // the link idles, its releases find the bytes on the host already.
