@@ -1,6 +1,7 @@
 // Tests of the ReleasePlanner (the release loop of DELTA Algorithm 1, lines
-// 11-19: Filter picks, Director decides, until enough is freed), and of the
-// watermark trigger driving it.
+// 11-19: Filter picks, Director decides, until enough is freed); the
+// watermark trigger driving it and OffloadAhead are in
+// release_planner_watermark_test.cc.
 
 #include "policies/release_planner.h"
 
@@ -18,113 +19,13 @@
 #include "policies/filter.h"
 #include "policies/tensor.h"
 #include "policies/tensor_table.h"
-#include "policies/watermarks.h"
+#include "tests/unit/policies/release_planner_test_helpers.h"
 
 namespace deltad::policy {
 namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-
-constexpr SessionId kSession = 1;
-constexpr int64_t kPlenty = int64_t{1} << 40;  // host bytes
-
-// With 1 GB/s each way a tensor of b bytes has c_s = 2b ns: compute cost 0
-// makes it an eviction (F = 0), 10 ns per byte an offload (F = 5).
-enum class Kind { kCheap, kCostly };
-
-TensorSpec Spec(TensorId id, int64_t bytes, Kind kind,
-                std::vector<TensorId> parents = {}, TensorFlags flags = {},
-                SessionId session = kSession) {
-  TensorSpec s;
-  s.id = id;
-  s.session = session;
-  s.gpu = 0;
-  s.bytes = bytes;
-  s.flags = flags;
-  s.compute_cost_ns = kind == Kind::kCheap ? 0 : 10 * bytes;
-  s.parents = std::move(parents);
-  return s;
-}
-
-FilterOptions Options(Heuristic h) {
-  FilterOptions o;
-  o.heuristic = h;
-  return o;
-}
-
-Scope SessionScope(SessionId session) { return Scope{0, session}; }
-Scope GpuScope(GpuId gpu) { return Scope{gpu, std::nullopt}; }
-
-std::vector<TensorId> Ids(const std::vector<ReleaseOrder>& orders) {
-  std::vector<TensorId> ids;
-  for (const ReleaseOrder& o : orders) ids.push_back(o.id);
-  return ids;
-}
-
-std::vector<ReleaseAction> Actions(const std::vector<ReleaseOrder>& orders) {
-  std::vector<ReleaseAction> actions;
-  for (const ReleaseOrder& o : orders) actions.push_back(o.action);
-  return actions;
-}
-
-int64_t Bytes(const std::vector<ReleaseOrder>& orders) {
-  int64_t sum = 0;
-  for (const ReleaseOrder& o : orders) sum += o.bytes;
-  return sum;
-}
-
-std::string StatsString(const MemoryStats& s) {
-  return absl::StrCat("device=", s.device_bytes,
-                      " releasing=", s.releasing_bytes, " host=", s.host_bytes,
-                      " evicted=", s.evicted_bytes, " tensors=", s.tensors);
-}
-
-constexpr ReleaseAction kEvict = ReleaseAction::kEvict;
-constexpr ReleaseAction kOffload = ReleaseAction::kOffload;
-
-class ReleasePlannerTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    ASSERT_TRUE(costs_.SetBandwidth(0, {1e9, 1e9}).ok());
-  }
-  void Add(const TensorSpec& spec, int64_t at_ns) {
-    const absl::Status s = table_.Add(spec, at_ns);
-    ASSERT_TRUE(s.ok()) << s;
-  }
-  TensorState State(TensorId id) const { return table_.Find(id)->state; }
-  absl::StatusOr<std::vector<ReleaseOrder>> Release(int64_t bytes,
-                                                    int64_t host = kPlenty) {
-    return planner_.Release(SessionScope(kSession), bytes, kNow, host);
-  }
-
-  // Everything a failed Release must leave as it was.
-  std::string Snapshot(TensorId max_id) const {
-    std::string out;
-    for (TensorId id = 1; id <= max_id; ++id) {
-      const Tensor* t = table_.Find(id);
-      if (t == nullptr) continue;
-      absl::StrAppend(&out, id, ": ", TensorStateName(t->state),
-                      " recomputes=", t->recompute_count,
-                      " tick=", t->last_access_tick, " at=", t->last_access_ns,
-                      " c_r=", RecomputeNs(table_, table_.SlotOf(id)), "\n");
-    }
-    absl::StrAppend(
-        &out, "session ", StatsString(table_.SessionStats(kSession)), "\ngpu ",
-        StatsString(table_.GpuStats(0)),
-        "\ncandidates=", table_.Candidates(SessionScope(kSession)).size(),
-        " bytes=", table_.CandidateBytes(SessionScope(kSession)),
-        " components=", table_.components().size(), "\n");
-    return out;
-  }
-
-  static constexpr int64_t kNow = 1000;
-  TensorTable table_;
-  CostModel costs_;
-  Director director_{costs_};
-  Filter filter_;  // delta, exact
-  ReleasePlanner planner_{table_, filter_, director_};
-};
 
 TEST_F(ReleasePlannerTest, FreesAtLeastTheBytesAskedAndStopsThere) {
   // Equal sizes: delta releases the stalest first (1, 2, 3, ...).
@@ -483,119 +384,6 @@ TEST_F(ReleasePlannerTest, OffloadAheadTakesOnlyEligibleTensors) {
       SessionScope(kSession), 10000, kNow, kPlenty, above_three);
   EXPECT_THAT(Ids(orders), ElementsAre(4, 5, 6));
   for (TensorId id : {1, 2, 3}) EXPECT_EQ(State(id), TensorState::kResident);
-}
-
-// --- With the watermark trigger ---------------------------------------------
-
-constexpr int64_t kBudget = 10000;
-constexpr int64_t kLowBytes = 6500;   // 65%
-constexpr int64_t kHighBytes = 7500;  // 75%
-
-TEST_F(ReleasePlannerTest, WatermarksBringCommittedBytesDownToTheLowMark) {
-  absl::StatusOr<Watermarks> marks = Watermarks::Create();
-  ASSERT_TRUE(marks.ok()) << marks.status();
-  // Fill the session past 75% with a mix of cheap and costly tensors.
-  TensorId id = 0;
-  while (table_.SessionStats(kSession).committed_bytes() <= kHighBytes) {
-    ++id;
-    Add(Spec(id, 100, id % 3 ? Kind::kCheap : Kind::kCostly),
-        static_cast<int64_t>(id));
-  }
-  const int64_t used = table_.SessionStats(kSession).committed_bytes();
-  ASSERT_EQ(used, 7600);
-
-  absl::StatusOr<int64_t> to_free = marks->BytesToFree(used, 0, kBudget);
-  ASSERT_TRUE(to_free.ok()) << to_free.status();
-  EXPECT_EQ(*to_free, used - kLowBytes);
-  absl::StatusOr<std::vector<ReleaseOrder>> orders = Release(*to_free);
-  ASSERT_TRUE(orders.ok()) << orders.status();
-
-  const MemoryStats s = table_.SessionStats(kSession);
-  EXPECT_EQ(s.committed_bytes(), kLowBytes);
-  // Offloads still in flight hold device memory but no longer count.
-  EXPECT_GT(s.releasing_bytes, 0);
-  EXPECT_EQ(s.device_bytes, kLowBytes + s.releasing_bytes);
-  to_free = marks->BytesToFree(s.committed_bytes(), 0, kBudget);
-  ASSERT_TRUE(to_free.ok()) << to_free.status();
-  EXPECT_EQ(*to_free, 0);
-}
-
-TEST_F(ReleasePlannerTest, WatermarksTriggerRarelyAndKeepUseUnderTheHighMark) {
-  absl::StatusOr<Watermarks> marks = Watermarks::Create();
-  ASSERT_TRUE(marks.ok()) << marks.status();
-  constexpr int64_t kTensor = 100;
-  int triggers = 0;
-  for (TensorId id = 1; id <= 300; ++id) {
-    const int64_t now = static_cast<int64_t>(id);
-    const int64_t used = table_.SessionStats(kSession).committed_bytes();
-    absl::StatusOr<int64_t> to_free =
-        marks->BytesToFree(used, kTensor, kBudget);
-    ASSERT_TRUE(to_free.ok()) << to_free.status();
-    if (*to_free > 0) {
-      ++triggers;
-      absl::StatusOr<std::vector<ReleaseOrder>> orders =
-          planner_.Release(SessionScope(kSession), *to_free, now, kPlenty);
-      ASSERT_TRUE(orders.ok()) << orders.status();
-      // The executor finishes the copies.
-      for (const ReleaseOrder& o : *orders) {
-        if (o.action == kOffload) {
-          ASSERT_TRUE(table_.SetState(o.id, TensorState::kOffloaded).ok());
-        }
-      }
-      ASSERT_LE(table_.SessionStats(kSession).committed_bytes() + kTensor,
-                kLowBytes)
-          << "at tensor " << id;
-    }
-    Add(Spec(id, kTensor, id % 3 ? Kind::kCheap : Kind::kCostly), now);
-    ASSERT_LE(table_.SessionStats(kSession).device_bytes, kHighBytes)
-        << "at tensor " << id;
-  }
-  // From 75% down to 65% of 10000 bytes leaves room for 10 tensors of 100
-  // bytes between triggers: (300 - 75) / 11 triggers or so, not one per
-  // allocation.
-  EXPECT_GE(triggers, 15);
-  EXPECT_LE(triggers, 25);
-}
-
-TEST_F(ReleasePlannerTest,
-       OffloadAheadOffloadsOnlyWhatTheDirectorWouldOffload) {
-  // Odd ids are cheap to recompute (evict), even ones dear (offload).
-  for (TensorId id = 1; id <= 6; ++id) {
-    Add(Spec(id, 100, id % 2 ? Kind::kCheap : Kind::kCostly), id);
-  }
-  const std::vector<ReleaseOrder> orders =
-      planner_.OffloadAhead(SessionScope(kSession), 250, kNow, kPlenty);
-  EXPECT_EQ(Bytes(orders), 300);
-  for (const ReleaseOrder& o : orders) {
-    EXPECT_EQ(o.action, kOffload);
-    EXPECT_EQ(o.id % 2, 0u) << o.id;
-    EXPECT_EQ(State(o.id), TensorState::kOffloading);
-  }
-  for (TensorId id : {1, 3, 5}) EXPECT_EQ(State(id), TensorState::kResident);
-}
-
-TEST_F(ReleasePlannerTest, OffloadAheadIsBestEffort) {
-  Add(Spec(1, 100, Kind::kCostly), 1);
-  Add(Spec(2, 100, Kind::kCheap), 2);
-  // Asks for far more than the one offloadable tensor: no error, just it.
-  EXPECT_THAT(
-      Ids(planner_.OffloadAhead(SessionScope(kSession), 10000, kNow, kPlenty)),
-      ElementsAre(1));
-  // Nothing to offload with no host memory.
-  EXPECT_TRUE(
-      planner_.OffloadAhead(SessionScope(kSession), 100, kNow, 0).empty());
-}
-
-TEST_F(ReleasePlannerTest,
-       OffloadAheadStopsWhenTheLinkQueueOutpricesRecompute) {
-  // c_r = 10 ns/byte = 1000 ns per tensor. The k-th planned offload queues
-  // behind the k-1 before it: (k-1)*100 + 100 ns out, 100 ns back, so
-  // F = 1000 / (100k + 100) stays above 1 for k <= 8; the ninth (F = 1)
-  // would be evicted, so offloading ahead stops there.
-  for (TensorId id = 1; id <= 20; ++id) Add(Spec(id, 100, Kind::kCostly), id);
-  const std::vector<ReleaseOrder> orders =
-      planner_.OffloadAhead(SessionScope(kSession), 2000, kNow, kPlenty);
-  EXPECT_EQ(orders.size(), 8u);
 }
 
 }  // namespace
