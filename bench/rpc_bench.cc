@@ -68,6 +68,19 @@ ABSL_FLAG(bool, free_before_close, true,
 ABSL_FLAG(std::string, update_doc, "",
           "rewrite the rpc_bench section of this Markdown file");
 
+namespace {
+
+// A connection of its own, as a separate process, or session, has.
+std::shared_ptr<grpc::Channel> NewChannel(const deltad::v1::DaemonConfig& c) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetMaxSendMessageSize(static_cast<int>(c.limits().max_message_bytes()));
+  return grpc::CreateCustomChannel("unix:" + c.socket_path(),
+                                   grpc::InsecureChannelCredentials(), args);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace deltad;
   using namespace deltad::bench;
@@ -128,14 +141,7 @@ int main(int argc, char** argv) {
     if (!token.ok()) Die(token.status().ToString());
     Process& proc = processes[p];
     proc.peer_token = *token;
-    grpc::ChannelArguments args;
-    // A connection of its own, as a separate process would have.
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    args.SetMaxSendMessageSize(
-        static_cast<int>(config.limits().max_message_bytes()));
-    proc.channel =
-        grpc::CreateCustomChannel("unix:" + config.socket_path(),
-                                  grpc::InsecureChannelCredentials(), args);
+    proc.channel = NewChannel(config);
     proc.stub = v1::MemoryManager::NewStub(proc.channel);
   }
   std::vector<Session*> order;  // by session id - 1
@@ -169,7 +175,9 @@ int main(int argc, char** argv) {
         st.budget_bytes();
   }
   for (Session& s : sessions) {
-    s.stream = std::make_unique<Stream>(*processes[s.process].stub, s.token);
+    s.channel = NewChannel(config);
+    s.stub = v1::MemoryManager::NewStub(s.channel);
+    s.stream = std::make_unique<Stream>(*s.stub, s.token);
   }
   Note(absl::StrFormat(
       "%d GPUs x %d sessions open, %.1f GiB each; building %d tensors per "
@@ -318,7 +326,9 @@ int main(int argc, char** argv) {
      << absl::StrFormat("%.1f", 1.0 * gpu_budget / kGiB)
      << " GiB each) and the clients: " << per_gpu
      << " simulated training processes, each with its own gRPC channel on the "
-        "Unix socket and one session per GPU, so "
+        "Unix socket for its unary calls and one session per GPU, each "
+        "session's stream on a channel of its own as the client library "
+        "opens it, so "
      << n_sessions << " sessions of "
      << absl::StrFormat("%.1f", 1.0 * sessions[0].budget / kGiB)
      << " GiB, each tracking " << tensors << " tensors ("

@@ -137,11 +137,16 @@ struct Session {
   std::string token;
   int64_t budget = 0;
   std::vector<int64_t> sizes;  // of tensor i + 1
+  // Its own connection, as the client library opens one per session: a
+  // connection carries limits.max_concurrent_streams calls at once.
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::MemoryManager::Stub> stub;
   std::unique_ptr<Stream> stream;
 };
 
-// A simulated training process: its own channel (so its own connection on
-// the socket, as a real process has) and one session per GPU.
+// A simulated training process: its own channel for its unary calls (so
+// its own connection on the socket, as a real process has) and one session
+// per GPU.
 struct Process {
   std::string peer_token;
   std::shared_ptr<grpc::Channel> channel;
