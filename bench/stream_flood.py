@@ -328,7 +328,8 @@ def main():
         "| calls | grpc_memory_bytes (MiB) | MiB the attackers sent | "
         "RSS before "
         "(MiB) | peak (MiB) | settled (MiB) | streams reset by gRPC | "
-        "connections closed by the daemon | honest sessions lost | "
+        "connections the daemon closed or sent a GOAWAY | honest sessions "
+        "lost | "
         "`deltactl status` |",
         "|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
         *rows, "",

@@ -387,11 +387,14 @@ class Client {
   // then, or null when it is gone meanwhile.
   Record* WaitForCopyAheadLocked(std::unique_lock<std::mutex>& lock,
                                  uint64_t id);
-  // Forgets `r`'s copy (the tensor leaves the device, or its room is
-  // wanted): its host block goes back to the arena. Not for one in flight.
   // A reload has landed: its host bytes stay as a copy made ahead where
   // the tensor is read only (TensorInfo::copy_ahead), or are freed.
   void KeepReloadedCopyLocked(Record* r);
+  // Lists a landed copy for DropOldestCopyLocked, pruning the entries of
+  // copies gone meanwhile when the list has doubled.
+  void NoteLandedLocked(uint64_t id);
+  // Forgets `r`'s copy (the tensor leaves the device, or its room is
+  // wanted): its host block goes back to the arena. Not for one in flight.
   void DropCopyLocked(Record* r);
   // Drops the oldest landed copy of a tensor still resident, telling the
   // daemon; false when there is none.
@@ -474,6 +477,8 @@ class Client {
   // has landed, in the order landed (both may hold stale ids, skipped).
   std::deque<uint64_t> ahead_queue_;
   std::deque<uint64_t> ahead_landed_;
+  static constexpr size_t kMinLandedCompactAt = 4096;
+  size_t landed_compact_at_ = kMinLandedCompactAt;
   int64_t ahead_bytes_ = 0;   // mu_: the copies' host blocks
   bool ahead_ready_ = false;  // mu_: a queued tensor's op unpinned it
   // mu_: tensors of the daemon's release orders not carried out yet

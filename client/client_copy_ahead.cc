@@ -6,6 +6,10 @@
 // Apart from client_transfers.cc (the releases themselves).
 
 #include <algorithm>
+#include <deque>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
 
 #include "client/client.h"
 
@@ -99,7 +103,7 @@ void Client::CopyAheadWhileIdle() {
         });
     lock.lock();
     r->ahead = Record::Ahead::kLanded;
-    ahead_landed_.push_back(id);
+    NoteLandedLocked(id);
     // The in-process plan may hold it as releasing meanwhile: its offload
     // then takes the copy without the mark.
     (void)local_.table().SetHostCopy(id, true);
@@ -121,6 +125,27 @@ Client::Record* Client::WaitForCopyAheadLocked(
   return r;
 }
 
+void Client::NoteLandedLocked(uint64_t id) {
+  ahead_landed_.push_back(id);
+  if (ahead_landed_.size() < landed_compact_at_) return;
+  // A copy that went with its tensor (offloaded, evicted, freed) leaves its
+  // entry behind until room is wanted, and a long run with room to spare
+  // would keep them all: those of copies gone are dropped here, and of a
+  // tensor listed again since, all but its last landing; the list is then
+  // let grow to twice what is left.
+  absl::flat_hash_set<uint64_t> seen;
+  std::deque<uint64_t> kept;
+  for (auto at = ahead_landed_.rbegin(); at != ahead_landed_.rend(); ++at) {
+    auto it = records_.find(*at);
+    if (it != records_.end() && it->second->ahead == Record::Ahead::kLanded &&
+        seen.insert(*at).second) {
+      kept.push_front(*at);
+    }
+  }
+  ahead_landed_ = std::move(kept);
+  landed_compact_at_ = std::max(kMinLandedCompactAt, 2 * ahead_landed_.size());
+}
+
 void Client::KeepReloadedCopyLocked(Record* r) {
   const uint64_t id = r->info.id;
   if (!options_.copy_ahead || !r->info.copy_ahead || r->info.offload_pinned) {
@@ -135,7 +160,7 @@ void Client::KeepReloadedCopyLocked(Record* r) {
   r->ahead_host = r->host;
   r->host = {};
   r->ahead = Record::Ahead::kLanded;
-  ahead_landed_.push_back(id);
+  NoteLandedLocked(id);
   ahead_bytes_ += r->info.bytes;
   (void)local_.table().SetHostCopy(id, true);
   AddEventLocked(Kind::HOST_COPIED, id);

@@ -36,7 +36,7 @@ struct RequestLimits {
   // holding a thread), so one user cannot take every connection the
   // daemon serves (4096 in all).
   int32_t max_side_connections_per_uid = 256;
-  // gRPC connections of one user (a training process holds one), so one
+  // gRPC connections of one user (a session holds one), so one
   // user cannot take every connection (4096 in all) or, with connections
   // that never read, the memory gRPC holds for each (about a megabyte).
   int32_t max_grpc_connections_per_uid = 256;
@@ -55,9 +55,10 @@ struct RequestLimits {
   // client acknowledged the daemon's SETTINGS (daemon/http2_gate.h). A
   // session's connection (one each, client/grpc_daemon_link.cc) carries
   // its Session stream and a few unary calls; each call can hold what its
-  // client sends for a message it has not finished: 240 connections that
-  // kept 32 such calls each held +418 MiB, with 8 each +37 MiB
-  // (bench/stream_flood.py).
+  // client sends for a message it has not finished (bench/stream_flood.py):
+  // 256 connections that kept 32 such calls each held +422 MiB, with 8
+  // each +20 MiB. Clients that open another call for each one gRPC resets
+  // still reach about +400 MiB (docs/RELIABILITY.md).
   int32_t max_concurrent_streams = 8;
   // How long a new connection has to acknowledge the daemon's SETTINGS
   // before gRPC takes it (an honest client does at once); past it, it is

@@ -108,6 +108,17 @@ void DynamicPolicy::OnCreate(SimContext& ctx, int32_t s) {
   }
 }
 
+void DynamicPolicy::OnHostCopyDropped(SimContext& /*ctx*/, int32_t s) {
+  const policy::TensorId id = IdOf(s);
+  const policy::Tensor* t = id == 0 ? nullptr : table_.Find(id);
+  // One the planner has in hand (releasing) keeps what it was priced at:
+  // the engine's release carries the copy out again.
+  if (t != nullptr && t->state == policy::TensorState::kResident &&
+      t->flags.host_copy) {
+    Check(table_.SetHostCopy(id, false));
+  }
+}
+
 void DynamicPolicy::OnAccess(SimContext& ctx, int32_t s) {
   const policy::TensorId id = IdOf(s);
   if (id != 0) Check(table_.Touch(id, ctx.now_ns()));

@@ -73,6 +73,7 @@ class DynamicPolicy final : public SimPolicy {
   void AfterStep(SimContext& ctx, int32_t step) override;
   void OnCreate(SimContext& ctx, int32_t s) override;
   void OnAccess(SimContext& ctx, int32_t s) override;
+  void OnHostCopyDropped(SimContext& ctx, int32_t s) override;
   void OnStateChange(SimContext& ctx, int32_t s, StorageState from,
                      StorageState to) override;
   bool MakeRoom(SimContext& ctx, int64_t bytes) override;

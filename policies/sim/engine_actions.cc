@@ -25,6 +25,7 @@ void Engine::DropHostCopy(int32_t s) {
   host_copy_[s] = HostCopy::kNone;
   host_used_ -= program_.storages[s].bytes;
   ahead_bytes_ -= program_.storages[s].bytes;
+  if (state_[s] == StorageState::kResident) policy_.OnHostCopyDropped(*this, s);
 }
 
 void Engine::ReclaimHost(int64_t bytes) {
@@ -38,8 +39,12 @@ void Engine::ReclaimHost(int64_t bytes) {
 }
 
 void Engine::KeepReloadedCopy(int32_t s) {
-  const int64_t bytes = program_.storages[s].bytes;
-  if (!options_.keep_reloaded_copies) {
+  const Storage& st = program_.storages[s];
+  const int64_t bytes = st.bytes;
+  // What the client keeps: tensors the forward pass made, read only from
+  // then on (TensorInfo::copy_ahead), not weights or the backward's.
+  if (!options_.keep_reloaded_copies || st.producer < 0 ||
+      program_.steps[st.producer].phase != Phase::kForward) {
     host_used_ -= bytes;
     return;
   }

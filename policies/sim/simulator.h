@@ -37,9 +37,11 @@ struct SimOptions {
   int64_t host_bytes = int64_t{1} << 40;  // pinned host pool
   AllocatorKind allocator = AllocatorKind::kExact;
   int64_t chunk_bytes = int64_t{2} << 20;  // for AllocatorKind::kVmChunks
-  // A reloaded storage keeps its host bytes as a copy made ahead (until the
-  // host pool needs them), so that releasing it again waits for no copy: a
-  // prefetch that came too early and is pushed out again costs nothing.
+  // A reloaded storage that the forward pass made keeps its host bytes as a
+  // copy made ahead (until the host pool needs them), so that releasing it
+  // again waits for no copy: a prefetch that came too early and is pushed
+  // out again costs nothing. (The client keeps those of tensors marked
+  // read only, which the forward pass makes.)
   bool keep_reloaded_copies = true;
   // Iterations run back to back; the last one is measured (earlier ones let
   // replay plans learn the access order).
@@ -132,7 +134,8 @@ class SimContext {
   virtual int reloads_in_flight() const = 0;
   // When the device-to-host link has carried every copy queued so far.
   virtual int64_t d2h_free_at() const = 0;
-  // A resident storage's copy made ahead (CopyAhead); kNone for others.
+  // A resident storage's copy made ahead (CopyAhead), or kept from its
+  // reload (SimOptions::keep_reloaded_copies); kNone for others.
   // Offloading one whose copy has landed frees its memory at once.
   virtual HostCopy host_copy(int32_t s) const = 0;
   // Whether evicting `s` now would still let it be rebuilt.
@@ -164,6 +167,9 @@ class SimPolicy {
   // A storage became resident by being created (not by reload/recompute).
   virtual void OnCreate(SimContext& /*ctx*/, int32_t /*s*/) {}
   virtual void OnAccess(SimContext& /*ctx*/, int32_t /*s*/) {}
+  // A resident storage's host copy is gone (its room taken by an offload,
+  // or its tensor leaving the device): releasing it needs a copy again.
+  virtual void OnHostCopyDropped(SimContext& /*ctx*/, int32_t /*s*/) {}
   virtual void OnStateChange(SimContext& /*ctx*/, int32_t /*s*/,
                              StorageState /*from*/, StorageState /*to*/) {}
   // Memory is short: release at least `bytes` (Offload/Evict). False when

@@ -263,6 +263,11 @@ void SteadyStatePolicy::OnAccess(SimContext& ctx, int32_t s) {
   if (planned()) plan_->OnAccess(ctx, s);
 }
 
+void SteadyStatePolicy::OnHostCopyDropped(SimContext& ctx, int32_t s) {
+  delta_->OnHostCopyDropped(ctx, s);
+  if (planned()) plan_->OnHostCopyDropped(ctx, s);
+}
+
 void SteadyStatePolicy::OnStateChange(SimContext& ctx, int32_t s,
                                       StorageState from, StorageState to) {
   delta_->OnStateChange(ctx, s, from, to);

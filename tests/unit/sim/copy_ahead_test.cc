@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "policies/sim/program.h"
@@ -111,6 +112,8 @@ TEST(CopyAhead, CopiesMadeAheadGiveWayToAnOffloadThatNeedsTheHostRoom) {
       const int32_t a2 = ctx.program().steps[2].creates[0];
       ASSERT_TRUE(ctx.Offload(a2));
       EXPECT_EQ(ctx.host_copy(a1), HostCopy::kNone);
+      // The policy hears of it: releasing a1 needs a copy again.
+      EXPECT_EQ(policy.copies_dropped, std::vector<int32_t>{a1});
       EXPECT_NE(ctx.host_copy(run.a0), HostCopy::kNone);
       EXPECT_EQ(ctx.host_free(), 1000);  // a0's copy
     }

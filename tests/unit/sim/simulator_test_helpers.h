@@ -91,7 +91,11 @@ class Scripted final : public SimPolicy {
   std::function<void(SimContext&, int32_t)> after_step;
   std::function<bool(SimContext&, int64_t)> make_room;
   std::function<Restore(int64_t reload_ns)> restore;
+  std::vector<int32_t> copies_dropped;  // OnHostCopyDropped's, in order
   std::string name() const override { return "scripted"; }
+  void OnHostCopyDropped(SimContext&, int32_t s) override {
+    copies_dropped.push_back(s);
+  }
   void AfterStep(SimContext& ctx, int32_t step) override {
     if (after_step) after_step(ctx, step);
   }
