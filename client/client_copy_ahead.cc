@@ -10,7 +10,6 @@
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
-
 #include "client/client.h"
 
 namespace deltad::client {
