@@ -390,9 +390,10 @@ class Client {
   // A reload has landed: its host bytes stay as a copy made ahead where
   // the tensor is read only (TensorInfo::copy_ahead), or are freed.
   void KeepReloadedCopyLocked(Record* r);
-  // Lists a landed copy for DropOldestCopyLocked, pruning the entries of
-  // copies gone meanwhile when the list has doubled.
-  void NoteLandedLocked(uint64_t id);
+  // `r`'s copy is on the host: marked for the in-process plan, reported to
+  // the daemon (HOST_COPIED) and listed for DropOldestCopyLocked, whose
+  // list is pruned of copies gone meanwhile when it has doubled.
+  void LandCopyLocked(Record* r);
   // Forgets `r`'s copy (the tensor leaves the device, or its room is
   // wanted): its host block goes back to the arena. Not for one in flight.
   void DropCopyLocked(Record* r);

@@ -58,7 +58,6 @@ void Client::CopyAheadWhileIdle() {
               static_cast<int64_t>(kCopyAheadFrom *
                                    static_cast<double>(budget_bytes_)))) {
     Record* r = nullptr;
-    uint64_t id = 0;
     auto found = ahead_queue_.end();
     int scanned = 0;
     for (auto it = ahead_queue_.begin();
@@ -77,7 +76,6 @@ void Client::CopyAheadWhileIdle() {
         continue;
       }
       r = rec->second.get();
-      id = *it;
       found = it;
       break;
     }
@@ -101,12 +99,9 @@ void Client::CopyAheadWhileIdle() {
           device_->CopyToHost(to, static_cast<char*>(r->device) + at, n);
         });
     lock.lock();
-    r->ahead = Record::Ahead::kLanded;
-    NoteLandedLocked(id);
     // The in-process plan may hold it as releasing meanwhile: its offload
     // then takes the copy without the mark.
-    (void)local_.table().SetHostCopy(id, true);
-    AddEventLocked(Kind::HOST_COPIED, id);
+    LandCopyLocked(r);
     ++stats_.copies_ahead;
     stats_.copied_ahead_bytes += bytes;
     changed_.notify_all();
@@ -124,7 +119,11 @@ Client::Record* Client::WaitForCopyAheadLocked(
   return r;
 }
 
-void Client::NoteLandedLocked(uint64_t id) {
+void Client::LandCopyLocked(Record* r) {
+  const uint64_t id = r->info.id;
+  r->ahead = Record::Ahead::kLanded;
+  (void)local_.table().SetHostCopy(id, true);
+  AddEventLocked(Kind::HOST_COPIED, id);
   ahead_landed_.push_back(id);
   if (ahead_landed_.size() < landed_compact_at_) return;
   // A copy that went with its tensor (offloaded, evicted, freed) leaves its
@@ -146,7 +145,6 @@ void Client::NoteLandedLocked(uint64_t id) {
 }
 
 void Client::KeepReloadedCopyLocked(Record* r) {
-  const uint64_t id = r->info.id;
   if (!options_.copy_ahead || !r->info.copy_ahead || r->info.offload_pinned) {
     arena_.Free(r->host);
     r->host = {};
@@ -158,11 +156,8 @@ void Client::KeepReloadedCopyLocked(Record* r) {
   // as any such copy's, to an offload that needs it.
   r->ahead_host = r->host;
   r->host = {};
-  r->ahead = Record::Ahead::kLanded;
-  NoteLandedLocked(id);
   ahead_bytes_ += r->info.bytes;
-  (void)local_.table().SetHostCopy(id, true);
-  AddEventLocked(Kind::HOST_COPIED, id);
+  LandCopyLocked(r);
   ++stats_.copies_kept;
 }
 
