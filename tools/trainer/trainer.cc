@@ -56,6 +56,10 @@ ABSL_FLAG(int, chunk_kib, 0,
 ABSL_FLAG(double, budget, 0.6,
           "budget to request, as a fraction of the unmanaged peak");
 ABSL_FLAG(int, iterations, 3, "training iterations");
+ABSL_FLAG(int, iterations_after_reconnect, 0,
+          "once the session was opened again (a daemon restarted), stop after "
+          "this many more iterations with it, before --iterations (0: run "
+          "them all)");
 ABSL_FLAG(std::string, label, "", "job name (default: model)");
 ABSL_FLAG(int, priority, 1, "weight in the GPU's fair share");
 ABSL_FLAG(double, min_budget, 0,
@@ -420,6 +424,8 @@ int main(int argc, char** argv) {
   int64_t verified = 0;
   int64_t work_ns = 0;
   const int iterations = absl::GetFlag(FLAGS_iterations);
+  const int after_reconnect = absl::GetFlag(FLAGS_iterations_after_reconnect);
+  int reconnected_iterations = 0;
   const auto start = Clock::now();
   for (int it = 0; it < iterations; ++it) {
     const auto iter_start = Clock::now();
@@ -440,6 +446,14 @@ int main(int argc, char** argv) {
         Human(st.offloaded_bytes).c_str(), Human(st.reloaded_bytes).c_str(),
         st.recomputes, st.connected ? "deltad" : "in-process");
     std::fflush(stdout);
+    if (after_reconnect > 0 && st.reconnects > 0 && st.connected &&
+        ++reconnected_iterations >= after_reconnect) {
+      std::printf(
+          "[%s] stopping after %d iterations with the session "
+          "opened again (--iterations_after_reconnect)\n",
+          label.c_str(), reconnected_iterations);
+      break;
+    }
   }
   const double wall =
       std::chrono::duration<double>(Clock::now() - start).count();
