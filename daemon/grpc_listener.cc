@@ -299,13 +299,14 @@ void GrpcListener::Sweep(absl::Time now) {
         continue;
       }
       if (now - c.unread_since < options_.unread_for) continue;
+      // Counted first: whoever sees the connection end sees it counted.
+      if (options_.refused) options_.refused("unread_connection");
       // The descriptor still names this connection (checked above, under
       // the lock, and gRPC does not close a connection whose write waits).
       ::shutdown(c.fd, SHUT_RDWR);
       c.shut = true;
       ++shut;
       shut_uid = c.uid;
-      if (options_.refused) options_.refused("unread_connection");
     }
   }
   int64_t held_back = 0;
