@@ -8,7 +8,6 @@
 #include <sys/time.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -27,6 +26,7 @@
 #include "deltad/v1/memory_manager.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "tools/call_retry.h"
 #include "tools/table.h"
 
 ABSL_FLAG(std::string, socket, "/run/deltad/deltad.sock",
@@ -105,9 +105,26 @@ absl::StatusOr<std::string> PeerToken(const std::string& socket_path,
   return std::move(hello->payload);
 }
 
-void SetDeadline(grpc::ClientContext& context) {
-  context.set_deadline(std::chrono::system_clock::now() +
-                       absl::ToChronoNanoseconds(absl::GetFlag(FLAGS_timeout)));
+// One deadline for the whole command, its calls and their retries.
+absl::Time CommandDeadline() {
+  static const absl::Time deadline = absl::Now() + absl::GetFlag(FLAGS_timeout);
+  return deadline;
+}
+
+// Makes one of deltactl's calls (each only reads) with a new context per
+// attempt, repeated where the connection went away under it
+// (tools/call_retry.h).
+template <typename Request, typename Response, typename Stub>
+grpc::Status Call(Stub& stub,
+                  grpc::Status (Stub::*method)(grpc::ClientContext*,
+                                               const Request&, Response*),
+                  const Request& request, Response* response) {
+  return deltad::tools::CallWithRetries(
+      CommandDeadline(), [&](absl::Time deadline) {
+        grpc::ClientContext context;
+        context.set_deadline(absl::ToChronoTime(deadline));
+        return (stub.*method)(&context, request, response);
+      });
 }
 
 // gRPC and absl number their codes alike; absl has the names.
@@ -134,9 +151,8 @@ int RpcFailed(const Daemon& daemon, const grpc::Status& status) {
 
 grpc::Status GetStatus(const Daemon& daemon, v1::NodeStatusResponse* response) {
   auto stub = v1::MemoryManager::NewStub(daemon.channel);
-  grpc::ClientContext context;
-  SetDeadline(context);
-  return stub->NodeStatus(&context, v1::NodeStatusRequest(), response);
+  return Call(*stub, &v1::MemoryManager::Stub::NodeStatus,
+              v1::NodeStatusRequest(), response);
 }
 
 int Status(const Daemon& daemon) {
@@ -260,10 +276,9 @@ int Top(const Daemon& daemon, const std::vector<std::string>& args) {
     request.set_limit(n);
   }
   auto stub = v1::MemoryManager::NewStub(daemon.channel);
-  grpc::ClientContext context;
-  SetDeadline(context);
   v1::ListTensorsResponse r;
-  const grpc::Status s = stub->ListTensors(&context, request, &r);
+  const grpc::Status s =
+      Call(*stub, &v1::MemoryManager::Stub::ListTensors, request, &r);
   if (!s.ok()) return RpcFailed(daemon, s);
   // Who the session is, for the heading; the list stands without it.
   std::string who = absl::StrCat("session ", session);
@@ -298,11 +313,9 @@ int Top(const Daemon& daemon, const std::vector<std::string>& args) {
 
 int Health(const Daemon& daemon) {
   auto stub = health::Health::NewStub(daemon.channel);
-  grpc::ClientContext context;
-  SetDeadline(context);
   health::HealthCheckRequest request;  // "": the server as a whole
   health::HealthCheckResponse r;
-  const grpc::Status s = stub->Check(&context, request, &r);
+  const grpc::Status s = Call(*stub, &health::Health::Stub::Check, request, &r);
   if (!s.ok()) return RpcFailed(daemon, s);
   std::printf(
       "%s\n",
@@ -332,6 +345,7 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_timeout) <= absl::ZeroDuration()) {
     return BadUsage("--timeout must be positive");
   }
+  (void)CommandDeadline();  // the command's time starts here
 
   Daemon daemon;
   daemon.address = absl::GetFlag(FLAGS_tcp).empty()
