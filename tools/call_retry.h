@@ -13,7 +13,7 @@ namespace deltad::tools {
 // again. The daemon's gRPC ends a connection with GOAWAY when its memory
 // quota runs short (a flood of calls, docs/RELIABILITY.md), and a call on
 // that connection then fails with "UNAVAILABLE: GOAWAY received" though the
-// daemon is up: 1 of 5 `deltactl status` runs during bench/stream_flood.py's
+// daemon is up: 2 of 9 `deltactl status` runs during bench/stream_flood.py's
 // flood, 2026-12-02. The channel opens a new connection for the next
 // attempt. Against a daemon that is not there the retries cost 0.7 s.
 struct RetryPolicy {
