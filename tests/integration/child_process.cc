@@ -36,6 +36,18 @@ std::string ReadFileOrEmpty(const std::string& path) {
   return out.str();
 }
 
+std::string OnceItHolds(const std::function<std::string()>& read,
+                        const std::string& wanted, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    std::string content = read();
+    if (absl::StrContains(content, wanted) || absl::Now() >= deadline) {
+      return content;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+}
+
 namespace {
 
 // The child's side between fork and exec: async-signal-safe calls only.

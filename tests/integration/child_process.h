@@ -3,6 +3,7 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -102,6 +103,14 @@ absl::StatusOr<std::string> LineStarting(ChildProcess& p,
 
 // The whole content of a file; empty when it cannot be read.
 std::string ReadFileOrEmpty(const std::string& path);
+
+// What `read` returns once it contains `wanted`, or after `timeout`: for
+// a line a process writes after something the test saw elsewhere (a client
+// logging an order the daemon's status already shows as sent, the daemon
+// logging what its metrics already count).
+std::string OnceItHolds(const std::function<std::string()>& read,
+                        const std::string& wanted,
+                        absl::Duration timeout = absl::Seconds(10));
 
 }  // namespace deltad::testing_util
 

@@ -227,13 +227,9 @@ TEST_F(HostileClientWithShortKeepaliveTest,
       "deltad_refused_total{limit=\"unread_connection\"} 1";
   EXPECT_THAT(MetricsOnceTheyHold(daemon_->Output(), {counted}),
               HasSubstr(counted));
-  const absl::Time deadline = absl::Now() + absl::Seconds(5);
-  while (
-      !absl::StrContains(daemon_->Output(), "left the daemon's bytes unread") &&
-      absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  EXPECT_THAT(daemon_->Output(), HasSubstr("left the daemon's bytes unread"));
+  EXPECT_THAT(OnceItHolds([&] { return daemon_->Output(); },
+                          "left the daemon's bytes unread"),
+              HasSubstr("left the daemon's bytes unread"));
 }
 
 // gRPC's memory quota (limits.grpc_memory_bytes, 1 MiB here) filled by
@@ -333,7 +329,9 @@ TEST_F(HostileClientWithSmallGrpcMemoryTest,
   fds.clear();
   EXPECT_EQ(in_metrics, goaways)
       << closed_count << " connections closed by the daemon";
-  EXPECT_THAT(daemon_->Output(), HasSubstr("reached limits.grpc_memory_bytes"));
+  EXPECT_THAT(OnceItHolds([&] { return daemon_->Output(); },
+                          "reached limits.grpc_memory_bytes"),
+              HasSubstr("reached limits.grpc_memory_bytes"));
   std::printf("%d of %d idle connections closed with \"Buffers full\"\n",
               goaways, kConnections);
   ExpectServing("idle connections past gRPC's memory");

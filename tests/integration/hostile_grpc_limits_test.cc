@@ -213,9 +213,12 @@ TEST_F(GrpcThreadsTest, CallsRefusedForWantOfAThreadAreCountedAndLogged) {
                            "deltad_refused_total{limit=\"grpc_max_threads\"} ",
                            kCalls, "\n")));
   // Once per 10 s: the first refusal only.
-  EXPECT_THAT(daemon_->Output(),
-              HasSubstr("gRPC refused a call: no thread free "
-                        "(limits.grpc_max_threads = 1; 0 such lines"));
+  // The log line comes after the count.
+  const std::string logged =
+      "gRPC refused a call: no thread free (limits.grpc_max_threads = 1; 0 "
+      "such lines";
+  EXPECT_THAT(OnceItHolds([&] { return daemon_->Output(); }, logged),
+              HasSubstr(logged));
 }
 
 // gRPC holds a connection to max_concurrent_streams only once its client
@@ -265,9 +268,10 @@ TEST_F(HostileClientWithFewStreamsTest,
       MetricsOnceTheyHold(daemon_->Output(), {calls_counted, ack_counted});
   EXPECT_THAT(metrics, HasSubstr(calls_counted));
   EXPECT_THAT(metrics, HasSubstr(ack_counted));
-  EXPECT_THAT(daemon_->Output(),
-              HasSubstr("refused a gRPC connection: a connection opened more "
-                        "than 4 calls"));
+  const std::string refused =
+      "refused a gRPC connection: a connection opened more than 4 calls";
+  EXPECT_THAT(OnceItHolds([&] { return daemon_->Output(); }, refused),
+              HasSubstr(refused));
   ExpectServing("calls opened before the SETTINGS acknowledgement");
 }
 
