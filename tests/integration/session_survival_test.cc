@@ -12,7 +12,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -146,9 +145,8 @@ TEST(SessionSurvival, ADaemonStalledForThreeSecondsGetsTheClientBack) {
   // which may come after the new session opened.
   const std::string ended =
       absl::StrCat("session ", before.session, " (pid ", client.process->pid());
-  for (int i = 0; i < 100 && !absl::StrContains(daemon.Output(), ended); ++i)
-    absl::SleepFor(absl::Milliseconds(100));
-  EXPECT_THAT(daemon.Output(), HasSubstr(ended));
+  EXPECT_THAT(OnceItHolds([&] { return daemon.Output(); }, ended),
+              HasSubstr(ended));
   EXPECT_TRUE(Progressed(client, *after, 20));
   ExpectChunksAccountedExactly(daemon, client);
   client.ExpectEveryTensorIntact();
