@@ -120,6 +120,17 @@ def run(make_model, make_inputs, step, options=None, iterations=1, lr=0.1,
     return steps, state, (manager.stats() if manager is not None else None)
 
 
+def assert_same_training(test, expected, got):
+    """`run`'s answers unmanaged and managed: every step's returned tensors
+    and gradients, and the final state, bit for bit."""
+    for e, g in zip(expected[0], got[0]):
+        for a, b in zip(e, g):
+            if a is not None or b is not None:
+                test.assertTrue(torch.equal(a, b))
+    for a, b in zip(expected[1], got[1]):
+        test.assertTrue(torch.equal(a, b))
+
+
 def simple_step(model, x):
     loss = model(x).square().mean()
     loss.backward()

@@ -133,6 +133,9 @@ class RestoredGroupsTest(unittest.TestCase):
         class NoRecompute:
             calls = {}
 
+            def claim_pending(self):
+                pass
+
         store = saved.SavedStore(
             torch.device("cpu"), 1 << 30, lambda group: "offload",
             NoRecompute(), host_bytes=1 << 30, prefetch_bytes=0,

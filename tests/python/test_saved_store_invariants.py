@@ -41,6 +41,9 @@ class CopyRecorder:
         self.rebuilds = 0
         self.source_reads = 0
 
+    def claim_pending(self):
+        pass  # its groups' sources are drawn in can_rebuild
+
     def new_group(self, group, copy):
         self.copies[id(group)] = copy
         self.created[id(group)] = len(self.created)

@@ -154,6 +154,9 @@ class NoRecompute:
     def can_rebuild(self, group):
         return False
 
+    def claim_pending(self):
+        pass
+
 
 class StreamOrderTest(unittest.TestCase):
 

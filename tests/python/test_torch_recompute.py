@@ -304,12 +304,7 @@ class RecomputeFaithfulnessTest(unittest.TestCase):
         got = correctness.run(make_model, make_input,
                               correctness.simple_step,
                               correctness.RECOMPUTE, 2)
-        for e, g in zip(expected[0], got[0]):
-            for a, b in zip(e, g):
-                if a is not None or b is not None:
-                    self.assertTrue(torch.equal(a, b))
-        for a, b in zip(expected[1], got[1]):
-            self.assertTrue(torch.equal(a, b))
+        correctness.assert_same_training(self, expected, got)
         self.assertGreater(got[2].recomputes, 0, got[2])
         return got[2]
 

@@ -61,6 +61,7 @@ class _Engine:
         self.bandwidth = link_bytes_per_second or _measure_bandwidth(
             device, budget_bytes)
         self.recorder = Recorder(device, min_bytes, max_depth)
+        self.recorder.fixed = fixed
         self.store = SavedStore(device, budget_bytes, self._director,
                                 self.recorder, host_bytes, prefetch_bytes,
                                 self.plan, self._on_iteration)

@@ -87,7 +87,9 @@ typedef struct {
   PyObject_HEAD PyObject *store, *key, *state, *tensors, *origins, *metas,
       *host, *flat, *event, *stream, *call, *retained, *evicted_sources,
       *versions;
-  Py_ssize_t nbytes, position, live, dependents;
+  /* first_pack: the store's saved_tensors count at the pack that made it
+   * (deltad.recompute finds it again in a rerun of its call by that). */
+  Py_ssize_t nbytes, position, live, dependents, first_pack;
   char used, rebuilt;
 } Group;
 

@@ -272,6 +272,7 @@ PyObject* store_pack(Core* c, PyObject* tensor, PyObject* key,
   Py_DECREF(call);
   Py_DECREF(calls);
   if (g == NULL) goto done;
+  g->first_pack = (Py_ssize_t)c->counters->saved_tensors;
   if (get_ll(tensor, s_version, &version) < 0) goto done;
   Py_ssize_t first;
   if (add_member(g, tensor, &first) < 0) goto done;

@@ -27,15 +27,8 @@ import torch as _torch
 
 from deltad.saved import _flat, _storage
 from deltad._trace_recorder import _tensors_in
-
-
-class _NotRecomputable(Exception):
-    pass
-
-
-def _meta(tensor):
-    return (tensor.shape, tensor.stride(), tensor.storage_offset(),
-            tensor.dtype)
+from deltad.recompute_inside import (
+    Intermediate, Intermediates, _NotRecomputable, _meta, _needing_grad)
 
 
 def _view(flat, meta):
@@ -53,7 +46,8 @@ class Call:
 
     __slots__ = ("module", "forward", "args", "kwargs", "cpu_rng",
                  "cuda_rng", "autocast", "own_ns", "events", "depth",
-                 "out_meta", "out_nbytes", "out_version")
+                 "out_meta", "out_nbytes", "out_version", "grads",
+                 "kwarg_grads")
 
     def cost_ns(self):
         """This run's time plus that of the calls it reruns for its
@@ -62,7 +56,11 @@ class Call:
         not completed is priced at its module's last measured run, and
         without one the Director offloads rather than take it as free)."""
         own = self.own_ns
-        if self.events is not None:
+        if own is None:  # still running: its module's last run, if any
+            own = _last_ns.get(self.module)
+            if own is None:
+                return None
+        elif self.events is not None:
             start, end = self.events
             if end.query():  # read lazily, once the GPU ran it
                 own = self.own_ns = int(start.elapsed_time(end) * 1e6)
@@ -127,7 +125,7 @@ class _Recording:
         return getattr, (self.module, "forward")
 
 
-class Recorder:
+class Recorder(Intermediates):
     """Records module calls while wrapped; reruns them for the store."""
 
     def __init__(self, device, min_bytes, max_depth):
@@ -136,6 +134,13 @@ class Recorder:
         self.min_bytes = min_bytes
         self.max_depth = max_depth
         self.store = None  # set by deltad.torch once the store exists
+        # The storages of the model's parameters and buffers (what the
+        # store's hooks hand back as they are), or None: leaves that need
+        # grad and their views are taken for them (see _savedcore).
+        self.fixed = None
+        # Module -> {argument shapes: whether a rerun saves what the call
+        # saved} (_claim_intermediates).
+        self.verified = weakref.WeakKeyDictionary()
         self.local = threading.local()  # .depth, .recomputing
         self.calls = {}  # storage key -> the Call that returned it
         self.wrapped = []
@@ -186,24 +191,48 @@ class Recorder:
         # those its forward pre-hooks gave, and the output the one its
         # forward hooks were given (__call__ would apply them again).
         call.forward = forward
+        call.module = module
+        call.args = None  # until its output or intermediates are recorded
+        call.grads = None  # until its intermediates are
+        call.own_ns = None  # until it returns (cost_ns then guesses)
         call.cpu_rng = _torch.get_rng_state()
         call.cuda_rng = (_torch.cuda.get_rng_state(self.device)
                          if self.cuda else None)
         call.autocast = _autocast_state()
         call.events = None
-        if self.cuda:
-            start = _torch.cuda.Event(enable_timing=True)
-            end = _torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = forward(*args, **kwargs)
-            end.record()
-            call.events = (start, end)
-            call.own_ns = 0  # until the events are read
-        else:
-            start = time.perf_counter_ns()
-            out = forward(*args, **kwargs)
-            call.own_ns = time.perf_counter_ns() - start
+        # The store's groups so far: those it makes while the call runs
+        # and that no call returns are the call's intermediates, claimed
+        # as it returns or, when the store releases before that, then
+        # (claim_pending).
+        store = self.store
+        frame = None
+        if store is not None:
+            frame = (module, call, args, kwargs, before, store.by_position,
+                     len(store.by_position), store.counters.saved_tensors)
+            pending = getattr(self.local, "pending", None)
+            if pending is None:
+                pending = self.local.pending = []
+            pending.append(frame)
+        try:
+            if self.cuda:
+                start = _torch.cuda.Event(enable_timing=True)
+                end = _torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = forward(*args, **kwargs)
+                end.record()
+                call.events = (start, end)
+                call.own_ns = 0  # until the events are read
+            else:
+                start = time.perf_counter_ns()
+                out = forward(*args, **kwargs)
+                call.own_ns = time.perf_counter_ns() - start
+                _last_ns[module] = call.own_ns
+        finally:
+            if frame is not None:
+                pending.pop()
         self._produced_by(module, call, out, args, kwargs, before)
+        if frame is not None:
+            self._claim_intermediates(*frame, final=True)
         return out
 
     def _produced_by(self, module, call, out, args, kwargs, before):
@@ -250,13 +279,13 @@ class Recorder:
                 return
             replaces = producer
         try:
-            call.args = tuple(
+            sources = tuple(
                 ("call", producer, _meta(a)) if changed is not None and
                 a is changed[0] else self._source(a) for a in args)
             call.kwargs = {k: self._source(v) for k, v in kwargs.items()}
         except _NotRecomputable:
             return
-        call.module = module
+        call.args = sources
         call.depth = 1 + max((v[1].depth for v in call.sources()
                               if v[0] == "call"), default=0)
         if call.depth > self.max_depth:
@@ -351,6 +380,8 @@ class Recorder:
 
     def rebuild(self, group):
         call = group.call
+        if isinstance(call, Intermediate):
+            return self._rebuild_intermediate(call)
         out = self._run(call)
         shape, stride, offset, dtype = call.out_meta
         if (tuple(out.shape) != tuple(shape) or out.stride() != stride or
@@ -363,9 +394,32 @@ class Recorder:
                 "policy='offload' for this model")
         return out
 
-    def _run(self, call):
-        args = [self._materialize(s) for s in call.args]
-        kwargs = {k: self._materialize(s) for k, s in call.kwargs.items()}
+    def _run(self, call, capture=None, pack=None, alongside=None):
+        # One copy per source: a module that tells self-attention by
+        # `query is key` takes the same path again.
+        made = {}
+
+        def materialize(source):
+            if source[0] == "value":
+                return source[1]
+            key = (source[0], id(source[1]), source[2])
+            copy = made.get(key)
+            if copy is None:
+                copy = made[key] = self._materialize(source)
+            return copy
+        args = [materialize(s) for s in call.args]
+        kwargs = {k: materialize(s) for k, s in call.kwargs.items()}
+        captured = None
+        if capture is not None:
+            pack, captured = self._capturing(capture, alongside)
+        if pack is None:
+            pack = _dropped
+        else:
+            # Rerun to save what the call saved: its copies need grad
+            # where the call's arguments did.
+            _needing_grad(args, call.grads)
+            _needing_grad(list(kwargs.values()),
+                          [call.kwarg_grads.get(k) for k in kwargs])
         module = call.module
         buffers = [(b, b.clone()) for b in module.buffers()]
         cpu_rng = _torch.get_rng_state()
@@ -387,11 +441,18 @@ class Recorder:
             # held for it) and the output detached.
             with _torch.enable_grad(), \
                     _torch.autograd.graph.saved_tensors_hooks(
-                        _dropped, _never_unpacked), \
+                        pack, _never_unpacked), \
                     _torch.autocast("cpu", dtype=cpu_dtype,
                                     enabled=cpu_on), \
                     _autocast_cuda(gpu_dtype, gpu_on):
-                out = call.forward(*args, **kwargs)
+                try:
+                    out = call.forward(*args, **kwargs)
+                except Exception:
+                    if captured:  # the rerun stopped where it had saved it
+                        return captured[0]
+                    raise
+            if captured is not None:
+                return None  # never saved it: _rebuild_intermediate says so
             return out.detach() if isinstance(out, _torch.Tensor) else out
         finally:
             self.local.recomputing = outer

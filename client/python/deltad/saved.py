@@ -73,7 +73,8 @@ class SavedStore(Releasing, Restoring, _core.Core):
     attribute the owner updates: read on every new storage).
     director(group) -> "offload" or "evict" (deltad.torch decides with the
     policy and the prices). recompute: the deltad.recompute.Recorder (its
-    `calls` by storage address, can_rebuild, sources_of, rebuild).
+    `calls` by storage address, can_rebuild, sources_of, rebuild,
+    claim_pending).
     host_bytes: the most host memory offloads may use.
     """
 

@@ -91,6 +91,9 @@ class Releasing:
         """Releases the oldest groups this store alone holds (but
         `protect`) until the resident bytes are at most `target`."""
         c = self.counters
+        # Groups that the module calls running now made can be rebuilt by
+        # them: said before the Director chooses (an offload otherwise).
+        self.recompute.claim_pending()
         kept = []
         released = False
         order, self.order = self.order, []

@@ -11,7 +11,7 @@ import torch as _torch
 from deltad._extension import load_savedcore
 
 _core = load_savedcore()
-RESIDENT, OFFLOADED = _core.RESIDENT, _core.OFFLOADED
+RESIDENT, OFFLOADED, EVICTED = _core.RESIDENT, _core.OFFLOADED, _core.EVICTED
 
 # The tensor's untyped storage: PyTorch 2.x's untyped_storage, 1.13's
 # _storage (its storage() builds a typed one, 15 times slower).
@@ -88,11 +88,33 @@ class Restoring:
             flat = _flat(out, group.nbytes)
             c.recomputes += 1
             c.recompute_ns += time.perf_counter_ns() - start
-            for source in group.evicted_sources:
-                source.dependents -= 1
-                if source.dependents == 0 and source.live == 0:
-                    self._drop(source)
-            group.evicted_sources = ()
+            self._sources_read(group)
+        self._now_resident(group, flat)
+        return True
+
+    def _sources_read(self, group):
+        """An evicted group is back: the groups its rebuild read may go."""
+        for source in group.evicted_sources:
+            source.dependents -= 1
+            if source.dependents == 0 and source.live == 0:
+                self._drop(source)
+        group.evicted_sources = ()
+
+    def rebuilt_alongside(self, group, tensor):
+        """A rerun for another group saved `tensor`, the bytes of evicted
+        `group` (an intermediate of the same call, saved before it): kept,
+        where the budget has room, so that backward, which reads it soon
+        after, need not rerun the call again."""
+        c = self.counters
+        if group.state != EVICTED or group.live == 0 or \
+                c.resident_bytes + group.nbytes > self.budget:
+            return
+        self._sources_read(group)
+        self._now_resident(group, _flat(tensor, group.nbytes))
+
+    def _now_resident(self, group, flat):
+        """The common end of a restore: `flat` holds the group's bytes."""
+        c = self.counters
         group.flat = flat
         group.state = RESIDENT
         # Keyed by where its bytes are now. The old address was freed when
@@ -111,7 +133,6 @@ class Restoring:
         c.resident_bytes += group.nbytes
         if c.resident_bytes > c.peak_resident_bytes:
             c.peak_resident_bytes = c.resident_bytes
-        return True
 
     def _settle(self, group):
         """Rebuilds a restored group's members as views of its storage, the
