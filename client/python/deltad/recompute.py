@@ -47,7 +47,7 @@ class Call:
     __slots__ = ("module", "forward", "args", "kwargs", "cpu_rng",
                  "cuda_rng", "autocast", "own_ns", "events", "depth",
                  "out_meta", "out_nbytes", "out_version", "grads",
-                 "kwarg_grads")
+                 "kwarg_grads", "packs")
 
     def cost_ns(self):
         """This run's time plus that of the calls it reruns for its
@@ -207,8 +207,11 @@ class Recorder(Intermediates):
         store = self.store
         frame = None
         if store is not None:
-            frame = (module, call, args, kwargs, before, store.by_position,
-                     len(store.by_position), store.counters.saved_tensors)
+            # (The store's count of packs: what the call's ops save is
+            # numbered from here, Intermediate.ordinal.)
+            call.packs = store.counters.saved_tensors
+            frame = [module, call, args, kwargs, before, store.by_position,
+                     len(store.by_position), call.packs]
             pending = getattr(self.local, "pending", None)
             if pending is None:
                 pending = self.local.pending = []

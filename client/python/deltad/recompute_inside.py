@@ -57,9 +57,13 @@ class Intermediates:
     def claim_pending(self):
         """Claims the intermediates of the calls this thread is running,
         innermost first: the store is about to release, and a group that
-        a call running now made can then be evicted instead of copied."""
+        a call running now made can then be evicted instead of copied.
+        Each call's groups are looked at once: a frame (see _record) then
+        starts at the first group not looked at."""
         for frame in reversed(getattr(self.local, "pending", ())):
-            self._claim_intermediates(*frame)
+            scanned = self._claim_intermediates(*frame)
+            if scanned is not None:
+                frame[5], frame[6] = scanned
 
     def _claim_intermediates(self, module, call, args, kwargs, before,
                              groups, first, packs, final=False):
@@ -74,16 +78,16 @@ class Intermediates:
         rerun then (_verify); a module whose rerun saves otherwise (a path
         taken by identity, state or chance) claims nothing."""
         store = self.store
-        shapes = tuple(tuple(t.shape) for t in _tensors_in((args, kwargs), []))
-        verdicts = self.verified.get(module)
-        verdict = verdicts.get(shapes) if verdicts is not None else None
-        if verdict is False or (verdict is None and not final):
-            return
         if store.by_position is not groups:
             # A new iteration began inside the call: every group of it was
             # made by the call.
             groups, first = store.by_position, 0
         if len(groups) <= first:
+            return
+        shapes = tuple(tuple(t.shape) for t in _tensors_in((args, kwargs), []))
+        verdicts = self.verified.get(module)
+        verdict = verdicts.get(shapes) if verdicts is not None else None
+        if verdict is False or (verdict is None and not final):
             return
         if any(t._version != version for t, version in before):
             return  # changed an argument in place: a rerun would not see it
@@ -114,6 +118,7 @@ class Intermediates:
         arguments = {_storage(t).data_ptr()
                      for t in _tensors_in((args, kwargs), [])}
         claims = []
+        scanned = (groups, len(groups))
         with store.lock:
             for group in groups[first:]:
                 if group.call is None and group.live and \
@@ -146,6 +151,7 @@ class Intermediates:
                     for group in claims:
                         if isinstance(group.call, Intermediate):
                             group.call = None
+        return scanned
 
     def _verify(self, call, intermediates):
         """Whether a rerun of `call` saves each of `intermediates` where
@@ -185,23 +191,27 @@ class Intermediates:
         return key
 
     def _rebuild_intermediate(self, inter):
-        # The call's other evicted intermediates saved before this one
-        # come back from the same rerun (backward reads them next).
+        # What the call saved before this one and is evicted (its other
+        # intermediates, its inner calls' outputs) comes back from the
+        # same rerun: backward reads it next. Its place among what the
+        # rerun saves is where the call's count of packs put it.
         store = self.store
+        begin = inter.call.packs
         alongside = {}
         for group in store.by_position:
-            other = group.call
-            if isinstance(other, Intermediate) and other.call is inter.call \
-                    and other.ordinal < inter.ordinal and \
-                    group.state == EVICTED:
-                alongside[other.ordinal] = group
+            ordinal = group.first_pack - begin - 1
+            if 0 <= ordinal < inter.ordinal and group.state == EVICTED and \
+                    group.live:
+                alongside[ordinal] = group
         extras = {}
         out = self._run(inter.call, capture=inter,
                         alongside=(alongside, extras))
         for ordinal, tensor in extras.items():
             group = alongside[ordinal]
-            if (_meta(tensor), _storage(tensor).nbytes()) == \
-                    (group.call.meta, group.call.nbytes):
+            member = _recorded_member(group)
+            if member is not None and (_meta(tensor),
+                                       _storage(tensor).nbytes()) == \
+                    (member[0], group.nbytes):
                 store.rebuilt_alongside(group, tensor)
         shape, stride, offset, dtype = inter.meta
         if (out is None or tuple(out.shape) != tuple(shape) or
