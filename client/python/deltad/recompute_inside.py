@@ -206,13 +206,6 @@ class Intermediates:
         extras = {}
         out = self._run(inter.call, capture=inter,
                         alongside=(alongside, extras))
-        for ordinal, tensor in extras.items():
-            group = alongside[ordinal]
-            member = _recorded_member(group)
-            if member is not None and (_meta(tensor),
-                                       _storage(tensor).nbytes()) == \
-                    (member[0], group.nbytes):
-                store.rebuilt_alongside(group, tensor)
         shape, stride, offset, dtype = inter.meta
         if (out is None or tuple(out.shape) != tuple(shape) or
                 out.stride() != stride or out.storage_offset() != offset or
@@ -225,6 +218,14 @@ class Intermediates:
                 f"{tuple(shape)} {dtype} strides {stride} (its forward saved "
                 f"other tensors the second time); use policy='offload' for "
                 f"this model")
+        for ordinal, tensor in extras.items():
+            group = alongside[ordinal]
+            member = _recorded_member(group)
+            if member is not None and (_meta(tensor),
+                                       _storage(tensor).nbytes()) == \
+                    (member[0], group.nbytes):
+                # (The room the store made is for `out`, added after.)
+                store.rebuilt_alongside(group, tensor, reserve=inter.nbytes)
         return out
 
     def _capturing(self, inter, alongside):

@@ -100,14 +100,15 @@ class Restoring:
                 self._drop(source)
         group.evicted_sources = ()
 
-    def rebuilt_alongside(self, group, tensor):
+    def rebuilt_alongside(self, group, tensor, reserve=0):
         """A rerun for another group saved `tensor`, the bytes of evicted
-        `group` (an intermediate of the same call, saved before it): kept,
-        where the budget has room, so that backward, which reads it soon
-        after, need not rerun the call again."""
+        `group` (saved before it by the same call): kept where the budget
+        has room beside `reserve` bytes (the other group's, restored
+        next), so that backward, which reads it soon after, need not rerun
+        the call again."""
         c = self.counters
         if group.state != EVICTED or group.live == 0 or \
-                c.resident_bytes + group.nbytes > self.budget:
+                c.resident_bytes + reserve + group.nbytes > self.budget:
             return
         self._sources_read(group)
         self._now_resident(group, _flat(tensor, group.nbytes))
