@@ -43,7 +43,9 @@ from deltad.saved_restore import (  # noqa: F401 (_storage: theirs too)
 # its place there (the tensor, or a detached alias of it, stays in the
 # group while resident).
 # _Group: one storage's bytes and the saved tensors that view them, with
-#   store, key, nbytes, position (pack order within the iteration), state,
+#   store, key, nbytes, position (pack order within the iteration),
+#   first_pack (the counters' saved_tensors at the pack that made it: its
+#   place among what the module call running then saved), state,
 #   tensors (members; None once dead or released), origins (per member:
 #   None when the member is the saved tensor itself, else weak references
 #   to the saved tensor and its base, the member being a detached alias;
