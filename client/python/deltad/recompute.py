@@ -211,7 +211,7 @@ class Recorder(Intermediates):
             # numbered from here, Intermediate.ordinal.)
             call.packs = store.counters.saved_tensors
             frame = [module, call, args, kwargs, before, store.by_position,
-                     len(store.by_position), call.packs]
+                     len(store.by_position)]
             pending = getattr(self.local, "pending", None)
             if pending is None:
                 pending = self.local.pending = []

@@ -8,7 +8,6 @@ module"). A mixin of deltad.recompute.Recorder, whose state it uses.
 
 import torch as _torch
 
-from deltad._trace_recorder import _tensors_in
 from deltad.saved import EVICTED, RESIDENT, _storage
 
 
@@ -66,11 +65,13 @@ class Intermediates:
                 frame[5], frame[6] = scanned
 
     def _claim_intermediates(self, module, call, args, kwargs, before,
-                             groups, first, packs, final=False):
+                             groups, first, final=False):
         """Makes the groups saved while `call` ran, that no call returned
         (nor an inner call claimed), rebuildable by running `call` again
-        (Intermediate). `groups`, `first`, `packs`: the store's groups and
-        its count of packs as the call began; `final`: the call returned.
+        (Intermediate). `groups`, `first`: the store's groups and how many
+        it had as the call began (call.packs, its count of packs then);
+        `before`: the call's tensor arguments and their versions then;
+        `final`: the call returned.
 
         A rerun finds them by the order of what it saves, so it must save
         what the call saved: the first time a module is called with these
@@ -84,7 +85,7 @@ class Intermediates:
             groups, first = store.by_position, 0
         if len(groups) <= first:
             return
-        shapes = tuple(tuple(t.shape) for t in _tensors_in((args, kwargs), []))
+        shapes = tuple(tuple(t.shape) for t, _ in before)
         verdicts = self.verified.get(module)
         verdict = verdicts.get(shapes) if verdicts is not None else None
         if verdict is False or (verdict is None and not final):
@@ -115,8 +116,8 @@ class Intermediates:
                                 v.requires_grad for k, v in kwargs.items()}
         # Its arguments' storages, saved first inside it (a LayerNorm's
         # input), are not its to rebuild: the rerun reads them.
-        arguments = {_storage(t).data_ptr()
-                     for t in _tensors_in((args, kwargs), [])}
+        arguments = {_storage(t).data_ptr() for t, _ in before}
+        packs = call.packs
         claims = []
         scanned = (groups, len(groups))
         with store.lock:
