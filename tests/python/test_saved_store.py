@@ -430,5 +430,42 @@ class PackOutOfMemoryTest(unittest.TestCase):
         self.assertGreater(failures, 0)
 
 
+class VictimChoiceTest(unittest.TestCase):
+    """Where the owner prices the groups (the time bringing each back
+    would take), the store releases first the one whose price per byte
+    and per step of staleness is least: an expensive group stays while
+    cheaper ones, even newer, go; with prices alike, the oldest goes
+    first, as without prices."""
+
+    def store(self, prices):
+        import deltad.saved as saved
+        from test_saved_store_streams import NoRecompute, Plan
+        store = saved.SavedStore(
+            torch.device("cpu"), 3 * 4096, lambda group: "offload",
+            NoRecompute(), host_bytes=1 << 30, prefetch_bytes=0,
+            plan=Plan(), on_iteration=lambda: None)
+        store.price = lambda group, memo: prices[group.position]
+        return store
+
+    def pack_four(self, store):
+        """Four storages of 4096 bytes, the fourth past the budget (the
+        store makes room down to 15/16 of it: two go); what is released."""
+        from deltad.saved import RESIDENT, _storage as storage
+        kept = [store.pack(t, storage(t).data_ptr(), storage(t))
+                for t in (torch.full((1024,), float(i)) for i in range(4))]
+        released = [g.position for g in store.by_position
+                    if g.state != RESIDENT]
+        del kept
+        return released
+
+    def test_an_expensive_group_stays_and_cheaper_newer_ones_go(self):
+        store = self.store([1e9, 1.0, 2.0, 1e9])
+        self.assertEqual(self.pack_four(store), [1, 2])
+
+    def test_with_prices_alike_the_oldest_go_first(self):
+        store = self.store([5.0] * 4)
+        self.assertEqual(self.pack_four(store), [0, 1])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -65,6 +65,7 @@ class _Engine:
         self.store = SavedStore(device, budget_bytes, self._director,
                                 self.recorder, host_bytes, prefetch_bytes,
                                 self.plan, self._on_iteration)
+        self.store.price = self._pricer()
         if self.cuda:
             self.store.pytorch_allocator = _allocator.mode() is None
             self.store.in_flight_cap = max(reserve_bytes // 2, 1 << 20)
@@ -103,7 +104,8 @@ class _Engine:
         its hooks being out of use."""
         self.model = model
         self.store.reopen(self.requested_budget, self.prefetch_bytes,
-                          self._director, self._on_iteration)
+                          self._director, self._on_iteration,
+                          self._pricer())
 
     def lay_aside(self):
         """Whether it can wait for the next block of its model: only when
@@ -198,6 +200,23 @@ class _Engine:
             return "offload"  # not measured yet (see Call.cost_ns)
         c_s = 2e9 * group.nbytes / self.bandwidth  # out and back, ns
         return "evict" if c_r <= c_s else "offload"
+
+    def _pricer(self):
+        """The store's `price`: None under policy 'offload', where every
+        victim costs its copy and the oldest goes first."""
+        return None if self.policy == "offload" else self._price
+
+    def _price(self, group, memo):
+        """The ns bringing `group` back would take, as the Director would
+        release it: its rebuild (with the evicted groups that reads) or
+        its copy out and back."""
+        c_s = 2e9 * group.nbytes / self.bandwidth
+        if not self.recorder.can_rebuild(group):
+            return c_s
+        c_r = self.recorder.rebuild_cost(group, memo)
+        if c_r is None:
+            return c_s
+        return c_r if self.policy == "recompute" else min(c_r, c_s)
 
     def describe_memory(self):
         """What deltad held and could release, for an out-of-memory error."""

@@ -25,7 +25,7 @@ import weakref
 
 import torch as _torch
 
-from deltad.saved import _flat, _storage
+from deltad.saved import EVICTED, _flat, _storage
 from deltad._trace_recorder import _tensors_in
 from deltad.recompute_inside import (
     Intermediate, Intermediates, _NotRecomputable, _meta, _needing_grad)
@@ -380,6 +380,27 @@ class Recorder(Intermediates):
                 elif source[0] == "call":
                     stack.append(source[1])
         return tuple(out)
+
+    def rebuild_cost(self, group, memo):
+        """The ns a rebuild of `group` takes: its call's, and the rebuilds
+        of the evicted groups it reads (DTR's evicted neighbourhood);
+        None while a time is unknown. `memo`: group id -> cost, for one
+        choice of victims."""
+        key = id(group)
+        if key in memo:
+            return memo[key]
+        memo[key] = 0  # (a cycle adds nothing)
+        cost = group.call.cost_ns()
+        if cost is not None:
+            for source in self.sources_of(group):
+                if source.state == EVICTED and source.call is not None:
+                    more = self.rebuild_cost(source, memo)
+                    if more is None:
+                        cost = None
+                        break
+                    cost += more
+        memo[key] = cost
+        return cost
 
     def rebuild(self, group):
         call = group.call

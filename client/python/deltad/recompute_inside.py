@@ -219,7 +219,12 @@ class Intermediates:
                 f"{tuple(shape)} {dtype} strides {stride} (its forward saved "
                 f"other tensors the second time); use policy='offload' for "
                 f"this model")
-        for ordinal, tensor in extras.items():
+        # Latest first: backward reads what the call saved in reverse, so
+        # where the budget holds only some, those are the ones read next
+        # (the earliest, kept instead, would leave each one between to a
+        # rerun of its own).
+        for ordinal in sorted(extras, reverse=True):
+            tensor = extras[ordinal]
             group = alongside[ordinal]
             member = _recorded_member(group)
             if member is not None and (_meta(tensor),

@@ -86,6 +86,10 @@ class SavedStore(Releasing, Restoring, _core.Core):
         self.cuda = device.type == "cuda"
         self.budget = budget
         self.director = director
+        # Set by the owner: group, memo -> the ns bringing it back would
+        # take, for the choice of victims (_release_cheapest); None:
+        # oldest first.
+        self.price = None
         self.recompute = recompute
         self.host_cap = host_bytes
         # What offloads hold of it: on CUDA PyTorch's pinned pool rounds
@@ -342,7 +346,7 @@ class SavedStore(Releasing, Restoring, _core.Core):
             self.prefetch_bytes = 0
             self.order = []
             self.by_position = []
-            self.director = self.on_iteration = None
+            self.director = self.on_iteration = self.price = None
 
     def idle(self):
         """Whether nothing of its last block is left: no saved tensor
@@ -350,7 +354,8 @@ class SavedStore(Releasing, Restoring, _core.Core):
         return (self.closed and not self.alive and not self.groups and
                 not self.in_flight and not self.dying)
 
-    def reopen(self, budget, prefetch_bytes, director, on_iteration):
+    def reopen(self, budget, prefetch_bytes, director, on_iteration,
+               price=None):
         """An idle store (idle()) serves the next block: its counters
         start from 0, its lock, copy stream and hooks stay."""
         with self.lock:
@@ -359,6 +364,7 @@ class SavedStore(Releasing, Restoring, _core.Core):
             self.prefetch_bytes = prefetch_bytes
             self.director = director
             self.on_iteration = on_iteration
+            self.price = price
             self.released_this_iteration = False
             self.closed = False
 

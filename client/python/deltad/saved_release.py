@@ -18,6 +18,10 @@ _core = load_savedcore()
 RESIDENT, OFFLOADED, EVICTED = _core.RESIDENT, _core.OFFLOADED, _core.EVICTED
 
 
+# How many of the oldest resident groups a priced release looks at.
+_CANDIDATES = 64
+
+
 class Releasing:
     """SavedStore's release path (see the module's description)."""
 
@@ -94,6 +98,9 @@ class Releasing:
         # Groups that the module calls running now made can be rebuilt by
         # them: said before the Director chooses (an offload otherwise).
         self.recompute.claim_pending()
+        if self.price is not None:
+            self._release_cheapest(target, protect)
+            return
         kept = []
         released = False
         order, self.order = self.order, []
@@ -113,6 +120,54 @@ class Releasing:
             # raised (its group among them: it is still resident).
             kept.extend(order[i:])
             self.order = kept
+        if released:
+            self.released_this_iteration = True
+
+    def _release_cheapest(self, target, protect):
+        """_release_down_to where groups are priced (the owner's `price`:
+        group, memo -> ns to bring it back): releases first the group
+        whose price per byte and per step of staleness is least (DTR's
+        choice; staleness is the distance from the end of the order,
+        which is pack and restore order). A block's output, whose rebuild
+        reruns the block (and the blocks before it once their outputs are
+        gone too), then stays; what a cheap op made goes first. With every
+        price alike this is oldest first. The oldest _CANDIDATES resident
+        groups are the candidates, so that a release costs the same in a
+        model of many layers (DTR samples too)."""
+        c = self.counters
+        order, self.order = self.order, []
+        n = len(order)
+        memo = {}
+        ranked = []
+        for i, group in enumerate(order):
+            if group.state == RESIDENT and group is not protect:
+                price = self.price(group, memo)
+                ranked.append((price / (max(group.nbytes, 1) * (n - i)), i))
+                if len(ranked) == _CANDIDATES:
+                    break
+        ranked.sort()
+        released = False
+        try:
+            for _, i in ranked:
+                if c.resident_bytes <= target:
+                    break
+                group = order[i]
+                if self._releasable(group) and self._release(group):
+                    released = True
+            if c.resident_bytes > target:
+                # Past the candidates: the rest, oldest first.
+                for group in order:
+                    if c.resident_bytes <= target:
+                        break
+                    if group.state == RESIDENT and group is not protect \
+                            and self._releasable(group) and \
+                            self._release(group):
+                        released = True
+        finally:
+            # What stays resident stays a victim, in its order (restores
+            # made meanwhile, appended to self.order, after it).
+            self.order = [g for g in order if g.state == RESIDENT] + \
+                self.order
         if released:
             self.released_this_iteration = True
 
