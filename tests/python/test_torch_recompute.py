@@ -140,6 +140,38 @@ class RecomputeCostTest(unittest.TestCase):
             self.assertEqual(engine._director(group), "offload")
 
 
+class RebuildCostTest(unittest.TestCase):
+    """A group's price for the choice of victims: its call's time, plus
+    the rebuilds of the evicted groups that call reads (DTR's evicted
+    neighbourhood), each counted once per choice; a resident source adds
+    nothing."""
+
+    def group(self, ns, *sources):
+        from deltad.recompute import Call
+        from deltad.saved import _Group as Group
+        c = Call()
+        c.module, c.kwargs, c.events, c.own_ns = torch.nn.ReLU(), {}, None, ns
+        c.args = tuple(("group", g) for g in sources)
+        return Group(store=None, key=ns, nbytes=4, position=0, call=c)
+
+    def test_evicted_sources_add_their_rebuilds_and_resident_ones_nothing(
+            self):
+        from deltad.recompute import Recorder
+        from deltad.saved import EVICTED
+        recorder = Recorder(torch.device("cpu"), 1, 8)
+        first = self.group(1000)
+        second = self.group(200, first)
+        third = self.group(30, second)
+        self.assertEqual(recorder.rebuild_cost(third, {}), 30)
+        second.state = EVICTED
+        self.assertEqual(recorder.rebuild_cost(third, {}), 230)
+        first.state = EVICTED
+        self.assertEqual(recorder.rebuild_cost(third, {}), 1230)
+        memo = {}
+        self.assertEqual(recorder.rebuild_cost(second, memo), 1200)
+        self.assertEqual(memo[id(first)], 1000)
+
+
 class _Table(torch.nn.Module):
     """Returns a view of its own buffer, as a position table does."""
 
