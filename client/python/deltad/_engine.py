@@ -202,21 +202,23 @@ class _Engine:
         return "evict" if c_r <= c_s else "offload"
 
     def _pricer(self):
-        """The store's `price`: None under policy 'offload', where every
-        victim costs its copy and the oldest goes first."""
-        return None if self.policy == "offload" else self._price
+        """The store's `price` under policy 'recompute' (DTR's Filter);
+        None otherwise: the oldest goes first. (Where copies can run
+        beside compute, as under 'auto' on a GPU, a copy's price is not
+        the time it stalls the step: priced as such, the cheap rebuilds
+        of fresh tensors would go before the copies of old ones, which a
+        prefetch hides. Unmeasured on a GPU, so not changed there.)"""
+        return self._price if self.policy == "recompute" else None
 
     def _price(self, group, memo):
-        """The ns bringing `group` back would take, as the Director would
-        release it: its rebuild (with the evicted groups that reads) or
-        its copy out and back."""
+        """The ns bringing `group` back would take: its rebuild (with the
+        evicted groups that reads), or, where it cannot be rebuilt, its
+        copy out and back."""
         c_s = 2e9 * group.nbytes / self.bandwidth
         if not self.recorder.can_rebuild(group):
             return c_s
         c_r = self.recorder.rebuild_cost(group, memo)
-        if c_r is None:
-            return c_s
-        return c_r if self.policy == "recompute" else min(c_r, c_s)
+        return c_s if c_r is None else c_r
 
     def describe_memory(self):
         """What deltad held and could release, for an out-of-memory error."""
