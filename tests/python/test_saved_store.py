@@ -466,6 +466,12 @@ class VictimChoiceTest(unittest.TestCase):
         store = self.store([5.0] * 4)
         self.assertEqual(self.pack_four(store), [0, 1])
 
+    def test_a_price_that_raises_leaves_every_victim_in_line(self):
+        store = self.store([1.0, None, 1.0, 1.0])  # None / bytes raises
+        with self.assertRaises(TypeError):
+            self.pack_four(store)
+        self.assertEqual([g.position for g in store.order][:3], [0, 1, 2])
+
 
 if __name__ == "__main__":
     unittest.main()

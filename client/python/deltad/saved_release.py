@@ -139,15 +139,16 @@ class Releasing:
         n = len(order)
         memo = {}
         ranked = []
-        for i, group in enumerate(order):
-            if group.state == RESIDENT and group is not protect:
-                price = self.price(group, memo)
-                ranked.append((price / (max(group.nbytes, 1) * (n - i)), i))
-                if len(ranked) == _CANDIDATES:
-                    break
-        ranked.sort()
         released = False
         try:
+            for i, group in enumerate(order):
+                if group.state == RESIDENT and group is not protect:
+                    price = self.price(group, memo)
+                    ranked.append((price / (max(group.nbytes, 1) * (n - i)),
+                                   i))
+                    if len(ranked) == _CANDIDATES:
+                        break
+            ranked.sort()
             for _, i in ranked:
                 if c.resident_bytes <= target:
                     break
@@ -165,7 +166,8 @@ class Releasing:
                         released = True
         finally:
             # What stays resident stays a victim, in its order (restores
-            # made meanwhile, appended to self.order, after it).
+            # made meanwhile, appended to self.order, after it), also when
+            # a price or a release raised.
             self.order = [g for g in order if g.state == RESIDENT] + \
                 self.order
         if released:
