@@ -14,7 +14,9 @@ these modes, interleaved in one run:
   deltad F     deltad.torch.managed(policy="recompute", socket=None) with
                a budget of F times the saved activations' peak that deltad
                measures with no limit (on the CPU only recompute frees
-               memory: an offload would copy to the same RAM).
+               memory: an offload would copy to the same RAM); after
+               the fractions of --fractions, one found by bisection
+               (--search) whose step peak is at most checkpoint's.
 
 Each mode has its own copy of the model (deltad learns per model what to
 record). Per round every mode runs --chunk steps, the modes' order rotating
@@ -69,6 +71,10 @@ def parse_args():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--fractions", default="0.75,0.5,0.35,0.25,0.15,0.1,0.05",
                    help="deltad's budgets, as fractions of its saved peak")
+    p.add_argument("--search", type=int, default=4,
+                   help="bisections of deltad's budget towards checkpoint's "
+                   "peak, between the largest fraction at or below it and "
+                   "the next (0: the fractions alone)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--chunk", type=int, default=2,
                    help="steps per mode per round")
@@ -80,7 +86,7 @@ def parse_args():
     a = p.parse_args()
     if a.smoke:
         a.layers, a.d_model, a.heads, a.seq, a.vocab, a.batch = 2, 32, 2, 16, 64, 2
-        a.rounds, a.chunk = 1, 1
+        a.rounds, a.chunk, a.search = 1, 1, 1
         a.fractions = "0.5,0.1"
     try:
         a.fractions = [float(f) for f in a.fractions.split(",") if f]
@@ -88,8 +94,9 @@ def parse_args():
         benchlib.fail(TAG, f"--fractions: not numbers: {a.fractions!r}")
     if not a.fractions or any(not 0 < f <= 1 for f in a.fractions):
         benchlib.fail(TAG, "--fractions: each in (0, 1]")
-    if a.rounds < 1 or a.chunk < 1:
-        benchlib.fail(TAG, "--rounds and --chunk: at least 1")
+    if a.rounds < 1 or a.chunk < 1 or a.search < 0:
+        benchlib.fail(TAG, "--rounds and --chunk: at least 1; --search: at "
+                      "least 0")
     return a
 
 
@@ -108,6 +115,7 @@ class Mode:
         self.steps = 0  # counted in the deltad blocks
         self.recomputes = 0
         self.failure = None
+        self.searched = False  # its fraction found by search
 
     def block(self, deltad):
         if self.budget is None:
@@ -166,6 +174,61 @@ def run_chunk(mode, deltad, steps, data):
         mode.recomputes += s.recomputes
 
 
+def measure_peak(m, deltad, data):
+    """Warms `m` up (two steps, untimed), then measures its step peak; a
+    failure is the mode's result."""
+    try:
+        run_chunk(m, deltad, 2, data)
+        m.times.clear()
+        m.steps = m.recomputes = 0
+
+        def once():
+            with m.block(deltad):
+                step(m, *data)
+        m.peak = step_peak(once)
+    except Exception as e:  # noqa: BLE001 (a mode's failure is a result)
+        m.failure = f"{type(e).__name__}: {e}"
+        note(f"{m.name}: {m.failure}")
+    return m.failure is None
+
+
+def search_checkpoints_peak(a, base, modes, saved_peak, deltad, data,
+                            min_bytes):
+    """The largest budget found whose step peak is at most checkpoint's:
+    bisection between the largest fraction at or below that peak and the
+    next fraction up (a peak need not fall with the budget: this finds one
+    such budget, not the largest). Its mode, or None where the fractions
+    give no such pair or nothing better was found."""
+    ck = modes[1]
+    if a.search == 0 or ck.failure is not None:
+        return None
+    ran = sorted((m for m in modes[2:] if m.failure is None),
+                 key=lambda m: m.budget)
+    below = [m for m in ran if m.peak <= ck.peak]
+    if not below:
+        return None
+    lo = max(below, key=lambda m: m.budget)
+    above = [m for m in ran if m.budget > lo.budget]
+    if not above:
+        return None
+    lo_f, hi_f = lo.budget / saved_peak, above[0].budget / saved_peak
+    found = None
+    for _ in range(a.search):
+        f = (lo_f + hi_f) / 2
+        m = Mode(f"deltad {f:.3g}", copy.deepcopy(base),
+                 budget=max(1, int(f * saved_peak)))
+        m.min_bytes = min_bytes
+        if not measure_peak(m, deltad, data):
+            return found
+        note(f"search: {m.name} peaks at {m.peak / 2**20:.2f} MiB")
+        if m.peak <= ck.peak:
+            m.searched = True
+            lo_f, found = f, m
+        else:
+            hi_f = f
+    return found
+
+
 def main():
     a = parse_args()
     deltad = benchlib.import_deltad()
@@ -197,18 +260,13 @@ def main():
     # A warm-up step each (deltad's first iteration under pressure learns
     # what to record), then each mode's memory, then the timed rounds.
     for m in modes:
-        try:
-            run_chunk(m, deltad, 2, data)
-            m.times.clear()
-            m.steps = m.recomputes = 0
-
-            def once(m=m):
-                with m.block(deltad):
-                    step(m, *data)
-            m.peak = step_peak(once)
-        except Exception as e:  # noqa: BLE001 (a mode's failure is a result)
-            m.failure = f"{type(e).__name__}: {e}"
-            note(f"{m.name}: {m.failure}")
+        measure_peak(m, deltad, data)
+    searched = search_checkpoints_peak(a, base, modes, saved_peak, deltad,
+                                       data, min_bytes)
+    if searched is not None:
+        modes.append(searched)
+        note(f"{searched.name}: {searched.peak / 2**20:.2f} MiB, at or below "
+             f"checkpoint's {modes[1].peak / 2**20:.2f}")
     live = [m for m in modes if m.failure is None]
     for r in range(a.rounds):
         k = r % len(live)
@@ -243,7 +301,11 @@ def report(a, modes, saved_peak):
         f"Each mode's step time is the median of {a.rounds} rounds of "
         f"{a.chunk} steps, the modes interleaved; its memory the peak of "
         f"what one step allocated and had not freed (torch.profiler's "
-        f"memory events: activations, temporaries, gradients).", "",
+        f"memory events: activations, temporaries, gradients)."
+        + "".join(f" `{m.name}`: its fraction found by {a.search} "
+                  f"bisections towards checkpoint's peak (peaks need not "
+                  f"fall with the budget)." for m in modes if m.searched),
+        "",
         "| mode | step (ms) | vs none | vs checkpoint | step's peak (MiB) "
         "| vs none | recomputes per step |",
         "|---|---:|---:|---:|---:|---:|---:|"]
