@@ -437,22 +437,23 @@ class VictimChoiceTest(unittest.TestCase):
     cheaper ones, even newer, go; with prices alike, the oldest goes
     first, as without prices."""
 
-    def store(self, prices):
+    def store(self, prices, budget=3 * 4096):
         import deltad.saved as saved
         from test_saved_store_streams import NoRecompute, Plan
         store = saved.SavedStore(
-            torch.device("cpu"), 3 * 4096, lambda group: "offload",
+            torch.device("cpu"), budget, lambda group: "offload",
             NoRecompute(), host_bytes=1 << 30, prefetch_bytes=0,
             plan=Plan(), on_iteration=lambda: None)
         store.price = lambda group, memo: prices[group.position]
         return store
 
-    def pack_four(self, store):
-        """Four storages of 4096 bytes, the fourth past the budget (the
-        store makes room down to 15/16 of it: two go); what is released."""
+    def pack_four(self, store, n=4):
+        """Four storages of 4096 bytes (or n), the last past the budget
+        (the store makes room down to 15/16 of it: two go); what is
+        released."""
         from deltad.saved import RESIDENT, _storage as storage
         kept = [store.pack(t, storage(t).data_ptr(), storage(t))
-                for t in (torch.full((1024,), float(i)) for i in range(4))]
+                for t in (torch.full((1024,), float(i)) for i in range(n))]
         released = [g.position for g in store.by_position
                     if g.state != RESIDENT]
         del kept
@@ -465,6 +466,15 @@ class VictimChoiceTest(unittest.TestCase):
     def test_with_prices_alike_the_oldest_go_first(self):
         store = self.store([5.0] * 4)
         self.assertEqual(self.pack_four(store), [0, 1])
+
+    def test_cheap_groups_behind_many_expensive_ones_are_still_seen(self):
+        # 70 groups kept for their price, then 3 cheap ones (the last
+        # the one packed); six go. The oldest alone would leave only
+        # expensive candidates: 0-5 went.
+        store = self.store([1e9] * 70 + [1.0] * 3, budget=72 * 4096)
+        released = self.pack_four(store, n=73)
+        self.assertEqual(len(released), 6, released)
+        self.assertIn(71, released)
 
     def test_a_price_that_raises_leaves_every_victim_in_line(self):
         store = self.store([1.0, None, 1.0, 1.0])  # None / bytes raises

@@ -18,8 +18,9 @@ _core = load_savedcore()
 RESIDENT, OFFLOADED, EVICTED = _core.RESIDENT, _core.OFFLOADED, _core.EVICTED
 
 
-# How many of the oldest resident groups a priced release looks at.
-_CANDIDATES = 64
+# A priced release looks at this many of the oldest resident groups, and
+# at as many of the others (_release_cheapest).
+_CANDIDATES = 32
 
 
 class Releasing:
@@ -131,9 +132,11 @@ class Releasing:
         which is pack and restore order). A block's output, whose rebuild
         reruns the block (and the blocks before it once their outputs are
         gone too), then stays; what a cheap op made goes first. With every
-        price alike this is oldest first. The oldest _CANDIDATES resident
-        groups are the candidates, so that a release costs the same in a
-        model of many layers (DTR samples too)."""
+        price alike this is oldest first. In a model of many layers the
+        candidates are a sample, so that a release costs the same: the
+        _CANDIDATES oldest resident groups and as many spread over the
+        rest (DTR samples too; the oldest alone could all be groups kept
+        for their price, crowding out the cheap newer ones)."""
         c = self.counters
         order, self.order = self.order, []
         n = len(order)
@@ -141,13 +144,14 @@ class Releasing:
         ranked = []
         released = False
         try:
-            for i, group in enumerate(order):
-                if group.state == RESIDENT and group is not protect:
-                    price = self.price(group, memo)
-                    ranked.append((price / (max(group.nbytes, 1) * (n - i)),
-                                   i))
-                    if len(ranked) == _CANDIDATES:
-                        break
+            resident = [i for i, g in enumerate(order)
+                        if g.state == RESIDENT and g is not protect]
+            rest = resident[_CANDIDATES:]
+            step = -(-len(rest) // _CANDIDATES) if rest else 1
+            for i in resident[:_CANDIDATES] + rest[step - 1::step]:
+                group = order[i]
+                price = self.price(group, memo)
+                ranked.append((price / (max(group.nbytes, 1) * (n - i)), i))
             ranked.sort()
             for _, i in ranked:
                 if c.resident_bytes <= target:
